@@ -1,0 +1,83 @@
+"""The contract between the core and every backend.
+
+A `Backend` turns a model version on disk into a `BackendModel`, which owns one
+`BackendInstance` per configured instance. The scheduler hands an instance a list
+of validated requests and gets back one result per request, in order.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve.core.errors import ServerError
+from transerve.core.types import InferRequest, InferResponse
+
+
+@dataclass(slots=True)
+class ModelContext:
+    """Everything a backend needs to load one model version."""
+
+    name: str
+    version: str
+    #: `<repository>/<model>`.
+    model_path: Path
+    #: `<repository>/<model>/<version>`.
+    version_path: Path
+    repository_path: Path
+    config: model_config_pb2.ModelConfig
+    #: `--backend-config=<backend>,KEY=VALUE` settings for this backend.
+    backend_config: dict[str, str] = field(default_factory=dict)
+    #: False under `--disable-auto-complete-config`.
+    auto_complete: bool = True
+
+
+@dataclass(slots=True)
+class ExecutionResult:
+    """One result per request (a response or that request's error), plus where the time went."""
+
+    results: list[InferResponse | ServerError]
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+class BackendInstance(abc.ABC):
+    """One model instance. `execute` may be called again before an earlier call returns,
+    up to `max_inflight` calls; the instance runs them in the order they were made."""
+
+    name: str
+    max_inflight: int = 1
+
+    @abc.abstractmethod
+    async def execute(self, requests: list[InferRequest]) -> ExecutionResult:
+        """Run the requests; a failure of the whole call is returned per request, not raised."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the instance (the python backend calls the model's `finalize`)."""
+
+
+class BackendModel(abc.ABC):
+    """A loaded model version and its instances."""
+
+    #: The final configuration, after the backend's auto-completion.
+    config: model_config_pb2.ModelConfig
+    instances: list[BackendInstance]
+
+    async def unload(self) -> None:
+        for instance in self.instances:
+            await instance.close()
+
+
+class Backend(abc.ABC):
+    """A kind of backend (`python`, `onnxruntime`, ...): loads model versions."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def load(self, context: ModelContext) -> BackendModel:
+        """Load the version and start its instances; raise ServerError with the reason on failure."""

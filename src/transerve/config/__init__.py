@@ -1,0 +1,1 @@
+"""Model configuration: config.pbtxt into Triton's own ModelConfig message, normalised and validated."""

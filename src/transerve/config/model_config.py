@@ -1,0 +1,195 @@
+"""Parse, normalise and validate `config.pbtxt` as Triton's `ModelConfig` protobuf.
+
+The schema is Triton's own, from the generated `model_config_pb2` that tritonclient ships,
+so every field Triton accepts parses here, and the JSON we print is shaped like Triton's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor, json_format, text_format
+from tritonclient.grpc import model_config_pb2
+
+from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
+
+ModelConfig = model_config_pb2.ModelConfig
+
+#: The file each backend loads when the config names none.
+DEFAULT_MODEL_FILENAMES = {
+    "python": "model.py",
+    "onnxruntime": "model.onnx",
+    "pytorch": "model.pt",
+    "tensorrt": "model.plan",
+}
+
+#: Triton's platform names and the backend that serves each.
+PLATFORM_BACKENDS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "pytorch_libtorch": "pytorch",
+    "tensorrt_plan": "tensorrt",
+    "ensemble": "ensemble",
+}
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be served; the message says why in one line."""
+
+
+def parse_config_text(text: str, source: str = "config.pbtxt") -> ModelConfig:
+    """Parse protobuf text format into a ModelConfig, with the parser's position in the error."""
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise ConfigError(f"failed to parse {source}: {exc}") from None
+    return config
+
+
+def parse_config_json(text: str | bytes) -> ModelConfig:
+    """Parse a JSON ModelConfig, as sent in a load request's `config` parameter."""
+    config = ModelConfig()
+    try:
+        json_format.Parse(text, config)
+    except (json_format.ParseError, ValueError) as exc:
+        raise ConfigError(f"failed to parse the JSON model config: {exc}") from None
+    return config
+
+
+def load_config_file(model_path: Path) -> ModelConfig:
+    """Read `<model_path>/config.pbtxt`; a missing file gives an empty config for auto-completion."""
+    path = model_path / "config.pbtxt"
+    if not path.is_file():
+        return ModelConfig()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    return parse_config_text(text, str(path))
+
+
+def backend_name(config: ModelConfig) -> str:
+    """The backend that serves this config: `backend`, else the one `platform` implies."""
+    if config.backend:
+        return config.backend
+    if config.platform in PLATFORM_BACKENDS:
+        return PLATFORM_BACKENDS[config.platform]
+    return config.platform
+
+
+def normalize(config: ModelConfig, model_name: str) -> None:
+    """Fill the defaults Triton fills, in place, so our config JSON matches Triton's."""
+    if not config.name:
+        config.name = model_name
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    backend = backend_name(config)
+    if not config.default_model_filename and backend in DEFAULT_MODEL_FILENAMES:
+        config.default_model_filename = DEFAULT_MODEL_FILENAMES[backend]
+    if not config.HasField("optimization"):
+        config.optimization.input_pinned_memory.enable = True
+        config.optimization.output_pinned_memory.enable = True
+    if backend == "ensemble":
+        return
+    if not config.instance_group:
+        group = config.instance_group.add()
+        group.name = config.name
+    for index, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{index}"
+        if group.count < 1:
+            group.count = 1
+        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO:
+            group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+
+
+def validate(config: ModelConfig, model_name: str) -> None:
+    """Reject what Triton rejects at load time, with a one-line reason."""
+    if config.name != model_name:
+        raise ConfigError(
+            f"unexpected model name '{config.name}' in config.pbtxt: it must match the folder name '{model_name}'"
+        )
+    if not backend_name(config):
+        raise ConfigError(f"model '{model_name}' names neither a backend nor a platform")
+    if config.max_batch_size < 0:
+        raise ConfigError(f"model '{model_name}': max_batch_size must be >= 0, got {config.max_batch_size}")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen: set[str] = set()
+        for tensor in tensors:
+            where = f"model '{model_name}', {kind} '{tensor.name}'"
+            if not tensor.name:
+                raise ConfigError(f"model '{model_name}': an {kind} has no name")
+            if tensor.name in seen:
+                raise ConfigError(f"{where} is declared twice")
+            seen.add(tensor.name)
+            type_name = model_config_pb2.DataType.Name(tensor.data_type)
+            if tensor.data_type == model_config_pb2.TYPE_INVALID:
+                raise ConfigError(f"{where} has no data_type")
+            if config_to_protocol(type_name) not in NUMPY_DTYPES:
+                raise ConfigError(f"{where} has unsupported data_type {type_name}")
+            for dim in tensor.dims:
+                if dim < -1:
+                    raise ConfigError(f"{where} has invalid dimension {dim} in dims {list(tensor.dims)}")
+            if tensor.HasField("reshape"):
+                _check_reshape(where, list(tensor.dims), list(tensor.reshape.shape))
+
+
+def _check_reshape(where: str, dims: list[int], reshape: list[int]) -> None:
+    if -1 in dims or -1 in reshape:
+        if dims.count(-1) != reshape.count(-1):
+            raise ConfigError(f"{where}: reshape {reshape} and dims {dims} differ in variable dimensions")
+        return
+    product = 1
+    for dim in dims:
+        product *= dim
+    reshaped = 1
+    for dim in reshape:
+        reshaped *= dim
+    if product != reshaped:
+        raise ConfigError(f"{where}: reshape {reshape} has a different element count than dims {dims}")
+
+
+def to_json_dict(config: ModelConfig) -> dict[str, Any]:
+    """The config as Triton prints it: every scalar and list shown, int64 as numbers."""
+    data = json_format.MessageToDict(
+        config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    _int64_to_int(config.DESCRIPTOR, data)
+    order = [field.name for field in config.DESCRIPTOR.fields]
+    return {name: data[name] for name in order if name in data}
+
+
+def to_json(config: ModelConfig) -> str:
+    """The JSON string the python backend passes to `initialize` as `args['model_config']`."""
+    return json.dumps(to_json_dict(config))
+
+
+_INT64_TYPES = {
+    descriptor.FieldDescriptor.TYPE_INT64,
+    descriptor.FieldDescriptor.TYPE_UINT64,
+    descriptor.FieldDescriptor.TYPE_SINT64,
+    descriptor.FieldDescriptor.TYPE_FIXED64,
+    descriptor.FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def _int64_to_int(message_descriptor: descriptor.Descriptor, data: dict[str, Any]) -> None:
+    """protobuf's JSON writes 64-bit integers as strings; Triton writes numbers."""
+    for field in message_descriptor.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            for key, item in value.items():
+                if value_field.message_type is not None:
+                    _int64_to_int(value_field.message_type, item)
+                elif value_field.type in _INT64_TYPES:
+                    value[key] = int(item)
+        elif field.message_type is not None:
+            for item in value if isinstance(value, list) else [value]:
+                _int64_to_int(field.message_type, item)
+        elif field.type in _INT64_TYPES:
+            data[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)

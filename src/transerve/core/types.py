@@ -1,0 +1,67 @@
+"""The one request/response type shared by every frontend, the scheduler and every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Tensor:
+    """A named tensor. `data` carries the shape; BYTES data is an object array of `bytes`."""
+
+    name: str
+    datatype: str
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.data.shape)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for, with its per-output parameters (e.g. `binary_data`)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """An inference request as every frontend decodes it, before and after validation.
+
+    `model_version` is "" when the client named no version (the version policy's latest).
+    `outputs` is None when the client asked for all outputs.
+    """
+
+    model_name: str
+    inputs: list[Tensor]
+    model_version: str = ""
+    id: str = ""
+    outputs: list[RequestedOutput] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    correlation_id: int | str = 0
+    flags: int = 0
+    #: Monotonic nanoseconds at which the core accepted the request (set by the core).
+    arrival_ns: int = 0
+
+    def batch_size(self, max_batch_size: int) -> int:
+        """The request's own batch size: its first dimension for batching models, else 1."""
+        if max_batch_size > 0 and self.inputs:
+            return int(self.inputs[0].data.shape[0])
+        return 1
+
+
+@dataclass(slots=True)
+class InferResponse:
+    """A model's answer to one request."""
+
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
