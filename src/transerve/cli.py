@@ -1,0 +1,135 @@
+"""`transerve serve`: tritonserver's flags, in both `--flag=value` and `--flag value` forms."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from transerve import __version__
+from transerve.core.server import ControlMode, Server, ServerOptions
+
+log = logging.getLogger("transerve")
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _backend_config(text: str) -> tuple[str, str, str]:
+    backend, _, setting = text.partition(",")
+    key, equals, value = setting.partition("=")
+    if not backend or not key or not equals:
+        raise argparse.ArgumentTypeError(f"expected <backend>,<key>=<value>, got '{text}'")
+    return backend, key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="transerve", description="A Triton-compatible inference server.")
+    parser.add_argument("--version", action="version", version=f"transerve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve one or more Triton model repositories",
+                                allow_abbrev=False)
+    add = serve.add_argument
+    add("--model-repository", "--model-store", dest="model_repository", action="append", required=True,
+        type=Path, metavar="PATH", help="a model repository folder (repeatable)")
+    add("--http-address", default="0.0.0.0")
+    add("--http-port", type=int, default=8000)
+    add("--grpc-address", default="0.0.0.0")
+    add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
+    add("--metrics-address", default="0.0.0.0")
+    add("--metrics-port", type=int, default=8002, help="reserved for the metrics endpoint")
+    add("--allow-http", type=_bool, default=True, metavar="BOOL")
+    add("--model-control-mode", choices=[mode.value for mode in ControlMode], default="none")
+    add("--load-model", action="append", default=[], metavar="NAME",
+        help="with explicit control: a model to load at start (repeatable, '*' for all)")
+    add("--repository-poll-secs", type=float, default=15.0)
+    add("--strict-readiness", type=_bool, default=True, metavar="BOOL")
+    add("--exit-on-error", type=_bool, default=False, metavar="BOOL",
+        help="exit if a model fails to load at start (default false: it is listed UNAVAILABLE)")
+    add("--exit-timeout-secs", type=float, default=30.0)
+    add("--log-verbose", type=int, default=0, metavar="LEVEL")
+    add("--disable-auto-complete-config", action="store_true")
+    add("--strict-model-config", type=_bool, default=None, metavar="BOOL",
+        help="the older name of --disable-auto-complete-config")
+    add("--backend-config", type=_backend_config, action="append", default=[], metavar="BACKEND,KEY=VALUE")
+    add("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    backend_configs: dict[str, dict[str, str]] = {}
+    for backend, key, value in args.backend_config:
+        backend_configs.setdefault(backend, {})[key] = value
+    auto_complete = not args.disable_auto_complete_config and not args.strict_model_config
+    return ServerOptions(
+        repositories=args.model_repository,
+        control_mode=ControlMode(args.model_control_mode),
+        load_models=args.load_model,
+        strict_readiness=args.strict_readiness,
+        exit_timeout_secs=args.exit_timeout_secs,
+        auto_complete=auto_complete,
+        poll_secs=args.repository_poll_secs,
+        backend_configs=backend_configs,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
+    from transerve.frontends.http.app import HttpFrontend
+
+    for path in args.model_repository:
+        if not path.is_dir():
+            log.error("model repository '%s' is not a folder", path)
+            return 1
+    server = Server(options_from_args(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    if args.exit_on_error and any(entry.get("state") == "UNAVAILABLE" for entry in server.repository_index()):
+        log.error("a model failed to load and --exit-on-error is set")
+        await server.stop()
+        return 1
+    http = HttpFrontend(server, args.http_max_input_size)
+    if args.allow_http:
+        try:
+            await http.start(args.http_address, args.http_port)
+        except OSError as exc:
+            log.error("cannot listen for HTTP on %s:%d: %s", args.http_address, args.http_port, exc)
+            await server.stop()
+            return 1
+        log.info("HTTP service listening on %s:%d", args.http_address, args.http_port)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests (up to %ss)", args.exit_timeout_secs)
+    await http.stop()
+    await server.stop()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""The Server: the registry of loaded models and the one request path every frontend calls."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve import __version__
+from transerve.backends.base import Backend, BackendModel, ModelContext
+from transerve.config.model_config import (
+    ConfigError,
+    backend_name,
+    load_config_file,
+    normalize,
+    parse_config_json,
+    to_json_dict,
+    validate,
+)
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable
+from transerve.core.signature import ModelSignature
+from transerve.core.stats import ModelStats
+from transerve.core.types import InferRequest, InferResponse
+from transerve.repository.fingerprint import fingerprint
+from transerve.repository.repository import (
+    ModelLocation,
+    ModelRepository,
+    available_versions,
+    is_plain_model_name,
+    select_versions,
+)
+from transerve.scheduling.direct import DirectScheduler
+
+log = logging.getLogger("transerve")
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "model_configuration",
+    "model_repository",
+    "model_repository(unload_dependents)",
+]
+
+
+class ControlMode(enum.Enum):
+    NONE = "none"
+    POLL = "poll"
+    EXPLICIT = "explicit"
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """What `transerve serve` was asked to do."""
+
+    repositories: list[Path]
+    control_mode: ControlMode = ControlMode.NONE
+    load_models: list[str] = field(default_factory=list)
+    strict_readiness: bool = True
+    exit_timeout_secs: float = 30.0
+    auto_complete: bool = True
+    poll_secs: float = 15.0
+    backend_configs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelVersion:
+    """One loaded, servable version of a model."""
+
+    name: str
+    version: str
+    config: model_config_pb2.ModelConfig
+    config_dict: dict[str, Any]
+    signature: ModelSignature
+    backend_model: BackendModel
+    scheduler: DirectScheduler
+    stats: ModelStats
+
+
+@dataclass(slots=True)
+class ModelRecord:
+    """A model name: its serving versions, and the state and reason shown in the repository index."""
+
+    name: str
+    state: ModelState
+    reason: str = ""
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    #: Versions that failed to load, with why.
+    failed: dict[int, str] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    def latest(self) -> ModelVersion | None:
+        return self.versions[max(self.versions)] if self.versions else None
+
+
+def _backend_registry() -> dict[str, type[Backend]]:
+    from transerve.backends.python.backend import PythonBackend
+
+    return {"python": PythonBackend}
+
+
+class Server:
+    """Owns the models; frontends call `infer` and the metadata/control methods."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.repository = ModelRepository(options.repositories)
+        self._models: dict[str, ModelRecord] = {}
+        self._backends: dict[str, Backend] = {}
+        self._backend_types = _backend_registry()
+        self._inflight = 0
+        self._live = False
+        self._stopping = False
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._poll_task: asyncio.Task | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the models the control mode asks for; broken ones are recorded, never fatal."""
+        self._live = True
+        found, duplicates = self.repository.scan()
+        for name, reason in duplicates.items():
+            self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, reason)
+            log.error("model '%s' is UNAVAILABLE: %s", name, reason)
+        if self.options.control_mode is ControlMode.EXPLICIT:
+            names = list(found) if "*" in self.options.load_models else self.options.load_models
+        else:
+            names = list(found)
+        await asyncio.gather(*(self._load_logged(name) for name in names))
+        if self.options.control_mode is ControlMode.POLL:
+            self._poll_task = asyncio.ensure_future(self._poll_forever())
+
+    async def _load_logged(self, name: str) -> None:
+        try:
+            await self.load_model(name)
+        except ServerError as exc:
+            log.error("model '%s' is UNAVAILABLE: %s", name, exc.message)
+
+    async def stop(self) -> None:
+        """Finish in-flight requests (up to the exit timeout), then unload every model."""
+        self._stopping = True
+        if self._poll_task:
+            self._poll_task.cancel()
+        deadline = time.monotonic() + self.options.exit_timeout_secs
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._inflight:
+            log.warning("exit timeout reached with %d requests in flight", self._inflight)
+        await asyncio.gather(*(self._unload_record(record) for record in list(self._models.values())))
+        self._models.clear()
+        self._live = False
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    @property
+    def ready(self) -> bool:
+        if not self._live or self._stopping:
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return all(record.state is ModelState.READY for record in self._models.values())
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": "transerve", "version": __version__, "extensions": EXTENSIONS}
+
+    def get_version(self, name: str, version: str = "") -> ModelVersion:
+        """The serving version a request names, or the error Triton gives."""
+        record = self._models.get(name)
+        if record is None:
+            raise not_found(f"Request for unknown model: '{name}' is not found")
+        if version:
+            serving = record.versions.get(int(version)) if version.isdigit() else None
+            if serving is None:
+                raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
+            return serving
+        latest = record.latest()
+        if latest is None:
+            reason = f": {record.reason}" if record.reason else ""
+            raise unavailable(f"model '{name}' is not ready ({record.state.value}){reason}")
+        return latest
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.get_version(name, version)
+        except ServerError:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        model = self.get_version(name, version)
+        record = self._models[name]
+        return {
+            "name": name,
+            "versions": [str(v) for v in sorted(record.versions)],
+            "platform": model.config.platform or backend_name(model.config),
+            "inputs": model.signature.metadata_tensors("inputs"),
+            "outputs": model.signature.metadata_tensors("outputs"),
+        }
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        return self.get_version(name, version).config_dict
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Every model in the repositories, loaded or not, with its state and reason."""
+        found, _ = self.repository.scan()
+        entries: list[dict[str, str]] = []
+        for name in sorted(set(found) | set(self._models)):
+            record = self._models.get(name)
+            if record is None:
+                if not ready_only:
+                    entries.append({"name": name})
+                continue
+            if record.versions or record.failed:
+                for version in sorted(set(record.versions) | set(record.failed)):
+                    if version in record.versions:
+                        entries.append({"name": name, "version": str(version), "state": "READY"})
+                    elif not ready_only:
+                        entries.append({"name": name, "version": str(version), "state": "UNAVAILABLE",
+                                        "reason": record.failed[version]})
+            elif not ready_only or record.state is ModelState.READY:
+                entry = {"name": name, "state": record.state.value}
+                if record.reason:
+                    entry["reason"] = record.reason
+                entries.append(entry)
+        return entries
+
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            if version:
+                models = [self.get_version(name, version)]
+            else:
+                record = self._models.get(name)
+                if record is None or not record.versions:
+                    raise not_found(f"requested model '{name}' is not available")
+                models = [record.versions[v] for v in sorted(record.versions)]
+        else:
+            models = [m for record in self._models.values() for _, m in sorted(record.versions.items())]
+        return {"model_stats": [m.stats.as_dict(m.name, m.version) for m in models]}
+
+    # ---- inference -------------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Validate once, schedule, and shape the response to what the client asked for."""
+        if self._stopping:
+            raise unavailable("the server is shutting down")
+        model = self.get_version(request.model_name, request.model_version)
+        model.signature.validate(request)
+        request.arrival_ns = time.monotonic_ns()
+        self._inflight += 1
+        try:
+            response = await model.scheduler.submit(request)
+        except ServerError:
+            model.stats.fail.add(time.monotonic_ns() - request.arrival_ns)
+            raise
+        finally:
+            self._inflight -= 1
+        model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
+        response.id = request.id
+        response.model_name = model.name
+        response.model_version = model.version
+        if request.outputs is not None:
+            produced = {tensor.name: tensor for tensor in response.outputs}
+            response.outputs = [produced[o.name] for o in request.outputs if o.name in produced]
+        return response
+
+    # ---- model control ---------------------------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._model_locks.get(name)
+        if lock is None:
+            lock = self._model_locks[name] = asyncio.Lock()
+        return lock
+
+    async def load_model(self, name: str, config_json: str | bytes | None = None) -> None:
+        """Load (or reload) a model; the old versions keep serving until the new ones are ready."""
+        if not is_plain_model_name(name):
+            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        async with self._lock(name):
+            location = self.repository.locate(name)
+            if location is None:
+                raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
+            old = self._models.get(name)
+            if old is None:
+                self._models[name] = ModelRecord(name, ModelState.LOADING)
+            try:
+                record = await self._load_record(location, config_json)
+            except ServerError as exc:
+                if old is not None and old.versions:
+                    log.error("reload of model '%s' failed, the old version keeps serving: %s", name, exc.message)
+                else:
+                    self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, exc.message)
+                raise
+            self._models[name] = record
+            if old is not None:
+                asyncio.ensure_future(self._unload_record(old))
+            log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
+
+    async def unload_model(self, name: str) -> None:
+        if not is_plain_model_name(name):
+            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        async with self._lock(name):
+            record = self._models.pop(name, None)
+            if record is not None:
+                await self._unload_record(record)
+                log.info("model '%s' unloaded", name)
+
+    async def _load_record(self, location: ModelLocation, config_json: str | bytes | None) -> ModelRecord:
+        name = location.name
+        try:
+            config = parse_config_json(config_json) if config_json else load_config_file(location.path)
+            normalize(config, name)
+            validate(config, name)
+            versions = select_versions(config.version_policy, available_versions(location.path))
+        except (ConfigError, OSError) as exc:
+            raise invalid_arg(str(exc)) from None
+        if not versions:
+            raise invalid_arg(f"model '{name}' has no version folders to serve (e.g. '{name}/1/')")
+        record = ModelRecord(name, ModelState.READY, fingerprint=fingerprint(location.path))
+        results = await asyncio.gather(
+            *(self._load_version(location, config, version) for version in versions), return_exceptions=True
+        )
+        for version, result in zip(versions, results, strict=True):
+            if isinstance(result, ModelVersion):
+                record.versions[version] = result
+            elif isinstance(result, ServerError):
+                record.failed[version] = result.message
+            else:
+                raise result
+        if not record.versions:
+            reasons = "; ".join(record.failed.values())
+            raise ServerError(ErrorCode.INVALID_ARG, reasons)
+        return record
+
+    async def _load_version(
+        self, location: ModelLocation, base_config: model_config_pb2.ModelConfig, version: int
+    ) -> ModelVersion:
+        name = location.name
+        config = model_config_pb2.ModelConfig()
+        config.CopyFrom(base_config)
+        kind = backend_name(config)
+        backend = self._backend(kind, name)
+        context = ModelContext(
+            name=name,
+            version=str(version),
+            model_path=location.path,
+            version_path=location.path / str(version),
+            repository_path=location.repository,
+            config=config,
+            backend_config=self.options.backend_configs.get(kind, {}),
+            auto_complete=self.options.auto_complete,
+        )
+        backend_model = await backend.load(context)
+        config = backend_model.config
+        try:
+            normalize(config, name)
+            validate(config, name)
+        except ConfigError as exc:
+            await backend_model.unload()
+            raise invalid_arg(str(exc)) from None
+        stats = ModelStats()
+        return ModelVersion(
+            name=name,
+            version=str(version),
+            config=config,
+            config_dict=to_json_dict(config),
+            signature=ModelSignature(name, config),
+            backend_model=backend_model,
+            scheduler=DirectScheduler(name, backend_model.instances, stats, config.max_batch_size),
+            stats=stats,
+        )
+
+    def _backend(self, kind: str, model_name: str) -> Backend:
+        backend = self._backends.get(kind)
+        if backend is None:
+            backend_type = self._backend_types.get(kind)
+            if backend_type is None:
+                supported = ", ".join(sorted(self._backend_types))
+                raise invalid_arg(f"model '{model_name}' needs backend '{kind}', which is not available "
+                                  f"(available: {supported})")
+            backend = self._backends[kind] = backend_type()
+        return backend
+
+    async def _unload_record(self, record: ModelRecord) -> None:
+        for model in record.versions.values():
+            await model.scheduler.drain()
+            await model.backend_model.unload()
+
+    # ---- polling ---------------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.poll_secs)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        """Load added models, unload removed ones, reload changed ones (a failed reload keeps the old)."""
+        found, _ = self.repository.scan()
+        for name in [n for n in self._models if n not in found]:
+            await self.unload_model(name)
+        for name, location in found.items():
+            record = self._models.get(name)
+            if record is None or record.fingerprint != fingerprint(location.path):
+                await self._load_logged(name)

@@ -1,0 +1,94 @@
+"""Per model-version statistics in Triton's shape (`/v2/models/.../stats`, ModelStatistics).
+
+Counters are plain integers mutated on the event loop thread, so no lock is needed and
+none serialises requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass(slots=True)
+class BatchStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(slots=True)
+class ModelStats:
+    """What Triton reports per model version: request outcomes, time per phase, batches formed."""
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, BatchStats] = field(default_factory=dict)
+
+    def record_execution(
+        self, batch_size: int, request_count: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
+        """One backend execution of `request_count` requests holding `batch_size` samples."""
+        self.execution_count += 1
+        self.inference_count += batch_size
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        # Triton charges each request the full compute time of the execution it was part of.
+        self.compute_input.add(input_ns * request_count, request_count)
+        self.compute_infer.add(infer_ns * request_count, request_count)
+        self.compute_output.add(output_ns * request_count, request_count)
+        batch = self.batches.get(batch_size)
+        if batch is None:
+            batch = self.batches[batch_size] = BatchStats()
+        batch.compute_input.add(input_ns)
+        batch.compute_infer.add(infer_ns)
+        batch.compute_output.add(output_ns)
+
+    def as_dict(self, name: str, version: str) -> dict:
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.as_dict(),
+                "fail": self.fail.as_dict(),
+                "queue": self.queue.as_dict(),
+                "compute_input": self.compute_input.as_dict(),
+                "compute_infer": self.compute_infer.as_dict(),
+                "compute_output": self.compute_output.as_dict(),
+                "cache_hit": {"count": 0, "ns": 0},
+                "cache_miss": {"count": 0, "ns": 0},
+            },
+            "response_stats": {},
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": batch.compute_input.as_dict(),
+                    "compute_infer": batch.compute_infer.as_dict(),
+                    "compute_output": batch.compute_output.as_dict(),
+                }
+                for size, batch in sorted(self.batches.items())
+            ],
+            "memory_usage": [],
+        }

@@ -1,0 +1,127 @@
+"""Turning wire data into numpy tensors, with the checks every frontend must apply the same way.
+
+Both frontends call these, so the same bad input gets the same error over HTTP and gRPC.
+No allocation is ever sized from a client's declared shape: shapes are checked against the
+bytes or values actually received.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from transerve.core.datatypes import ELEMENT_SIZE, NUMPY_DTYPES, deserialize_bytes
+from transerve.core.errors import invalid_arg
+from transerve.core.types import Tensor
+
+_INT_KINDS = ("i", "u")
+
+
+def check_datatype(name: str, datatype: Any) -> str:
+    if not isinstance(datatype, str) or datatype not in NUMPY_DTYPES:
+        raise invalid_arg(f"invalid datatype for input {name}")
+    return datatype
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
+    ):
+        raise invalid_arg(f"invalid shape for input '{name}': {shape!r} (expected a list of non-negative integers)")
+    return tuple(shape)
+
+
+def element_count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def tensor_from_bytes(
+    name: str, datatype: str, shape: tuple[int, ...], buffer: bytes | bytearray | memoryview, model_name: str
+) -> Tensor:
+    """A tensor from its raw little-endian bytes (binary HTTP extension, gRPC raw contents)."""
+    count = element_count(shape)
+    if datatype == "BYTES":
+        array = deserialize_bytes(buffer, count) if count or len(buffer) else np.empty(0, dtype=np.object_)
+        return Tensor(name, datatype, array.reshape(shape))
+    expected = count * ELEMENT_SIZE[datatype]
+    if len(buffer) != expected:
+        raise invalid_arg(
+            f"input byte size mismatch for input '{name}' for model '{model_name}'. "
+            f"Expected {expected}, got {len(buffer)}"
+        )
+    array = np.frombuffer(buffer, dtype=NUMPY_DTYPES[datatype]).reshape(shape)
+    return Tensor(name, datatype, array)
+
+
+def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values: Any) -> Tensor:
+    """A tensor from JSON-style values, flat or nested; the element count must match the shape.
+
+    Values are checked against the datatype rather than silently converted: a float for an
+    integer type, an out-of-range integer or a number for BYTES is an error, not a wrap-around.
+    """
+    if not isinstance(values, list):
+        values = [values]
+    count = element_count(shape)
+    if datatype == "BYTES":
+        flat = _flatten_strings(name, values)
+        if len(flat) != count:
+            raise _count_mismatch(name, shape, len(flat))
+        array = np.empty(count, dtype=np.object_)
+        array[:] = flat
+        return Tensor(name, datatype, array.reshape(shape))
+    try:
+        raw = np.asarray(values)
+    except (ValueError, OverflowError):
+        raise invalid_arg(f"unable to parse 'data' of input '{name}': values are not a regular array") from None
+    if raw.size != count:
+        raise _count_mismatch(name, shape, raw.size)
+    return Tensor(name, datatype, _convert(name, datatype, raw).reshape(shape))
+
+
+def _count_mismatch(name: str, shape: tuple[int, ...], got: int) -> Exception:
+    return invalid_arg(
+        f"unable to parse 'data' of input '{name}': shape {list(shape)} needs {element_count(shape)} "
+        f"elements but 'data' holds {got}"
+    )
+
+
+def _convert(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:
+    dtype = NUMPY_DTYPES[datatype]
+    kind = raw.dtype.kind
+    if raw.size == 0:
+        return np.empty(0, dtype=dtype)
+    if datatype == "BOOL":
+        if kind != "b":
+            raise invalid_arg(f"unable to parse 'data' of input '{name}': BOOL values must be true or false")
+        return raw
+    if dtype.kind in _INT_KINDS:
+        if kind not in _INT_KINDS:
+            raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be integers")
+        info = np.iinfo(dtype)
+        if int(raw.min()) < info.min or int(raw.max()) > info.max:
+            raise invalid_arg(f"unable to parse 'data' of input '{name}': a value is out of range for {datatype}")
+        return raw.astype(dtype, copy=False)
+    if kind not in ("i", "u", "f"):
+        raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be numbers")
+    return raw.astype(dtype, copy=False)
+
+
+def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:
+    flat: list[bytes] = []
+    stack = [iter(values)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, str):
+                flat.append(item.encode("utf-8"))
+            elif isinstance(item, list):
+                stack.append(iter(item))
+                break
+            else:
+                raise invalid_arg(f"unable to parse 'data' of input '{name}': BYTES values must be strings")
+        else:
+            stack.pop()
+    return flat

@@ -1,0 +1,1 @@
+"""Frontends: thin codecs between a wire protocol and the core's request types."""

@@ -1,0 +1,1 @@
+"""The KServe v2 HTTP/REST frontend with Triton's extensions."""

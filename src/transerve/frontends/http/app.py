@@ -1,0 +1,186 @@
+"""The KServe v2 routes: each maps an HTTP request to one core call and its answer back to HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import zlib
+from typing import Any
+from urllib.parse import unquote
+
+import orjson
+
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg
+from transerve.core.server import ControlMode, Server
+from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
+from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse, decompress_body
+
+log = logging.getLogger("transerve.http")
+
+#: Triton's mapping of error codes to HTTP statuses.
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARG: 400,
+    ErrorCode.UNKNOWN: 400,
+    ErrorCode.ALREADY_EXISTS: 400,
+    ErrorCode.CANCELLED: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.UNAVAILABLE: 503,
+}
+
+_EMPTY_OK = HttpResponse(200, b"", "text/plain")
+
+
+def error_response(status: int, message: str) -> HttpResponse:
+    return HttpResponse(status, orjson.dumps({"error": message}))
+
+
+def _json(document: Any) -> HttpResponse:
+    return HttpResponse(200, orjson.dumps(document))
+
+
+class HttpFrontend:
+    """Routes requests to the core and serves them on one listening socket."""
+
+    def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024) -> None:
+        self.server = server
+        self.max_input_size = max_input_size
+        self._listener: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response), host, port, reuse_address=True
+        )
+
+    async def stop(self) -> None:
+        """Stop accepting connections; requests already read still get their answers."""
+        if self._listener is not None:
+            self._listener.close()
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        try:
+            response = await self._route(request)
+        except ServerError as exc:
+            response = error_response(HTTP_STATUS[exc.code], exc.message)
+        accept = request.headers.get("accept-encoding")
+        if accept and response.body and response.status == 200:
+            response = _compress(response, accept)
+        return response
+
+    async def _route(self, request: HttpRequest) -> HttpResponse:
+        parts = request.path.strip("/").split("/")
+        if not parts or parts[0] != "v2":
+            return error_response(404, "Not Found")
+        method = request.method
+        n = len(parts)
+        if n == 1:
+            return self._get(method) or _json(self.server.metadata())
+        section = parts[1]
+        if section == "models":
+            return await self._models(request, [unquote(p) for p in parts[2:]])
+        if section == "health" and n == 3 and parts[2] in ("live", "ready"):
+            if method != "GET":
+                return error_response(405, "Method Not Allowed")
+            ok = self.server.live if parts[2] == "live" else self.server.ready
+            return _EMPTY_OK if ok else error_response(400, f"server is not {parts[2]}")
+        if section == "repository":
+            return await self._repository(request, [unquote(p) for p in parts[2:]])
+        return error_response(404, "Not Found")
+
+    @staticmethod
+    def _get(method: str) -> HttpResponse | None:
+        return None if method == "GET" else error_response(405, "Method Not Allowed")
+
+    async def _models(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
+        method = request.method
+        if parts == ["stats"]:
+            return self._get(method) or _json(self.server.statistics())
+        if not parts:
+            return error_response(404, "Not Found")
+        name, version, rest = parts[0], "", parts[1:]
+        if len(rest) >= 2 and rest[0] == "versions":
+            version, rest = rest[1], rest[2:]
+        if not rest:
+            return self._get(method) or _json(self.server.model_metadata(name, version))
+        if len(rest) > 1:
+            return error_response(404, "Not Found")
+        action = rest[0]
+        if action == "infer":
+            if method != "POST":
+                return error_response(405, "Method Not Allowed")
+            return await self._infer(request, name, version)
+        if action == "ready":
+            if self._get(method):
+                return error_response(405, "Method Not Allowed")
+            return _EMPTY_OK if self.server.model_ready(name, version) else error_response(
+                400, "Model version not ready")
+        if action == "config":
+            return self._get(method) or _json(self.server.model_config(name, version))
+        if action == "stats":
+            return self._get(method) or _json(self.server.statistics(name, version))
+        return error_response(404, "Not Found")
+
+    async def _infer(self, request: HttpRequest, name: str, version: str) -> HttpResponse:
+        body = request.body
+        encoding = request.headers.get("content-encoding")
+        if encoding:
+            try:
+                body = decompress_body(body, encoding, self.max_input_size)
+            except ValueError as exc:
+                raise invalid_arg(str(exc)) from None
+        header_length = request.headers.get("inference-header-content-length")
+        infer_request, binary_default = decode_infer_request(name, version, body, header_length)
+        response = await self.server.infer(infer_request)
+        payload, header_length = encode_infer_response(response, infer_request, binary_default)
+        if header_length is None:
+            return HttpResponse(200, payload)
+        return HttpResponse(200, payload, "application/octet-stream",
+                            [("Inference-Header-Content-Length", str(header_length))])
+
+    async def _repository(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
+        if request.method != "POST":
+            return error_response(405, "Method Not Allowed")
+        if parts == ["index"]:
+            options = _json_body(request.body)
+            return _json(self.server.repository_index(ready_only=bool(options.get("ready", False))))
+        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
+            if self.server.options.control_mode is not ControlMode.EXPLICIT:
+                return error_response(503, "explicit model load / unload is not allowed if polling is enabled")
+            options = _json_body(request.body)
+            parameters = options.get("parameters") or {}
+            if not isinstance(parameters, dict):
+                raise invalid_arg("'parameters' must be a JSON object")
+            if parts[2] == "load":
+                config = parameters.get("config")
+                await self.server.load_model(parts[1], config if isinstance(config, str) else None)
+            else:
+                await self.server.unload_model(parts[1])
+            return HttpResponse(200, b"", "application/json")
+        return error_response(404, "Not Found")
+
+
+def _json_body(body: bytes) -> dict[str, Any]:
+    if not body:
+        return {}
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid_arg("the request body must be a JSON object")
+    return document
+
+
+def _compress(response: HttpResponse, accept: str) -> HttpResponse:
+    accept = accept.lower()
+    if "gzip" in accept:
+        body, encoding = gzip.compress(response.body, compresslevel=1), "gzip"
+    elif "deflate" in accept:
+        body, encoding = zlib.compress(response.body, 1), "deflate"
+    else:
+        return response
+    return HttpResponse(response.status, body, response.content_type,
+                        [*response.headers, ("Content-Encoding", encoding)])

@@ -1,0 +1,184 @@
+"""KServe v2 JSON bodies and Triton's binary tensor extension <-> InferRequest/InferResponse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+
+from transerve.core.datatypes import serialize_bytes
+from transerve.core.errors import invalid_arg, unsupported
+from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values
+from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+
+#: Request parameters the protocol itself consumes; the rest reach the model.
+RESERVED_PARAMETERS = frozenset(
+    {"binary_data_output", "sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
+)
+_JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def decode_infer_request(
+    model_name: str, model_version: str, body: bytes, header_length: str | None
+) -> tuple[InferRequest, bool]:
+    """Parse an infer body: JSON alone, or a JSON header followed by binary tensor data.
+
+    Also returns the request's `binary_data_output` flag: whether outputs default to binary.
+    """
+    if header_length is not None:
+        try:
+            split = int(header_length)
+        except ValueError:
+            raise invalid_arg(f"invalid Inference-Header-Content-Length '{header_length}'") from None
+        if split <= 0 or split > len(body):
+            raise invalid_arg(f"inference header size should be in range (0, {len(body)}], got: {split}")
+        header, binary = memoryview(body)[:split], memoryview(body)[split:]
+    else:
+        header, binary = body, memoryview(b"")
+    if not header:
+        raise invalid_arg("the request body is empty: expected a JSON inference request")
+    try:
+        document = orjson.loads(header)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid_arg("the inference request must be a JSON object")
+    raw_inputs = document.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise invalid_arg("Unable to parse 'inputs': the request needs an 'inputs' array")
+    request_id = document.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid_arg("Unable to parse 'id': it must be a string")
+    parameters = _parameters(document.get("parameters"), "request")
+    offset = 0
+    inputs: list[Tensor] = []
+    for raw in raw_inputs:
+        tensor, offset = _decode_input(raw, binary, offset, model_name)
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise invalid_arg(f"the request carries {len(binary) - offset} bytes of binary data that no input claims")
+    outputs = _decode_outputs(document.get("outputs"))
+    request = InferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        id=request_id,
+        inputs=inputs,
+        outputs=outputs,
+        parameters={k: v for k, v in parameters.items() if k not in RESERVED_PARAMETERS},
+    )
+    return request, bool(parameters.get("binary_data_output", False))
+
+
+def _parameters(raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise invalid_arg(f"Unable to parse 'parameters' of the {where}: it must be a JSON object")
+    return raw
+
+
+def _decode_input(raw: Any, binary: memoryview, offset: int, model_name: str) -> tuple[Tensor, int]:
+    if not isinstance(raw, dict):
+        raise invalid_arg("Unable to parse 'inputs': each input must be a JSON object")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise invalid_arg("Unable to parse 'name': each input needs a string 'name'")
+    if "shape" not in raw:
+        raise invalid_arg(f"Unable to parse 'shape': input '{name}' has no 'shape'")
+    if "datatype" not in raw:
+        raise invalid_arg(f"Unable to parse 'datatype': input '{name}' has no 'datatype'")
+    shape = check_shape(name, raw["shape"])
+    datatype = check_datatype(name, raw["datatype"])
+    parameters = _parameters(raw.get("parameters"), f"input '{name}'")
+    size = parameters.get("binary_data_size")
+    has_data = "data" in raw
+    if "shared_memory_region" in parameters:
+        raise unsupported(f"input '{name}': shared memory inputs are not supported by transerve")
+    if (size is not None) == has_data:
+        raise invalid_arg(
+            "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+            f"'shared_memory_region' in 'parameters'. Input '{name}' sets "
+            + ("both" if has_data else "none")
+        )
+    if has_data:
+        return tensor_from_values(name, datatype, shape, raw["data"]), offset
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise invalid_arg(f"input '{name}': 'binary_data_size' must be a non-negative integer")
+    if offset + size > len(binary):
+        raise invalid_arg(
+            f"unexpected size for input '{name}', expecting {size} additional bytes for model '{model_name}'"
+        )
+    tensor = tensor_from_bytes(name, datatype, shape, binary[offset:offset + size], model_name)
+    return tensor, offset + size
+
+
+def _decode_outputs(raw: Any) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise invalid_arg("Unable to parse 'outputs': it must be an array")
+    outputs = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise invalid_arg("Unable to parse 'outputs': each output needs a string 'name'")
+        parameters = _parameters(item.get("parameters"), f"output '{item['name']}'")
+        if "classification" in parameters:
+            raise unsupported(f"output '{item['name']}': the classification extension is not supported")
+        if "shared_memory_region" in parameters:
+            raise unsupported(f"output '{item['name']}': shared memory outputs are not supported by transerve")
+        outputs.append(RequestedOutput(item["name"], parameters))
+    return outputs
+
+
+def encode_infer_response(
+    response: InferResponse, request: InferRequest, binary_default: bool
+) -> tuple[bytes, int | None]:
+    """The response body and, when any output travels as binary, the JSON header's length."""
+    wants_binary = {o.name: bool(o.parameters.get("binary_data", binary_default)) for o in request.outputs or ()}
+    outputs_json: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for tensor in response.outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.data.shape)}
+        if wants_binary.get(tensor.name, binary_default):
+            blob = _tensor_bytes(tensor)
+            entry["parameters"] = {**tensor.parameters, "binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            if tensor.parameters:
+                entry["parameters"] = tensor.parameters
+            entry["data"] = _json_data(tensor)
+        outputs_json.append(entry)
+    document: dict[str, Any] = {}
+    if response.id:
+        document["id"] = response.id
+    document["model_name"] = response.model_name
+    document["model_version"] = response.model_version
+    if response.parameters:
+        document["parameters"] = response.parameters
+    document["outputs"] = outputs_json
+    header = orjson.dumps(document, option=_JSON_NUMPY)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
+
+
+def _tensor_bytes(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        return serialize_bytes(tensor.data)
+    data = tensor.data
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(data).tobytes()
+
+
+def _json_data(tensor: Tensor) -> Any:
+    data = tensor.data
+    if tensor.datatype == "BYTES":
+        return [
+            item.decode("utf-8", errors="replace") if isinstance(item, (bytes, bytearray)) else str(item)
+            for item in data.reshape(-1)
+        ]
+    if tensor.datatype == "BF16":
+        return data.astype(np.float32).reshape(-1)
+    return np.ascontiguousarray(data.reshape(-1))

@@ -1,0 +1,1 @@
+"""Model repositories on disk: which models exist and which of their versions to serve."""

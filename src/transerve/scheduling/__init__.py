@@ -1,0 +1,1 @@
+"""Per-model schedulers: which requests go to which instance, and when."""

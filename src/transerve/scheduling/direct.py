@@ -1,0 +1,91 @@
+"""The default scheduler: a FIFO queue feeding every instance, one request per execution.
+
+Each instance may have up to `max_inflight` executions outstanding, so a worker process
+already holds its next request when it finishes the current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from transerve.backends.base import BackendInstance, ExecutionResult
+from transerve.core.errors import ServerError, internal
+from transerve.core.stats import ModelStats
+from transerve.core.types import InferRequest, InferResponse
+
+_Pending = tuple[InferRequest, "asyncio.Future[InferResponse]"]
+
+
+class DirectScheduler:
+    """Requests in arrival order, each executed alone on the next free instance slot."""
+
+    def __init__(self, model_name: str, instances: list[BackendInstance], stats: ModelStats, max_batch_size: int):
+        self._model_name = model_name
+        self._stats = stats
+        self._max_batch_size = max_batch_size
+        self._queue: deque[_Pending] = deque()
+        # Slots interleave instances, so load spreads over instances before it deepens pipelines.
+        depth = max(instance.max_inflight for instance in instances)
+        self._free: deque[BackendInstance] = deque(
+            instance for slot in range(depth) for instance in instances if slot < instance.max_inflight
+        )
+        self._running: set[asyncio.Task] = set()
+
+    @property
+    def pending_count(self) -> int:
+        """Requests waiting for an instance (Triton's pending request count)."""
+        return len(self._queue)
+
+    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
+        """Queue a request; the future resolves with its response or raises its ServerError."""
+        future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        self._dispatch()
+        return future
+
+    def _dispatch(self) -> None:
+        while self._queue and self._free:
+            request, future = self._queue.popleft()
+            if future.done():  # cancelled by its client while queued
+                continue
+            instance = self._free.popleft()
+            task = asyncio.ensure_future(self._execute(instance, [(request, future)]))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _execute(self, instance: BackendInstance, batch: list[_Pending]) -> None:
+        started = time.monotonic_ns()
+        requests = [request for request, _ in batch]
+        for request in requests:
+            self._stats.queue.add(started - request.arrival_ns)
+        try:
+            result = await instance.execute(requests)
+        except Exception as exc:  # a backend bug: fail this batch, keep serving
+            result = self._failed(instance, batch, f"failed: {exc!r}")
+        finally:
+            self._free.append(instance)
+            self._dispatch()
+        if len(result.results) != len(batch):
+            result = self._failed(instance, batch, f"returned {len(result.results)} results for {len(batch)} requests")
+        batch_size = sum(request.batch_size(self._max_batch_size) for request in requests)
+        self._stats.record_execution(
+            batch_size, len(batch), result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns
+        )
+        for (_, future), outcome in zip(batch, result.results, strict=True):
+            if future.done():
+                continue
+            if isinstance(outcome, ServerError):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _failed(self, instance: BackendInstance, batch: list[_Pending], what: str) -> ExecutionResult:
+        error = internal(f"model '{self._model_name}' instance '{instance.name}' {what}")
+        return ExecutionResult([error] * len(batch))
+
+    async def drain(self) -> None:
+        """Wait until nothing is queued or running (used before unloading)."""
+        while self._queue or self._running:
+            await asyncio.sleep(0.005)
