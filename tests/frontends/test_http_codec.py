@@ -1,0 +1,109 @@
+"""KServe v2 JSON and Triton's binary extension, both directions."""
+
+import struct
+
+import numpy as np
+import orjson
+import pytest
+
+from transerve.core.errors import ServerError
+from transerve.core.types import InferResponse, RequestedOutput, Tensor
+from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
+from transerve.frontends.http.protocol import decompress_body
+
+
+def binary_body(header: dict, *blobs: bytes) -> tuple[bytes, str]:
+    encoded = orjson.dumps(header)
+    return encoded + b"".join(blobs), str(len(encoded))
+
+
+def test_json_request_with_parameters_id_and_outputs():
+    body = orjson.dumps({
+        "id": "r1", "parameters": {"scale": 3, "binary_data_output": True, "priority": 1},
+        "inputs": [{"name": "A", "shape": [1, 2], "datatype": "INT64", "data": [[1, 2]]}],
+        "outputs": [{"name": "B", "parameters": {"binary_data": False}}],
+    })
+    request, binary_default = decode_infer_request("m", "2", body, None)
+    assert (request.model_name, request.model_version, request.id) == ("m", "2", "r1")
+    assert request.parameters == {"scale": 3}  # protocol parameters are not the model's
+    assert binary_default is True
+    assert request.outputs == [RequestedOutput("B", {"binary_data": False})]
+    np.testing.assert_array_equal(request.inputs[0].data, [[1, 2]])
+
+
+def test_binary_inputs_including_bytes():
+    floats = np.arange(4, dtype=np.float32)
+    strings = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 0)
+    body, length = binary_body({"inputs": [
+        {"name": "F", "shape": [4], "datatype": "FP32", "parameters": {"binary_data_size": 16}},
+        {"name": "S", "shape": [2], "datatype": "BYTES", "parameters": {"binary_data_size": len(strings)}},
+    ]}, floats.tobytes(), strings)
+    request, _ = decode_infer_request("m", "", body, length)
+    np.testing.assert_array_equal(request.inputs[0].data, floats)
+    assert request.inputs[1].data.tolist() == [b"hi", b""]
+
+
+SHORT_BINARY = b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32","parameters":{"binary_data_size":4}}]}'
+
+
+@pytest.mark.parametrize(
+    ("body", "length", "fragment"),
+    [
+        (b"", None, "empty"),
+        (b"{", None, "failed to parse the request JSON"),
+        (b"[]", None, "JSON object"),
+        (b"{}", None, "'inputs'"),
+        (b'{"inputs":[{"shape":[1],"datatype":"FP32","data":[1]}]}', None, "'name'"),
+        (b'{"inputs":[{"name":"A","datatype":"FP32","data":[1]}]}', None, "'shape'"),
+        (b'{"inputs":[{"name":"A","shape":[1],"data":[1]}]}', None, "'datatype'"),
+        (b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32"}]}', None, "only one of"),
+        (b'{"inputs":[]}', "500", "inference header size"),
+        (b'{"inputs":[]}', "abc", "Inference-Header-Content-Length"),
+        (SHORT_BINARY + b"xx", str(len(SHORT_BINARY)), "expecting 4 additional bytes"),
+        (b'{"inputs":[]}extra', "13", "no input claims"),
+        (b'{"inputs":[],"outputs":[{"name":"B","parameters":{"classification":2}}]}', None, "classification"),
+    ],
+)
+def test_malformed_requests_are_invalid_arguments(body, length, fragment):
+    with pytest.raises(ServerError) as info:
+        decode_infer_request("m", "", body, length)
+    assert fragment in info.value.message
+    assert info.value.code.name in ("INVALID_ARG", "UNSUPPORTED")
+
+
+def test_response_json_and_binary_outputs():
+    response = InferResponse("m", "1", [
+        Tensor("J", "FP16", np.array([1.5, 2], np.float16)),
+        Tensor("B", "BYTES", np.array([b"x", "é".encode()], dtype=object)),
+    ], id="r1")
+    request, _ = decode_infer_request("m", "", b'{"inputs":[],"outputs":[{"name":"J"},'
+                                      b'{"name":"B","parameters":{"binary_data":true}}]}', None)
+    body, header_length = encode_infer_response(response, request, binary_default=False)
+    header = orjson.loads(body[:header_length])
+    assert header["id"] == "r1" and header["model_version"] == "1"
+    assert header["outputs"][0]["data"] == [1.5, 2.0]
+    size = header["outputs"][1]["parameters"]["binary_data_size"]
+    assert body[header_length:] == struct.pack("<I", 1) + b"x" + struct.pack("<I", 2) + "é".encode()
+    assert size == len(body) - header_length
+
+
+def test_response_all_json_when_nothing_binary():
+    response = InferResponse("m", "1", [Tensor("B", "BYTES", np.array([b"\xff"], dtype=object))])
+    request, _ = decode_infer_request("m", "", b'{"inputs":[]}', None)
+    body, header_length = encode_infer_response(response, request, binary_default=False)
+    assert header_length is None
+    assert orjson.loads(body)["outputs"][0]["data"] == ["\ufffd"]
+
+
+def test_decompression_limits():
+    import gzip
+    import zlib
+
+    assert decompress_body(gzip.compress(b"abc"), "gzip", 10) == b"abc"
+    assert decompress_body(zlib.compress(b"abc"), "deflate", 10) == b"abc"
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        decompress_body(gzip.compress(b"a" * 100), "gzip", 10)
+    with pytest.raises(ValueError, match="unsupported Content-Encoding"):
+        decompress_body(b"abc", "br", 10)
+    with pytest.raises(ValueError, match="cannot decompress"):
+        decompress_body(b"not gzip", "gzip", 10)
