@@ -166,7 +166,7 @@ def test_explicit_model_control(tmp_path):
         assert requests.post(f"{base}/v2/models/add_sub/infer", json=ADD_SUB_BODY, timeout=10).status_code == 404
         client.load_model("add_sub")
         assert client.is_model_ready("add_sub")
-        for bad in ("..", "..%2F..%2Fetc"):
+        for bad in ("%2E%2E", "..%2F..%2Fetc", "%2Fetc"):
             answer = requests.post(f"{base}/v2/repository/models/{bad}/load", timeout=10)
             assert answer.status_code == 400, (bad, answer.text)
         missing = requests.post(f"{base}/v2/repository/models/nope/load", timeout=10)

@@ -86,8 +86,14 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self._parser.feed_data(data)
-        except RequestRejected as rejected:
-            self._reject(rejected.response)
+        except httptools.HttpParserCallbackError as exc:
+            # httptools wraps what a callback raises; a refusal from on_headers_complete/on_body is ours.
+            cause = exc.__context__
+            if isinstance(cause, RequestRejected):
+                self._reject(cause.response)
+            else:
+                log.error("HTTP parser callback failed: %r", cause)
+                self._reject(self._error_response(500, "internal error while reading the request"))
         except httptools.HttpParserUpgrade:
             self._reject(self._error_response(400, "protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
