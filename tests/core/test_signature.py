@@ -68,7 +68,8 @@ def test_unknown_requested_output():
 def test_optional_inputs_and_wildcard_dims_without_batching():
     text = """
     name: "m" backend: "python"
-    input [ { name: "A" data_type: TYPE_FP32 dims: [ -1, 2 ] }, { name: "B" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]
+    input [ { name: "A" data_type: TYPE_FP32 dims: [ -1, 2 ] },
+            { name: "B" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]
     output [ { name: "C" data_type: TYPE_FP32 dims: [ -1 ] } ]
     """
     sig = signature(text)

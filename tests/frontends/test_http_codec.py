@@ -26,7 +26,7 @@ def test_json_request_with_parameters_id_and_outputs():
     request, binary_default = decode_infer_request("m", "2", body, None)
     assert (request.model_name, request.model_version, request.id) == ("m", "2", "r1")
     assert request.parameters == {"scale": 3}  # protocol parameters are not the model's
-    assert binary_default is True
+    assert binary_default is False  # listed outputs choose for themselves, as in Triton
     assert request.outputs == [RequestedOutput("B", {"binary_data": False})]
     np.testing.assert_array_equal(request.inputs[0].data, [[1, 2]])
 
@@ -60,7 +60,8 @@ SHORT_BINARY = b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32","parameter
         (b'{"inputs":[]}', "500", "inference header size"),
         (b'{"inputs":[]}', "abc", "Inference-Header-Content-Length"),
         (SHORT_BINARY + b"xx", str(len(SHORT_BINARY)), "expecting 4 additional bytes"),
-        (b'{"inputs":[]}extra', "13", "no input claims"),
+        (b'{"inputs":[]}extra', "13", "unexpected additional input data"),
+        (b'{"inputs":[],"parameters":{"p":[1]}}', None, "parameter 'p' has invalid type"),
         (b'{"inputs":[],"outputs":[{"name":"B","parameters":{"classification":2}}]}', None, "classification"),
     ],
 )

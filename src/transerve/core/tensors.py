@@ -79,7 +79,7 @@ def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values:
         raise invalid_arg(f"unable to parse 'data' of input '{name}': values are not a regular array") from None
     if raw.size != count:
         raise _count_mismatch(name, shape, raw.size)
-    return Tensor(name, datatype, _convert(name, datatype, raw).reshape(shape))
+    return Tensor(name, datatype, _convert(name, datatype, raw, values).reshape(shape))
 
 
 def _count_mismatch(name: str, shape: tuple[int, ...], got: int) -> Exception:
@@ -89,7 +89,7 @@ def _count_mismatch(name: str, shape: tuple[int, ...], got: int) -> Exception:
     )
 
 
-def _convert(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:
+def _convert(name: str, datatype: str, raw: np.ndarray, values: list[Any]) -> np.ndarray:
     dtype = NUMPY_DTYPES[datatype]
     kind = raw.dtype.kind
     if raw.size == 0:
@@ -100,7 +100,7 @@ def _convert(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:
         return raw
     if dtype.kind in _INT_KINDS:
         if kind not in _INT_KINDS:
-            raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be integers")
+            raw = _exact_integers(name, datatype, values)
         info = np.iinfo(dtype)
         if int(raw.min()) < info.min or int(raw.max()) > info.max:
             raise invalid_arg(f"unable to parse 'data' of input '{name}': a value is out of range for {datatype}")
@@ -108,6 +108,17 @@ def _convert(name: str, datatype: str, raw: np.ndarray) -> np.ndarray:
     if kind not in ("i", "u", "f"):
         raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be numbers")
     return raw.astype(dtype, copy=False)
+
+
+def _exact_integers(name: str, datatype: str, values: list[Any]) -> np.ndarray:
+    """numpy turns integers beyond int64 (UINT64's upper half) into floats; keep them exact as Python ints."""
+    try:
+        items = np.array(values, dtype=object).reshape(-1)
+    except ValueError:
+        items = np.empty(0, dtype=object)
+    if items.size and all(type(item) is int for item in items):
+        return items
+    raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be integers")
 
 
 def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:

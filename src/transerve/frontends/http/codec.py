@@ -51,13 +51,17 @@ def decode_infer_request(
     if not isinstance(request_id, str):
         raise invalid_arg("Unable to parse 'id': it must be a string")
     parameters = _parameters(document.get("parameters"), "request")
+    for key, value in parameters.items():
+        if not isinstance(value, (str, int, float)):  # bool is an int
+            raise invalid_arg(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', 'double' "
+                              "or 'string'.")
     offset = 0
     inputs: list[Tensor] = []
     for raw in raw_inputs:
         tensor, offset = _decode_input(raw, binary, offset, model_name)
         inputs.append(tensor)
     if offset != len(binary):
-        raise invalid_arg(f"the request carries {len(binary) - offset} bytes of binary data that no input claims")
+        raise invalid_arg(f"unexpected additional input data for model '{model_name}'")
     outputs = _decode_outputs(document.get("outputs"))
     request = InferRequest(
         model_name=model_name,
@@ -67,7 +71,8 @@ def decode_infer_request(
         outputs=outputs,
         parameters={k: v for k, v in parameters.items() if k not in RESERVED_PARAMETERS},
     )
-    return request, bool(parameters.get("binary_data_output", False))
+    # As in Triton, binary_data_output is the default only when the request lists no outputs.
+    return request, outputs is None and bool(parameters.get("binary_data_output", False))
 
 
 def _parameters(raw: Any, where: str) -> dict[str, Any]:
