@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from transerve.config.model_config import ConfigError, normalize, parse_config_json, parse_config_text, to_json, validate
+from transerve.config.model_config import (
+    ConfigError,
+    normalize,
+    parse_config_json,
+    parse_config_text,
+    to_json,
+    validate,
+)
 
 
 def loaded(text: str, name: str = "m"):
