@@ -8,6 +8,7 @@ of validated requests and gets back one result per request, in order.
 from __future__ import annotations
 
 import abc
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,12 @@ class BackendInstance(abc.ABC):
     max_inflight: int = 1
 
     @abc.abstractmethod
-    async def execute(self, requests: list[InferRequest]) -> ExecutionResult:
-        """Run the requests; a failure of the whole call is returned per request, not raised."""
+    def execute(self, requests: list[InferRequest]) -> Awaitable[ExecutionResult]:
+        """Run the requests; a failure of the whole call is returned per request, not raised.
+
+        An `async def` implementation is fine; returning an `asyncio.Future` that a callback
+        resolves saves the scheduler a task per execution on hot paths.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

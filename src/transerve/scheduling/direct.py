@@ -31,7 +31,9 @@ class DirectScheduler:
         self._free: deque[BackendInstance] = deque(
             instance for slot in range(depth) for instance in instances if slot < instance.max_inflight
         )
-        self._running: set[asyncio.Task] = set()
+        self._running = 0
+        # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
+        self._loop = asyncio.get_running_loop()
 
     @property
     def pending_count(self) -> int:
@@ -40,7 +42,7 @@ class DirectScheduler:
 
     def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
         """Queue a request; the future resolves with its response or raises its ServerError."""
-        future: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[InferResponse] = self._loop.create_future()
         self._queue.append((request, future))
         self._dispatch()
         return future
@@ -50,25 +52,39 @@ class DirectScheduler:
             request, future = self._queue.popleft()
             if future.done():  # cancelled by its client while queued
                 continue
-            instance = self._free.popleft()
-            task = asyncio.ensure_future(self._execute(instance, [(request, future)]))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._start(self._free.popleft(), [(request, future)])
 
-    async def _execute(self, instance: BackendInstance, batch: list[_Pending]) -> None:
+    def _start(self, instance: BackendInstance, batch: list[_Pending]) -> None:
+        """Hand a batch to an instance; completion arrives as a callback, with no task per execution."""
         started = time.monotonic_ns()
         requests = [request for request, _ in batch]
         for request in requests:
             self._stats.queue.add(started - request.arrival_ns)
+        self._running += 1
         try:
-            result = await instance.execute(requests)
+            execution = instance.execute(requests)
+            if not isinstance(execution, asyncio.Future):
+                execution = self._loop.create_task(execution)
         except Exception as exc:  # a backend bug: fail this batch, keep serving
-            result = self._failed(instance, batch, f"failed: {exc!r}")
-        finally:
-            self._free.append(instance)
-            self._dispatch()
+            self._finish(instance, batch, self._failed(instance, batch, f"failed: {exc!r}"))
+            return
+        execution.add_done_callback(lambda done: self._collect(instance, batch, done))
+
+    def _collect(self, instance: BackendInstance, batch: list[_Pending], done: asyncio.Future) -> None:
+        if done.cancelled():
+            result = self._failed(instance, batch, "was cancelled")
+        elif done.exception() is not None:
+            result = self._failed(instance, batch, f"failed: {done.exception()!r}")
+        else:
+            result = done.result()
+        self._finish(instance, batch, result)
+
+    def _finish(self, instance: BackendInstance, batch: list[_Pending], result: ExecutionResult) -> None:
+        self._running -= 1
+        self._free.append(instance)
         if len(result.results) != len(batch):
             result = self._failed(instance, batch, f"returned {len(result.results)} results for {len(batch)} requests")
+        requests = [request for request, _ in batch]
         batch_size = sum(request.batch_size(self._max_batch_size) for request in requests)
         self._stats.record_execution(
             batch_size, len(batch), result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns
@@ -80,6 +96,7 @@ class DirectScheduler:
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
+        self._dispatch()
 
     def _failed(self, instance: BackendInstance, batch: list[_Pending], what: str) -> ExecutionResult:
         error = internal(f"model '{self._model_name}' instance '{instance.name}' {what}")

@@ -56,7 +56,7 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_header_name", "_paused",
+        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop",
     )
 
     def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse]):
@@ -73,6 +73,8 @@ class HttpConnection(asyncio.Protocol):
         self._busy = False
         self._closing = False
         self._paused = False
+        # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
+        self._loop = asyncio.get_running_loop()
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class HttpConnection(asyncio.Protocol):
             self._transport.pause_reading()
         if not self._busy:
             self._busy = True
-            asyncio.ensure_future(self._serve_queue())
+            self._loop.create_task(self._serve_queue())
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
