@@ -1,0 +1,93 @@
+"""Round-trip cost of the python backend's worker IPC, measured on the `add_sub` example model.
+
+Loads the model through `PythonBackend` (no HTTP) and drives one instance with 1, 2 and 8
+concurrent callers, then with batches of requests per call, and prints per request: wall time,
+CPU of the server process and CPU of the worker process. Run:
+
+    python benchmarks/python_backend_ipc.py [--requests 20000] [--no-uvloop]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from transerve.backends.base import ModelContext
+from transerve.backends.python.backend import PythonBackend, PythonInstance
+from transerve.config import model_config
+from transerve.core.types import InferRequest, Tensor
+
+REPOSITORY = Path(__file__).resolve().parents[1] / "examples" / "model_repository"
+
+
+def context(name: str) -> ModelContext:
+    model_path = REPOSITORY / name
+    config = model_config.load_config_file(model_path)
+    model_config.normalize(config, name)
+    model_config.validate(config, name)
+    return ModelContext(name, "1", model_path, model_path / "1", REPOSITORY, config)
+
+
+def add_sub_request(batch: int = 1) -> InferRequest:
+    in0 = np.arange(4 * batch, dtype=np.float32).reshape(batch, 4)
+    in1 = np.ones((batch, 4), np.float32)
+    return InferRequest("add_sub", [Tensor("INPUT0", "FP32", in0), Tensor("INPUT1", "FP32", in1)], id="bench")
+
+
+async def drive(instance: PythonInstance, callers: int, calls: int, requests_per_call: int) -> None:
+    """`callers` coroutines each making `calls // callers` execute calls of `requests_per_call` requests."""
+    requests = [add_sub_request() for _ in range(requests_per_call)]
+
+    async def caller() -> None:
+        for _ in range(calls // callers):
+            result = await instance.execute(requests)
+            assert not isinstance(result.results[0], Exception), result.results[0]
+
+    await asyncio.gather(*(caller() for _ in range(callers)))
+
+
+async def measure(instance: PythonInstance, worker: psutil.Process, callers: int, requests: int, per_call: int) -> str:
+    calls = max(requests // per_call, callers)
+    await drive(instance, callers, calls // 10 or 1, per_call)  # warm up
+    server = psutil.Process()
+    server_cpu, worker_cpu = sum(server.cpu_times()[:2]), sum(worker.cpu_times()[:2])
+    started = time.perf_counter()
+    await drive(instance, callers, calls, per_call)
+    wall = time.perf_counter() - started
+    total = calls // callers * callers * per_call
+    server_us = (sum(server.cpu_times()[:2]) - server_cpu) / total * 1e6
+    worker_us = (sum(worker.cpu_times()[:2]) - worker_cpu) / total * 1e6
+    return (
+        f"| {callers:>7} | {per_call:>8} | {total / wall:>10,.0f} | {wall / total * 1e6:>9.1f} "
+        f"| {server_us:>10.1f} | {worker_us:>10.1f} |"
+    )
+
+
+async def main(requests: int) -> None:
+    model = await PythonBackend().load(context("add_sub"))
+    instance = model.instances[0]
+    assert isinstance(instance, PythonInstance)
+    worker = psutil.Process(instance._worker.process.pid)
+    print("| callers | req/call |    req/s   | wall µs/req | server CPU µs/req | worker CPU µs/req |")
+    print("|--------:|---------:|-----------:|---------:|-----------:|-----------:|")
+    for callers, per_call in ((1, 1), (2, 1), (8, 1), (2, 8), (2, 64)):
+        print(await measure(instance, worker, callers, requests, per_call))
+    await model.unload()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
+    args = parser.parse_args()
+    if args.no_uvloop:
+        asyncio.run(main(args.requests))
+    else:
+        import uvloop
+
+        uvloop.run(main(args.requests))

@@ -1,0 +1,491 @@
+"""The Triton-compatible `python` backend: each model instance is a worker process.
+
+The server side of an instance keeps one worker, talks to it through `ipc.AsyncConnection`
+(shared-memory tensors, a socket for control) and restarts it when it dies: requests in flight at
+that moment fail with an INTERNAL error naming the model, and later requests go to a fresh worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import site
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
+from transerve.backends.python.ipc import (
+    DEFAULT_ARENA_BYTES,
+    OP_AUTO_COMPLETE,
+    OP_EXECUTE,
+    OP_FINALIZE,
+    OP_INITIALIZE,
+    OP_IS_READY,
+    OP_LOAD,
+    AsyncConnection,
+    ConnectionLost,
+    Endpoint,
+    Entry,
+    Region,
+    socket_pair,
+)
+from transerve.config import model_config
+from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.types import InferRequest, InferResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+#: How long `close` waits for the model's `finalize`, then for the process to exit, before killing it.
+STOP_TIMEOUT_S = 10.0
+#: How long to wait for a worker whose socket closed to actually exit, before killing it.
+EXIT_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSpec:
+    """What every worker of one model version is started with."""
+
+    model_name: str
+    model_version: str
+    model_file: Path
+    arena_bytes: int
+
+
+class WorkerProcess:
+    """One running worker and the connection to it.
+
+    `exit_code` resolves when the process is gone; a pidfd tells the event loop, so a dead worker
+    is noticed even when a child process of the model still holds the socket open.
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, endpoint: Endpoint, instance: str):
+        self._loop = asyncio.get_running_loop()
+        self.process = process
+        self.instance = instance
+        self.exit_code: asyncio.Future[int] = self._loop.create_future()
+        self.connection = AsyncConnection(sock, endpoint, self._loop)
+        self._pidfd = os.pidfd_open(process.pid)
+        self._loop.add_reader(self._pidfd, self._on_exit)
+
+    @classmethod
+    async def start(cls, spec: WorkerSpec, instance: str) -> WorkerProcess:
+        """Spawn a worker for `instance` and have it import the model; raises ServerError if it cannot."""
+        parent, child = socket_pair()
+        to_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-in")
+        from_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-out")
+        command = [
+            sys.executable,
+            "-m",
+            "transerve.backends.python.worker",
+            "--socket-fd",
+            str(child.fileno()),
+            "--input-fd",
+            str(to_worker.fd),
+            "--output-fd",
+            str(from_worker.fd),
+        ]
+        try:
+            process = subprocess.Popen(
+                command,
+                pass_fds=(child.fileno(), to_worker.fd, from_worker.fd),
+                stdin=subprocess.DEVNULL,
+                stdout=_stderr_fd(),
+                env=_worker_environment(),
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+            to_worker.close_fd()
+            from_worker.close_fd()
+        worker = cls(process, parent, Endpoint(outgoing=to_worker, incoming=from_worker), instance)
+        load = {
+            "model_name": spec.model_name,
+            "model_version": spec.model_version,
+            "model_file": str(spec.model_file),
+            "instance_name": instance,
+        }
+        try:
+            await worker.call(OP_LOAD, load)
+        except BaseException:
+            await worker.abort()
+            raise
+        return worker
+
+    async def call(self, op: int, body: Any) -> Any:
+        """A lifecycle call; the model's failure raises ServerError, and so does the worker's death."""
+        try:
+            (error, value), _ = await self.connection.request(op, body)
+        except ConnectionLost:
+            raise ServerError(ErrorCode.INTERNAL, await self.lost_message()) from None
+        if error is not None:
+            code, message = error
+            raise ServerError(ErrorCode[code], message)
+        return value
+
+    async def lost_message(self) -> str:
+        return f"model instance '{self.instance}' process exited unexpectedly ({describe_exit(await self.exited())})"
+
+    async def exited(self) -> int:
+        """The exit code, killing a worker that closed its socket but does not exit."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.exit_code), EXIT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.kill()
+            return await self.exit_code
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        # Replies the worker sent before it died are still in the socket: deliver them first.
+        self.connection.read_ready()
+        self.connection.lose()
+        self.exit_code.set_result(self.process.wait())
+
+    async def stop(self) -> None:
+        """Call the model's `finalize`, then end the process, killing it if it takes too long."""
+        if not self.connection.closed:
+            try:
+                await asyncio.wait_for(self.call(OP_FINALIZE, None), STOP_TIMEOUT_S)
+            except (ServerError, asyncio.TimeoutError) as exc:
+                logger.warning("model instance '%s' did not finalize cleanly: %s", self.instance, exc)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exit_code), STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.kill()
+            await self.exit_code
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+    async def abort(self) -> None:
+        """Kill the worker without waiting on model code, and wait until it is gone."""
+        self.kill()
+        await self.exit_code
+
+
+def describe_exit(code: int) -> str:
+    """`code 1`, or `code -11, signal SIGSEGV` for a worker killed by a signal."""
+    if code < 0:
+        try:
+            return f"code {code}, signal {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+def _stderr_fd() -> int:
+    """Where worker output goes: the server's stderr (fd 2 when sys.stderr is not a real file)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return 2
+
+
+def _worker_environment() -> dict[str, str]:
+    """The server's environment, plus the folder transerve lives in when it is not installed there."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[3])
+    if package_root not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+class PythonInstance(BackendInstance):
+    """One model instance: a worker process, restarted when it dies."""
+
+    max_inflight = 2
+
+    def __init__(self, spec: WorkerSpec, name: str, initialize_args: dict[str, str]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.name = name
+        self._spec = spec
+        self._initialize_args = initialize_args
+        self._worker: WorkerProcess | None = None
+        self._starting: asyncio.Task[WorkerProcess] | None = None
+        self._has_is_ready = False
+        self._closed = False
+        #: Tasks started from callbacks, kept referenced until they finish.
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self, worker: WorkerProcess | None = None) -> None:
+        """Start (or adopt, after auto-complete) a worker and initialize the model in it."""
+        self._worker = await self._launch(worker)
+
+    async def _launch(self, worker: WorkerProcess | None = None) -> WorkerProcess:
+        if worker is None:
+            worker = await WorkerProcess.start(self._spec, self.name)
+        try:
+            self._has_is_ready = await worker.call(OP_INITIALIZE, self._initialize_args)
+        except BaseException:
+            await worker.abort()
+            raise
+        worker.exit_code.add_done_callback(lambda _: self._on_worker_exit(worker))
+        return worker
+
+    def _on_worker_exit(self, worker: WorkerProcess) -> None:
+        """A worker died: unless we are closing, start a fresh one at once."""
+        if self._closed or worker is not self._worker:
+            return
+        logger.error(
+            "model '%s' instance '%s' process exited unexpectedly (%s); restarting it",
+            self._spec.model_name,
+            self.name,
+            describe_exit(worker.exit_code.result()),
+        )
+        self._worker = None
+        self._restart()
+
+    def _restart(self) -> asyncio.Task[WorkerProcess]:
+        """The running restart, or a new one (a failed restart is retried by the next request)."""
+        if self._starting is None or self._starting.done():
+            self._starting = self._loop.create_task(self._launch())
+            self._starting.add_done_callback(self._restarted)
+        return self._starting
+
+    def _restarted(self, task: asyncio.Task[WorkerProcess]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            logger.error("model '%s' instance '%s' failed to restart: %s", self._spec.model_name, self.name, error)
+        elif self._closed:
+            self._in_background(task.result().stop())
+        else:
+            self._worker = task.result()
+
+    async def _current_worker(self) -> WorkerProcess:
+        if self._worker is not None:
+            return self._worker
+        if self._closed:
+            raise ServerError(ErrorCode.UNAVAILABLE, f"model instance '{self.name}' is closed")
+        try:
+            return await asyncio.shield(self._restart())
+        except ServerError as exc:
+            raise ServerError(
+                ErrorCode.UNAVAILABLE, f"model instance '{self.name}' is not available: {exc.message}"
+            ) from None
+
+    def execute(self, requests: list[InferRequest]) -> Awaitable[ExecutionResult]:
+        """A future that the reply's reader callback resolves: no task per execution while the
+        worker is up; a coroutine waits for the worker only while it is being restarted."""
+        worker = self._worker
+        if worker is None:
+            return self._execute_after_restart(requests)
+        return self._send(worker, requests)
+
+    async def _execute_after_restart(self, requests: list[InferRequest]) -> ExecutionResult:
+        try:
+            worker = await self._current_worker()
+        except ServerError as exc:
+            return ExecutionResult([exc] * len(requests))
+        return await self._send(worker, requests)
+
+    def _send(self, worker: WorkerProcess, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+        try:
+            return worker.connection.request(
+                OP_EXECUTE,
+                _execute_body(requests),
+                _input_groups(requests),
+                on_reply=functools.partial(self._execution_result, requests),
+                on_lost=functools.partial(self._worker_lost, worker, len(requests)),
+            )
+        except Exception as exc:  # an input the transport cannot carry
+            logger.exception("model '%s': cannot send requests to instance '%s'", self._spec.model_name, self.name)
+            future = self._loop.create_future()
+            error = ServerError(ErrorCode.INTERNAL, f"cannot send the request to the model: {exc}")
+            future.set_result(ExecutionResult([error] * len(requests)))
+            return future
+
+    def _execution_result(
+        self, requests: list[InferRequest], body: tuple[Any, Any], outputs: list[list[Entry]]
+    ) -> ExecutionResult:
+        results, (input_ns, infer_ns, output_ns) = body
+        model_name, model_version = self._spec.model_name, self._spec.model_version
+        responses: list[InferResponse | ServerError] = []
+        for request, (code, message, parameters), tensors in zip(requests, results, outputs, strict=True):
+            if code is not None:
+                responses.append(ServerError(ErrorCode[code], message))
+                continue
+            responses.append(
+                InferResponse(
+                    model_name,
+                    model_version,
+                    [Tensor(name, datatype, data) for name, datatype, data in tensors],
+                    id=request.id,
+                    parameters=parameters or {},
+                )
+            )
+        return ExecutionResult(responses, input_ns, infer_ns, output_ns)
+
+    def _worker_lost(self, worker: WorkerProcess, count: int, future: asyncio.Future[ExecutionResult]) -> None:
+        """Fail an execution whose worker died, once the exit code can name the cause."""
+
+        async def settle() -> None:
+            error = ServerError(
+                ErrorCode.INTERNAL,
+                f"Failed to process the request(s) for model '{self._spec.model_name}': "
+                f"instance '{self.name}' process exited unexpectedly ({describe_exit(await worker.exited())})",
+            )
+            if not future.done():
+                future.set_result(ExecutionResult([error] * count))
+
+        self._in_background(settle())
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def is_ready(self) -> bool:
+        """Whether the worker is up and, if the model defines `is_ready`, what it answers."""
+        worker = self._worker
+        if worker is None:
+            return False
+        if not self._has_is_ready:
+            return True
+        try:
+            return bool(await worker.call(OP_IS_READY, None))
+        except ServerError:
+            return False
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            await worker.stop()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _execute_body(requests: list[InferRequest]) -> list[tuple[Any, ...]]:
+    """Per request, what the worker's InferenceRequest needs besides the tensors."""
+    return [
+        (
+            request.id,
+            request.correlation_id,
+            request.flags,
+            request.parameters,
+            None if request.outputs is None else [output.name for output in request.outputs],
+        )
+        for request in requests
+    ]
+
+
+def _input_groups(requests: list[InferRequest]) -> list[list[Entry]]:
+    return [[(tensor.name, tensor.datatype, tensor.data) for tensor in request.inputs] for request in requests]
+
+
+class PythonModel(BackendModel):
+    def __init__(self, config: model_config_pb2.ModelConfig, instances: list[PythonInstance]) -> None:
+        self.config = config
+        self.instances = list(instances)
+
+
+class PythonBackend(Backend):
+    """Loads Triton python-backend models (`model.py` with `class TritonPythonModel`)."""
+
+    name = "python"
+
+    async def load(self, context: ModelContext) -> PythonModel:
+        where = f"failed to load '{context.name}' version {context.version}"
+        try:
+            return await self._load(context)
+        except ServerError as exc:
+            logger.error("%s: %s", where, exc.message)
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
+
+    async def _load(self, context: ModelContext) -> PythonModel:
+        config = context.config
+        spec = WorkerSpec(
+            model_name=context.name,
+            model_version=context.version,
+            model_file=context.version_path / (config.default_model_filename or "model.py"),
+            arena_bytes=_arena_bytes(context.backend_config),
+        )
+        if not spec.model_file.is_file():
+            raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
+        names = _instance_names(config)
+        first = await WorkerProcess.start(spec, names[0][0])
+        if context.auto_complete:
+            try:
+                config = await _auto_complete(first, config, context.name)
+            except BaseException:
+                await first.abort()
+                raise
+        instances = [PythonInstance(spec, name, _initialize_args(context, config, name, kind)) for name, kind in names]
+        outcomes = await asyncio.gather(
+            *(instance.start(first if index == 0 else None) for index, instance in enumerate(instances)),
+            return_exceptions=True,
+        )
+        failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(instance.close() for instance in instances))
+            raise failure
+        return PythonModel(config, instances)
+
+
+async def _auto_complete(
+    worker: WorkerProcess, config: model_config_pb2.ModelConfig, name: str
+) -> model_config_pb2.ModelConfig:
+    """Let the model's `auto_complete_config` fill in the config, then check the result again."""
+    completed = await worker.call(OP_AUTO_COMPLETE, model_config.to_json(config))
+    try:
+        config = model_config.parse_config_json(completed)
+        model_config.normalize(config, name)
+        model_config.validate(config, name)
+    except model_config.ConfigError as exc:
+        raise ServerError(ErrorCode.INVALID_ARG, f"auto-completed config is invalid: {exc}") from None
+    return config
+
+
+def _instance_names(config: model_config_pb2.ModelConfig) -> list[tuple[str, str]]:
+    """(name, kind) of every instance, named as Triton names them: `<group name>_<index in group>`."""
+    names = []
+    for group in config.instance_group:
+        kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
+        names.extend((f"{group.name}_{index}", kind) for index in range(max(group.count, 1)))
+    return names or [(f"{config.name}_0", "CPU")]
+
+
+def _initialize_args(
+    context: ModelContext, config: model_config_pb2.ModelConfig, instance: str, kind: str
+) -> dict[str, str]:
+    """The `args` Triton passes to `initialize`, every value a string."""
+    return {
+        "model_config": model_config.to_json(config),
+        "model_instance_kind": kind,
+        "model_instance_name": instance,
+        "model_instance_device_id": "0",
+        "model_repository": str(context.model_path),
+        "model_version": context.version,
+        "model_name": context.name,
+    }
+
+
+def _arena_bytes(backend_config: dict[str, str]) -> int:
+    """`shm-default-byte-size` from `--backend-config=python,...`: each arena's size in bytes."""
+    value = backend_config.get("shm-default-byte-size")
+    if value is None:
+        return DEFAULT_ARENA_BYTES
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 4096:
+        raise ServerError(ErrorCode.INVALID_ARG, f"shm-default-byte-size must be an integer >= 4096, got '{value}'")
+    return size

@@ -1,0 +1,521 @@
+"""The transport between the server and a python-backend worker process.
+
+Control messages travel on an AF_UNIX SOCK_SEQPACKET socketpair: one pickled tuple per datagram,
+so there is no framing, and the kernel wakes the reader once per message. Tensor bytes never go
+through the socket: each direction has a shared-memory arena (a memfd mapped by both processes),
+and a message only names where its tensors lie.
+
+Ownership follows the bytes: the producer allocates in its own arena, the consumer reads and then
+tells the producer, in its next message, which blocks it has finished with. The allocator is a
+first-fit free list, so blocks may be released in any order. On arrival:
+
+* small tensors (up to COPY_LIMIT bytes) and all BYTES tensors are copied out (BYTES are
+  deserialized from Triton's length-prefixed form, which copies anyway), and their block is
+  released at once, so a model or a response may keep such an array as long as it likes;
+* larger tensors become zero-copy numpy views into the arena, and their block is released only
+  when the last array using that memory is garbage-collected (a weakref finalizer), so keeping
+  a reference after `execute` returns is safe too; it just holds that block.
+
+When the arena has no room (or a tensor is bigger than the arena), the producer writes the rest of
+the message into a one-off memfd and passes its descriptor with the datagram (SCM_RIGHTS); the
+consumer maps it, and it disappears when the last view of it does. A control message too big for
+one datagram is spilled into shared memory the same way.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import bisect
+import mmap
+import os
+import pickle
+import socket
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from transerve.core.datatypes import NUMPY_DTYPES, deserialize_bytes, serialize_bytes
+
+#: Tensors up to this size are copied on arrival; larger ones are zero-copy views.
+COPY_LIMIT = 64 * 1024
+#: Control messages larger than this are spilled into shared memory.
+INLINE_LIMIT = 64 * 1024
+#: Arena size per direction unless `--backend-config=python,shm-default-byte-size=N` says otherwise.
+DEFAULT_ARENA_BYTES = 16 * 1024 * 1024
+#: Descriptors one datagram may carry: one overflow region for tensors, one for a spilled message.
+MAX_FDS = 4
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+_ALIGNMENT = 64
+_PICKLE = pickle.HIGHEST_PROTOCOL
+
+#: `region` of a descriptor that lies in the peer's arena (others index the datagram's descriptors).
+ARENA = -1
+#: Message ops. Lifecycle replies are (None, value), or ((error code name, one-line message), None).
+OP_SPILLED = 0  # an envelope whose real message was spilled into shared memory
+OP_LOAD = 1
+OP_AUTO_COMPLETE = 2
+OP_INITIALIZE = 3
+OP_EXECUTE = 4
+OP_IS_READY = 5
+OP_FINALIZE = 6
+
+#: A tensor in transit: (name, datatype, array).
+Entry = tuple[str, str, np.ndarray]
+#: Where a tensor lies: (name, datatype, shape, region, offset, nbytes, is_view).
+Descriptor = tuple[str, str, tuple[int, ...], int, int, int, bool]
+#: Tensors written for one message: (descriptors per group, blocks to free after reading, one-off fds).
+Placed = tuple[list[list[Descriptor]], list[int], list[int]]
+_NOTHING_PLACED: Placed = ([], [], [])
+
+
+class ConnectionLost(Exception):
+    """The worker's end of the socket closed: the process exited or is exiting."""
+
+
+class Region:
+    """A memfd mapped into this process; `view` is a writable memoryview over all of it."""
+
+    __slots__ = ("fd", "size", "mmap", "view")
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self.mmap = mmap.mmap(fd, size)
+        self.view = memoryview(self.mmap)
+
+    @classmethod
+    def create(cls, size: int, name: str) -> Region:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int) -> Region:
+        """Map a region another process created; the descriptor is closed, the mapping stays."""
+        try:
+            return cls(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+
+    def close_fd(self) -> None:
+        """Close the descriptor once a child has inherited it; the mapping stays."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class FreeList:
+    """First-fit allocator over [0, size) that tolerates out-of-order release.
+
+    Free extents are kept sorted as two parallel lists; releasing merges a block with its free
+    neighbours, so steady traffic keeps reusing the front of the arena.
+    """
+
+    __slots__ = ("_starts", "_ends", "_live")
+
+    def __init__(self, size: int) -> None:
+        self._starts = [0]
+        self._ends = [size]
+        self._live: dict[int, int] = {}
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a block of at least `nbytes`, or None when no free extent is big enough."""
+        nbytes = (nbytes + _ALIGNMENT - 1) & -_ALIGNMENT
+        starts, ends = self._starts, self._ends
+        for index, start in enumerate(starts):
+            end = ends[index]
+            if end - start >= nbytes:
+                if end - start == nbytes:
+                    del starts[index], ends[index]
+                else:
+                    starts[index] = start + nbytes
+                self._live[start] = nbytes
+                return start
+        return None
+
+    def release(self, offset: int) -> None:
+        end = offset + self._live.pop(offset)
+        starts, ends = self._starts, self._ends
+        index = bisect.bisect_left(starts, offset)
+        joins_previous = index > 0 and ends[index - 1] == offset
+        joins_next = index < len(starts) and starts[index] == end
+        if joins_previous and joins_next:
+            ends[index - 1] = ends[index]
+            del starts[index], ends[index]
+        elif joins_previous:
+            ends[index - 1] = end
+        elif joins_next:
+            starts[index] = offset
+        else:
+            starts.insert(index, offset)
+            ends.insert(index, end)
+
+    @property
+    def live_blocks(self) -> int:
+        return len(self._live)
+
+
+def _raw_bytes(data: np.ndarray) -> memoryview:
+    """A flat byte view of a numeric array, copying only if it is not C-contiguous."""
+    if not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    try:
+        return memoryview(data).cast("B")
+    except (TypeError, ValueError):  # dtypes the buffer protocol cannot name, e.g. bfloat16
+        return memoryview(data.reshape(-1).view(np.uint8))
+
+
+class ShmWriter:
+    """The producer's side of one direction: lays a message's tensors out in its arena."""
+
+    __slots__ = ("_region", "_free")
+
+    def __init__(self, region: Region) -> None:
+        self._region = region
+        self._free = FreeList(region.size)
+
+    def release(self, offsets: Sequence[int]) -> None:
+        for offset in offsets:
+            self._free.release(offset)
+
+    @property
+    def live_blocks(self) -> int:
+        return self._free.live_blocks
+
+    def write(self, groups: Sequence[Sequence[Entry]], first_fd: int = 0) -> Placed:
+        """Place every tensor; returns descriptors per group (in the order given), the arena blocks
+        the consumer must release after reading, and one-off descriptors to send with the message.
+
+        Copied tensors share one block (8-byte aligned inside it), each viewed tensor gets its own,
+        and whatever finds no room goes to a single one-off region (`first_fd` is its index).
+        """
+        planned: list[tuple[Any, ...]] = []
+        copied_bytes = 0
+        for group_index, group in enumerate(groups):
+            for position, (name, datatype, data) in enumerate(group):
+                if datatype == "BYTES":
+                    payload: Any = serialize_bytes(data)
+                    nbytes = len(payload)
+                    is_view = False
+                else:
+                    nbytes = data.nbytes
+                    payload = _raw_bytes(data) if nbytes else None
+                    is_view = nbytes > COPY_LIMIT
+                if not is_view:
+                    copied_bytes += (nbytes + 7) & -8
+                planned.append((group_index, position, name, datatype, data.shape, payload, nbytes, is_view))
+        descriptors: list[list[Any]] = [[None] * len(group) for group in groups]
+        frees: list[int] = []
+        overflow: list[tuple[Any, ...]] = []
+        view = self._region.view
+        cursor = self._free.allocate(copied_bytes) if copied_bytes else 0
+        if cursor is not None and copied_bytes:
+            frees.append(cursor)
+        for item in planned:
+            group_index, position, name, datatype, shape, payload, nbytes, is_view = item
+            if is_view:
+                offset = self._free.allocate(nbytes)
+            elif cursor is not None:
+                offset = cursor
+                cursor += (nbytes + 7) & -8
+            else:
+                offset = None
+            if offset is None:
+                overflow.append(item)
+                continue
+            if nbytes:
+                view[offset : offset + nbytes] = payload
+            descriptors[group_index][position] = (name, datatype, shape, ARENA, offset, nbytes, is_view)
+        fds = self._write_overflow(overflow, descriptors, first_fd) if overflow else []
+        return descriptors, frees, fds
+
+    @staticmethod
+    def _write_overflow(overflow: list[tuple[Any, ...]], descriptors: list[list[Any]], region_index: int) -> list[int]:
+        """Write what found no room in the arena into one fresh memfd, sent with the datagram."""
+        total = sum((item[6] + _ALIGNMENT - 1) & -_ALIGNMENT for item in overflow) or _ALIGNMENT
+        region = Region.create(total, "transerve-overflow")
+        offset = 0
+        for group_index, position, name, datatype, shape, payload, nbytes, is_view in overflow:
+            if nbytes:
+                region.view[offset : offset + nbytes] = payload
+            descriptors[group_index][position] = (name, datatype, shape, region_index, offset, nbytes, is_view)
+            offset += (nbytes + _ALIGNMENT - 1) & -_ALIGNMENT
+        region.view.release()
+        region.mmap.close()
+        return [region.fd]
+
+
+class ShmReader:
+    """The consumer's side of one direction: turns descriptors into numpy arrays and collects the
+    producer's blocks it has finished with (`take_releases`), to send back in the next message."""
+
+    __slots__ = ("_view", "_pending")
+
+    def __init__(self, region: Region) -> None:
+        self._view = region.view
+        #: A deque because finalizers may append from any thread while the owner drains it.
+        self._pending: deque[int] = deque()
+
+    def take_releases(self) -> list[int]:
+        pending = self._pending
+        released = []
+        while pending:
+            released.append(pending.popleft())
+        return released
+
+    def read(
+        self, groups: Sequence[Sequence[Descriptor]], frees: Sequence[int], regions: Sequence[Region]
+    ) -> list[list[Entry]]:
+        tensor = self._tensor
+        entries = [[tensor(descriptor, regions) for descriptor in group] for group in groups]
+        self._pending.extend(frees)
+        return entries
+
+    def _tensor(self, descriptor: Descriptor, regions: Sequence[Region]) -> Entry:
+        name, datatype, shape, region, offset, nbytes, is_view = descriptor
+        view = self._view if region == ARENA else regions[region].view
+        if datatype == "BYTES":
+            count = 1
+            for dim in shape:
+                count *= dim
+            return name, datatype, deserialize_bytes(view[offset : offset + nbytes], count).reshape(shape)
+        dtype = NUMPY_DTYPES[datatype]
+        if not nbytes:
+            return name, datatype, np.empty(shape, dtype)
+        flat = np.frombuffer(view, dtype, nbytes // dtype.itemsize, offset)
+        if not is_view:
+            return name, datatype, flat.reshape(shape).copy()
+        if region == ARENA:
+            # `flat.base` is the memoryview numpy made; every array derived from `flat` keeps it
+            # alive, so it dies exactly when the block's memory is no longer referenced.
+            weakref.finalize(flat.base, self._pending.append, offset).atexit = False
+        return name, datatype, flat.reshape(shape)
+
+
+class Endpoint:
+    """One side of a worker connection: encodes outgoing messages (tensors into our arena) and
+    decodes incoming ones (tensors out of the peer's), carrying the releases between the two.
+
+    A message is (op, releases, frees, body, descriptors): `releases` are blocks of the receiver's
+    arena the sender is done with; `frees` are blocks of the sender's arena the receiver must give
+    back once it has read the message; `body` is the op's own metadata.
+    """
+
+    __slots__ = ("_writer", "_reader", "buffer")
+
+    def __init__(self, outgoing: Region, incoming: Region) -> None:
+        self._writer = ShmWriter(outgoing)
+        self._reader = ShmReader(incoming)
+        self.buffer = bytearray(INLINE_LIMIT)
+
+    @property
+    def live_blocks(self) -> int:
+        """Blocks of our arena the peer has not released yet (for tests and diagnostics)."""
+        return self._writer.live_blocks
+
+    def place(self, groups: Sequence[Sequence[Entry]]) -> Placed:
+        """Write a message's tensors into shared memory, before its body is final (the worker
+        times this step and reports the time in the body)."""
+        return self._writer.write(groups) if groups else _NOTHING_PLACED
+
+    def encode(self, op: int, body: Any, placed: Placed | None = None) -> tuple[bytes, list[int]]:
+        """The datagram for a message and the descriptors to pass with it (owned by the caller)."""
+        descriptors, frees, fds = placed or _NOTHING_PLACED
+        data = pickle.dumps((op, self._reader.take_releases(), frees, body, descriptors), _PICKLE)
+        if len(data) <= INLINE_LIMIT:
+            return data, fds
+        spilled = [[("", "UINT8", np.frombuffer(data, np.uint8))]]
+        spill_descriptors, spill_frees, spill_fds = self._writer.write(spilled, first_fd=len(fds))
+        envelope = pickle.dumps((OP_SPILLED, [], spill_frees, None, spill_descriptors), _PICKLE)
+        return envelope, fds + spill_fds
+
+    def decode(self, data: memoryview, fds: Sequence[int]) -> tuple[int, Any, list[list[Entry]]]:
+        """(op, body, tensors per group) of a received datagram; maps and closes its descriptors."""
+        regions = [Region.attach(fd) for fd in fds]
+        op, releases, frees, body, descriptors = pickle.loads(data)
+        if op == OP_SPILLED:
+            (((_, _, spilled),),) = self._reader.read(descriptors, frees, regions)
+            op, releases, frees, body, descriptors = pickle.loads(spilled)
+        self._writer.release(releases)
+        return op, body, self._reader.read(descriptors, frees, regions)
+
+
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+
+def send_datagram(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one message; the descriptors are closed once sent, as the peer now holds them."""
+    try:
+        if fds:
+            sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.send(data)
+    except BlockingIOError:
+        raise
+    except BaseException:
+        _close_all(fds)
+        raise
+    _close_all(fds)
+
+
+def receive_datagram(sock: socket.socket, buffer: bytearray) -> tuple[memoryview, list[int]] | None:
+    """One message and the descriptors that came with it; None at end of stream."""
+    nbytes, ancillary, flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_BYTES)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            received = array.array("i")
+            received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+            fds.extend(received)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        _close_all(fds)
+        raise ConnectionLost("a message from the peer was truncated")
+    if nbytes == 0:
+        _close_all(fds)
+        return None
+    return memoryview(buffer)[:nbytes], fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+#: Turns a reply's (body, tensors per group) into the value its future resolves to.
+ReplyHandler = Callable[[Any, list[list[Entry]]], Any]
+#: Settles the future of a request whose worker was lost (by default it raises ConnectionLost).
+LostHandler = Callable[["asyncio.Future[Any]"], None]
+
+
+class AsyncConnection:
+    """The server's side of a worker socket, driven by the event loop without ever blocking it.
+
+    The worker answers messages in order, so each reply settles the oldest waiting request. A
+    reply is decoded in the reader callback (not by an awaiting coroutine), so its blocks are
+    released even when the caller gave up, and a request's `on_reply` handler can build the final
+    result there: the caller gets a plain future, with no task per request. Sends that meet a full
+    socket wait in an outbox.
+    """
+
+    def __init__(self, sock: socket.socket, endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._endpoint = endpoint
+        self._loop = loop
+        self._waiting: deque[tuple[asyncio.Future[Any], ReplyHandler | None, LostHandler | None]] = deque()
+        self._outbox: deque[tuple[bytes, list[int]]] = deque()
+        self.closed = False
+        loop.add_reader(sock.fileno(), self.read_ready)
+
+    @property
+    def live_blocks(self) -> int:
+        return self._endpoint.live_blocks
+
+    def request(
+        self,
+        op: int,
+        body: Any,
+        groups: Sequence[Sequence[Entry]] = (),
+        on_reply: ReplyHandler | None = None,
+        on_lost: LostHandler | None = None,
+    ) -> asyncio.Future[Any]:
+        """Send a message; the future resolves to `on_reply(body, groups)` of the reply, or to
+        (body, groups) itself without a handler."""
+        future = self._loop.create_future()
+        if self.closed:
+            _settle_lost(future, on_lost)
+            return future
+        data, fds = self._endpoint.encode(op, body, self._endpoint.place(groups))
+        self._waiting.append((future, on_reply, on_lost))
+        if self._outbox:
+            self._outbox.append((data, fds))
+            return future
+        try:
+            send_datagram(self._sock, data, fds)
+        except BlockingIOError:
+            self._outbox.append((data, fds))
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+        except OSError:
+            self.lose()
+        return future
+
+    def _flush(self) -> None:
+        while self._outbox:
+            data, fds = self._outbox[0]
+            try:
+                send_datagram(self._sock, data, fds)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.lose()
+                return
+            self._outbox.popleft()
+        self._loop.remove_writer(self._sock.fileno())
+
+    def read_ready(self) -> None:
+        """Handle the messages waiting on the socket (also called to drain it before closing).
+
+        Stops once no reply is outstanding rather than on EAGAIN, which saves a syscall per wake-up.
+        """
+        endpoint = self._endpoint
+        while not self.closed:
+            try:
+                received = receive_datagram(self._sock, endpoint.buffer)
+            except BlockingIOError:
+                return
+            except (OSError, ConnectionLost):
+                received = None
+            if received is None:
+                self.lose()
+                return
+            try:
+                _, body, groups = endpoint.decode(*received)
+            except Exception:
+                self.lose()
+                raise
+            future, on_reply, _ = self._waiting.popleft()
+            if not future.done():
+                if on_reply is None:
+                    future.set_result((body, groups))
+                else:
+                    try:
+                        future.set_result(on_reply(body, groups))
+                    except Exception as exc:
+                        future.set_exception(exc)
+            if not self._waiting:
+                return
+
+    def lose(self) -> None:
+        """Close the connection and settle every waiting request as lost."""
+        if self.closed:
+            return
+        self.closed = True
+        fileno = self._sock.fileno()
+        self._loop.remove_reader(fileno)
+        if self._outbox:
+            self._loop.remove_writer(fileno)
+            for _, fds in self._outbox:
+                _close_all(fds)
+            self._outbox.clear()
+        self._sock.close()
+        while self._waiting:
+            future, _, on_lost = self._waiting.popleft()
+            _settle_lost(future, on_lost)
+
+
+def _settle_lost(future: asyncio.Future[Any], on_lost: LostHandler | None) -> None:
+    if future.done():
+        return
+    if on_lost is None:
+        future.set_exception(ConnectionLost())
+    else:
+        on_lost(future)

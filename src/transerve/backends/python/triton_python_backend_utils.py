@@ -1,0 +1,594 @@
+"""The `triton_python_backend_utils` module that Triton python-backend models import as `pb_utils`.
+
+Real Triton injects Tensor, InferenceRequest, InferenceResponse, TritonError and Logger from C++
+into this module; here they are plain Python classes with the same constructors, methods and
+errors, so an unmodified `model.py` runs in our worker. The worker installs this module as
+`sys.modules["triton_python_backend_utils"]` before it imports the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import enum
+import json
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from transerve.core.datatypes import BF16, NUMPY_DTYPES, TRITON_ENUM, deserialize_bytes, serialize_bytes
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+#: numpy dtype -> protocol datatype name, for the dtypes a model may hand to `Tensor`.
+_DATATYPE_OF = {dtype: name for name, dtype in NUMPY_DTYPES.items() if name != "BYTES"}
+_DATATYPE_OF[np.dtype(np.object_)] = "BYTES"
+_DATATYPE_BY_ENUM = {number: name for name, number in TRITON_ENUM.items()}
+
+#: `TYPE_FP32`-style config names -> numpy types, as models pass them to `triton_string_to_numpy`.
+_CONFIG_TYPE_TO_NUMPY: dict[str, type] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+    "TYPE_BF16": BF16.type,
+}
+
+
+class TritonModelException(Exception):
+    """What Triton raises from its C++ classes when a model misuses them."""
+
+
+class TritonError:
+    """An error a model attaches to one response; `code` is one of the class constants."""
+
+    class Code(enum.IntEnum):
+        """TRITONSERVER_Error_Code values."""
+
+        UNKNOWN = 0
+        INTERNAL = 1
+        NOT_FOUND = 2
+        INVALID_ARG = 3
+        UNAVAILABLE = 4
+        UNSUPPORTED = 5
+        ALREADY_EXISTS = 6
+        CANCELLED = 7
+
+    UNKNOWN = Code.UNKNOWN
+    INTERNAL = Code.INTERNAL
+    NOT_FOUND = Code.NOT_FOUND
+    INVALID_ARG = Code.INVALID_ARG
+    UNAVAILABLE = Code.UNAVAILABLE
+    UNSUPPORTED = Code.UNSUPPORTED
+    ALREADY_EXISTS = Code.ALREADY_EXISTS
+    CANCELLED = Code.CANCELLED
+
+    __slots__ = ("_message", "_code")
+
+    def __init__(self, message: str, code: int = Code.INTERNAL) -> None:
+        if message is None or code is None:
+            raise TypeError("TritonError: message and code must not be None")
+        self._message = str(message)
+        self._code = TritonError.Code(code)
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> TritonError.Code:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, {self._code.name})"
+
+    __str__ = message
+
+
+class Tensor:
+    """A named tensor held as a numpy array (CPU only, as our worker has no GPU memory)."""
+
+    __slots__ = ("_name", "_array", "_datatype")
+
+    def __init__(self, name: str, numpy_array: Any) -> None:
+        if not name:
+            raise TritonModelException("Tensor name cannot be an empty string.")
+        array = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
+        self._datatype = _datatype_of(array.dtype)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        self._name = name
+        self._array = array
+
+    @classmethod
+    def _wrap(cls, name: str, datatype: str, array: np.ndarray) -> Tensor:
+        """Build an input tensor the worker decoded, skipping the checks a model's arrays need."""
+        tensor = cls.__new__(cls)
+        tensor._name = name
+        tensor._datatype = datatype
+        tensor._array = array
+        return tensor
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def triton_dtype(self) -> int:
+        return TRITON_ENUM[self._datatype]
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule over the same memory (BYTES tensors have no DLPack form)."""
+        if self._datatype == "BYTES":
+            raise TritonModelException("DLPack does not have support for string tensors.")
+        return self._array.__dlpack__()
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        if self._datatype == "BYTES":
+            raise TritonModelException("DLPack does not have support for string tensors.")
+        return self._array.__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()
+
+    @staticmethod
+    def from_dlpack(name: str, tensor: Any) -> Tensor:
+        """A tensor sharing the memory of a DLPack capsule or of any object with `__dlpack__`."""
+        if not name:
+            raise TritonModelException("Tensor name cannot be an empty string.")
+        if not hasattr(tensor, "__dlpack__"):
+            if type(tensor).__name__ != "PyCapsule":
+                raise TritonModelException(
+                    "Provided tensor is not supported. Tensor must be a DLPack capsule or have a `__dlpack__` attribute"
+                )
+            tensor = _Capsule(tensor)
+        try:
+            array = np.from_dlpack(tensor)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise TritonModelException(f"failed to import the DLPack tensor: {exc}") from None
+        return Tensor(name, array)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, {self._datatype}, shape={list(self._array.shape)})"
+
+
+def _datatype_of(dtype: np.dtype) -> str:
+    """The protocol datatype of a numpy dtype a model used, rejected as Triton rejects it."""
+    datatype = _DATATYPE_OF.get(dtype)
+    if datatype is not None:
+        return datatype
+    if dtype.kind == "S":
+        return "BYTES"
+    if dtype.kind == "U":
+        raise TritonModelException(
+            f"NumPy dtype is not supported: str arrays ({dtype}) cannot be tensors; "
+            "use dtype=np.object_ (str or bytes elements) or np.bytes_"
+        )
+    raise TritonModelException(f"NumPy dtype is not supported: {dtype}")
+
+
+class _DLTensorHead(ctypes.Structure):
+    """The start of DLPack's DLManagedTensor: enough to read the device of a raw capsule."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _Capsule:
+    """Lets `np.from_dlpack` consume a bare capsule, which carries no `__dlpack_device__` of its own."""
+
+    __slots__ = ("_capsule",)
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+        get_pointer.restype = ctypes.c_void_p
+        get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        address = get_pointer(self._capsule, b"dltensor")
+        head = _DLTensorHead.from_address(address)
+        return head.device_type, head.device_id
+
+
+def _parameters_json(parameters: dict[str, Any] | None) -> str:
+    """Parameters as the JSON string Triton hands back, with Triton's key and value checks."""
+    if not parameters:
+        return "{}"
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"Expect parameters to be a dict, found type {type(parameters)}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str, float)):
+            raise TritonModelException(f"Expect parameters values to have type bool/int/str, found type {type(value)}")
+    return json.dumps(parameters)
+
+
+class InferenceRequest:
+    """A request handed to `execute`, or one a model builds for a BLS call (not supported yet)."""
+
+    __slots__ = (
+        "_request_id",
+        "_correlation_id",
+        "_inputs",
+        "_requested_output_names",
+        "_model_name",
+        "_model_version",
+        "_flags",
+        "_timeout",
+        "_parameters",
+        "_parameters_json",
+    )
+
+    def __init__(
+        self,
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        *,
+        inputs: list[Tensor],
+        requested_output_names: list[str],
+        model_name: str,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: Any = None,
+        trace: Any = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(correlation_id, (int, str)):
+            raise TritonModelException("Correlation ID must be integer or string")
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
+        self._model_name = model_name
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
+        self._parameters = None
+        self._parameters_json = _parameters_json(parameters)
+
+    @classmethod
+    def _received(
+        cls,
+        request_id: str,
+        correlation_id: int | str,
+        flags: int,
+        parameters: dict[str, Any],
+        requested_output_names: list[str],
+        inputs: list[Tensor],
+        model_name: str,
+        model_version: int,
+    ) -> InferenceRequest:
+        """A request as the worker receives it; its parameters become JSON only if the model asks."""
+        request = cls.__new__(cls)
+        request._request_id = request_id
+        request._correlation_id = correlation_id
+        request._inputs = inputs
+        request._requested_output_names = requested_output_names
+        request._model_name = model_name
+        request._model_version = model_version
+        request._flags = flags
+        timeout = parameters.get("timeout", 0)
+        request._timeout = timeout if isinstance(timeout, int) else 0
+        request._parameters = parameters
+        request._parameters_json = None
+        return request
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        if self._parameters_json is None:
+            self._parameters_json = json.dumps(self._parameters)
+        return self._parameters_json
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested_output_names
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException("get_response_sender (decoupled models) is not supported yet")
+
+    def set_release_flags(self, flags: int) -> None:
+        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
+            raise TritonModelException("rescheduling requests is not supported yet")
+
+    def exec(self, decoupled: bool = False) -> Any:
+        raise TritonModelException("BLS (InferenceRequest.exec) is not supported yet")
+
+    def async_exec(self, decoupled: bool = False) -> Any:
+        raise TritonModelException("BLS (InferenceRequest.async_exec) is not supported yet")
+
+
+class InferenceResponse:
+    """A model's response to one request: output tensors, or an error for that request alone."""
+
+    __slots__ = ("_output_tensors", "_error", "_parameters")
+
+    def __init__(
+        self,
+        output_tensors: list[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
+        if error is not None and not isinstance(error, TritonError):
+            raise TypeError(f"InferenceResponse: error must be a pb_utils.TritonError, got {type(error)}")
+        _parameters_json(parameters)
+        self._output_tensors = list(output_tensors) if output_tensors else []
+        self._error = error
+        self._parameters = parameters or {}
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return _parameters_json(self._parameters)
+
+
+class Logger:
+    """Writes a model's log lines to the worker's stderr, which the server shares."""
+
+    class LogLevel(enum.IntEnum):
+        INFO = 0
+        WARNING = 1
+        ERROR = 2
+        VERBOSE = 3
+
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
+
+    #: Verbose lines are dropped unless the server runs with verbose logging.
+    verbose: bool = os.environ.get("TRANSERVE_LOG_VERBOSE", "0") not in ("", "0")
+
+    @staticmethod
+    def log(message: str, level: int = LogLevel.INFO) -> None:
+        level = Logger.LogLevel(level)
+        if level == Logger.LogLevel.VERBOSE and not Logger.verbose:
+            return
+        caller = sys._getframe(1)
+        if caller.f_code.co_filename == __file__:
+            caller = caller.f_back or caller
+        stamp = datetime.datetime.now().strftime("%m%d %H:%M:%S.%f")
+        where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+        sys.stderr.write(f"{'IWEV'[level]}{stamp} {os.getpid()} {where}] {message}\n")
+        sys.stderr.flush()
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, Logger.LogLevel.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, Logger.LogLevel.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, Logger.LogLevel.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, Logger.LogLevel.VERBOSE)
+
+
+LogLevel = Logger.LogLevel
+
+#: Set by the worker: the folder holding the model file, as Triton's `get_model_dir()` returns.
+_model_dir = ""
+
+
+def get_model_dir() -> str:
+    return _model_dir
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | tuple[()] | None:
+    """A BYTES array as 4-byte-length-prefixed elements in C order (None if it is not BYTES)."""
+    if input_tensor.size == 0:
+        return ()
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
+        return None
+    return serialize_bytes(input_tensor)
+
+
+def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray:
+    """The inverse of `serialize_byte_tensor`: a 1-D object array of `bytes`."""
+    return deserialize_bytes(memoryview(encoded_tensor).cast("B"))
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    return _find_tensor(inference_request.inputs(), name)
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    return _find_tensor(inference_response.output_tensors(), name)
+
+
+def _find_tensor(tensors: Iterable[Tensor], name: str) -> Tensor | None:
+    for tensor in tensors:
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return _find_config(model_config.get("input", ()), name)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return _find_config(model_config.get("output", ()), name)
+
+
+def _find_config(entries: Iterable[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    for entry in entries:
+        if entry["name"] == name:
+            return entry
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    """Triton's numeric datatype enum -> numpy type (None for an unknown number)."""
+    name = _DATATYPE_BY_ENUM.get(data_type)
+    return None if name is None else NUMPY_DTYPES[name].type
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """numpy type -> Triton's numeric datatype enum (None for an unsupported type)."""
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dtype.kind == "S":
+        return TRITON_ENUM["BYTES"]
+    name = _DATATYPE_OF.get(dtype)
+    return None if name is None else TRITON_ENUM[name]
+
+
+def triton_string_to_numpy(triton_type_string: str) -> type:
+    return _CONFIG_TYPE_TO_NUMPY[triton_type_string]
+
+
+class ModelConfig:
+    """The config handed to `auto_complete_config`: a model may fill in only what Triton lets it,
+    and each setter refuses to contradict what config.pbtxt already says."""
+
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        self._model_config = json.loads(model_config) if isinstance(model_config, str) else model_config
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    @property
+    def _name(self) -> str:
+        return self._model_config.get("name", "")
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = self._model_config["max_batch_size"]
+        if configured > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {configured}, but in auto-complete-config function "
+                f"for model '{self._name}' specified max_batch_size {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._model_config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{other}', but auto-complete-config function "
+                    f"for model '{self._name}' tries to set scheduling_choice as 'dynamic_batching'"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: dict[str, Any]) -> None:
+        self._add_tensor("input", input, ("name", "data_type", "dims", "optional"))
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add_tensor("output", output, ("name", "data_type", "dims"))
+
+    def _add_tensor(self, kind: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        """Add an input/output, or complete the one config.pbtxt declares under the same name."""
+        label = f"{kind} '{tensor.get('name', '')}' in auto-complete-config function for model '{self._name}'"
+        unknown = [key for key in tensor if key not in allowed]
+        if unknown:
+            raise ValueError(f"{label} contains property other than {', '.join(repr(a) for a in allowed)}.")
+        for required in ("name", "data_type", "dims"):
+            if required not in tensor:
+                raise ValueError(f"{label} is missing '{required}' property.")
+        for current in self._model_config[kind]:
+            if current["name"] == tensor["name"]:
+                self._merge_tensor(kind, current, tensor)
+                return
+        self._model_config[kind].append(tensor)
+
+    def _merge_tensor(self, kind: str, current: dict[str, Any], tensor: dict[str, Any]) -> None:
+        name = tensor["name"]
+        configured_type = current.get("data_type", "TYPE_INVALID")
+        if configured_type != "TYPE_INVALID" and configured_type != tensor["data_type"]:
+            raise ValueError(
+                f"unable to load model '{self._name}', configuration expects datatype {configured_type} "
+                f"for {kind} '{name}', model provides {tensor['data_type']}"
+            )
+        if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+            raise ValueError(
+                f"model '{self._name}', tensor '{name}': the model expects dims {tensor['dims']} "
+                f"but the model configuration specifies dims {current['dims']}"
+            )
+        if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
+            raise ValueError(
+                f"model '{self._name}', tensor '{name}': the model expects optional {tensor['optional']} "
+                f"but the model configuration specifies optional {current['optional']}"
+            )
+        current["data_type"] = tensor["data_type"]
+        current["dims"] = tensor["dims"]
+        if "optional" in tensor:
+            current["optional"] = tensor["optional"]
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        if any(key != "decoupled" for key in transaction_policy_dict):
+            raise ValueError(
+                f"model transaction property in auto-complete-config function for model '{self._name}' "
+                "contains property other than 'decoupled'."
+            )
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" not in transaction_policy_dict:
+            return
+        wanted = transaction_policy_dict["decoupled"]
+        if "decoupled" in policy and policy["decoupled"] != wanted:
+            raise ValueError(
+                f"trying to change decoupled property in auto-complete-config for model '{self._name}', "
+                f"which is already set to '{policy['decoupled']}'."
+            )
+        policy["decoupled"] = wanted

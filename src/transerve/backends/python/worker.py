@@ -1,0 +1,314 @@
+"""The worker process of one python-backend model instance, as Triton's stub is.
+
+Run by the backend as `python -m transerve.backends.python.worker --socket-fd N --input-fd A
+--output-fd B`: it installs our `triton_python_backend_utils`, then serves the server's messages
+in order on the socket (load, auto-complete, initialize, execute, is_ready, finalize) until
+finalize or until the server's end of the socket closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from transerve.backends.python import triton_python_backend_utils as pb_utils
+from transerve.backends.python.ipc import (
+    OP_AUTO_COMPLETE,
+    OP_EXECUTE,
+    OP_FINALIZE,
+    OP_INITIALIZE,
+    OP_IS_READY,
+    OP_LOAD,
+    Endpoint,
+    Entry,
+    Region,
+    receive_datagram,
+    send_datagram,
+)
+
+#: A control reply: (None, value) on success, else ((error code name, one-line message), None).
+Reply = tuple[tuple[str, str] | None, Any]
+
+
+class ModelError(Exception):
+    """A failure to report to the server as one line, with the error code it maps to."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def describe(exc: BaseException) -> str:
+    """`ValueError: boom`, the one-line form the server puts in its error messages."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class ModelRunner:
+    """Owns the user's TritonPythonModel and runs its lifecycle as the server asks."""
+
+    def __init__(self) -> None:
+        self.model_class: type | None = None
+        self.model: Any = None
+        self.model_name = ""
+        self.instance_name = ""
+        self.model_version = 0
+        self._all_outputs: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def load(self, spec: dict[str, str]) -> None:
+        """Import `<version>/<file>` as Triton does: as module `<version>.<stem>`, with the version
+        folder and the model folder on sys.path, so both `import helper` and `from . import helper`
+        work from model.py."""
+        self.model_name = spec["model_name"]
+        self.instance_name = spec["instance_name"]
+        self.model_version = int(spec["model_version"])
+        model_file = Path(spec["model_file"])
+        pb_utils._model_dir = str(model_file.parent)
+        sys.path.append(str(model_file.parent))
+        sys.path.append(str(model_file.parent.parent))
+        try:
+            module = importlib.import_module(f"{model_file.parent.name}.{model_file.stem}")
+        except BaseException as exc:
+            traceback.print_exc()
+            raise ModelError("INTERNAL", describe(exc)) from None
+        model_class = getattr(module, "TritonPythonModel", None)
+        if not isinstance(model_class, type):
+            raise ModelError("INVALID_ARG", f"{model_file} does not define class TritonPythonModel")
+        if not hasattr(model_class, "execute"):
+            raise ModelError("INVALID_ARG", f"Python model {model_file} does not implement `execute` method.")
+        self.model_class = model_class
+
+    def auto_complete(self, config_json: str) -> str:
+        config = pb_utils.ModelConfig(config_json)
+        completer = getattr(self.model_class, "auto_complete_config", None)
+        if completer is None:
+            return config_json
+        completed = self._call_model(completer, config)
+        if not isinstance(completed, pb_utils.ModelConfig):
+            raise ModelError(
+                "INVALID_ARG",
+                f"auto_complete_config function in model '{self.model_name}' "
+                "must return a valid pb.ModelConfig object.",
+            )
+        return json.dumps(completed.as_dict())
+
+    def initialize(self, args: dict[str, str]) -> bool:
+        """Create the model and call its `initialize`; returns whether it defines `is_ready`."""
+        assert self.model_class is not None
+        config = json.loads(args["model_config"])
+        self._all_outputs = [output["name"] for output in config.get("output", ())]
+        self.model = self._call_model(self.model_class)
+        if hasattr(self.model, "initialize"):
+            self._call_model(self.model.initialize, args)
+        return hasattr(self.model, "is_ready")
+
+    def _call_model(self, function: Any, *args: Any) -> Any:
+        """Run model code, turning any exception into a one-line ModelError (traceback to stderr)."""
+        try:
+            return self._settle(function(*args))
+        except ModelError:
+            raise
+        except BaseException as exc:
+            traceback.print_exc()
+            raise ModelError("INTERNAL", describe(exc)) from None
+
+    def _settle(self, result: Any) -> Any:
+        """Run a coroutine to completion on the worker's own event loop (`async def` methods)."""
+        if not asyncio.iscoroutine(result):
+            return result
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(result)
+
+    def requests(self, body: list[tuple[Any, ...]], groups: list[list[Entry]]) -> list[pb_utils.InferenceRequest]:
+        """The pb_utils requests of an execute message: its metadata and its decoded input tensors."""
+        received = pb_utils.InferenceRequest._received
+        wrap = pb_utils.Tensor._wrap
+        requests = []
+        for (request_id, correlation_id, flags, parameters, requested), inputs in zip(body, groups, strict=True):
+            requests.append(
+                received(
+                    request_id,
+                    correlation_id,
+                    flags,
+                    parameters,
+                    self._all_outputs if requested is None else requested,
+                    [wrap(name, datatype, data) for name, datatype, data in inputs],
+                    self.model_name,
+                    self.model_version,
+                )
+            )
+        return requests
+
+    def execute(self, requests: list[pb_utils.InferenceRequest]) -> tuple[list[Any], list[list[Entry]]]:
+        """Run one `execute` call: per request, its result and its output tensors.
+
+        A result is (None, None, parameters) or (error code name, message, None); an exception
+        (or a malformed return value) fails every request of the call, as in Triton.
+        """
+        try:
+            returned = self._settle(self.model.execute(requests))
+            return self._results(requests, self._check_responses(requests, returned))
+        except BaseException as exc:
+            traceback.print_exc()
+            return self.failed(len(requests), describe(exc))
+
+    def failed(self, count: int, reason: str) -> tuple[list[Any], list[list[Entry]]]:
+        message = (
+            f"Failed to process the request(s) for model '{self.model_name}' "
+            f"instance '{self.instance_name}', message: {reason}"
+        )
+        return [("INTERNAL", message, None)] * count, [[] for _ in range(count)]
+
+    @staticmethod
+    def _check_responses(requests: list[Any], returned: Any) -> list[Any]:
+        """Reject what Triton rejects in execute's return value, as an error of the whole call."""
+        if not isinstance(returned, list):
+            raise TypeError(f"Expected a list in the execute return, found type '{type(returned)}'.")
+        if len(returned) != len(requests):
+            raise ValueError(
+                "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+                f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(returned)}"
+            )
+        for response in returned:
+            if response is not None and not isinstance(response, pb_utils.InferenceResponse):
+                raise TypeError(
+                    "Expected an 'InferenceResponse' object in the execute function return list, "
+                    f"found type '{type(response)}'."
+                )
+        return returned
+
+    def _results(
+        self, requests: list[pb_utils.InferenceRequest], responses: list[Any]
+    ) -> tuple[list[Any], list[list[Entry]]]:
+        """Per request: its result and its output tensors, pruned to the requested outputs as Triton does."""
+        results: list[Any] = []
+        outputs: list[list[Entry]] = []
+        for request, response in zip(requests, responses, strict=True):
+            if response is None:
+                results.append(("INTERNAL", f"model '{self.model_name}' returned no response for the request", None))
+                outputs.append([])
+            elif response._error is not None:
+                error = response._error
+                results.append((error.code().name, error.message(), None))
+                outputs.append([])
+            else:
+                results.append((None, None, response._parameters or None))
+                outputs.append(self._outputs(request, response))
+        return results, outputs
+
+    @staticmethod
+    def _outputs(request: pb_utils.InferenceRequest, response: pb_utils.InferenceResponse) -> list[Entry]:
+        wanted = request._requested_output_names
+        entries = []
+        for tensor in response._output_tensors:
+            if not isinstance(tensor, pb_utils.Tensor):
+                raise TypeError(f"output_tensors must hold pb_utils.Tensor objects, found type '{type(tensor)}'")
+            if not wanted or tensor._name in wanted:
+                entries.append((tensor._name, tensor._datatype, tensor._array))
+        return entries
+
+    def is_ready(self) -> bool:
+        try:
+            return bool(self._settle(self.model.is_ready()))
+        except Exception:
+            traceback.print_exc()
+            return False
+
+    def finalize(self) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            try:
+                self._settle(self.model.finalize())
+            except Exception:
+                traceback.print_exc()
+        if self._loop is not None:
+            self._loop.close()
+
+
+def control(runner: ModelRunner, op: int, body: Any) -> Reply:
+    """Answer a lifecycle message (everything but execute)."""
+    try:
+        if op == OP_LOAD:
+            return None, runner.load(body)
+        if op == OP_AUTO_COMPLETE:
+            return None, runner.auto_complete(body)
+        if op == OP_INITIALIZE:
+            return None, runner.initialize(body)
+        if op == OP_IS_READY:
+            return None, runner.is_ready()
+        if op == OP_FINALIZE:
+            return None, runner.finalize()
+    except ModelError as exc:
+        return (exc.code, exc.message), None
+    return ("INTERNAL", f"unknown message {op}"), None
+
+
+def execute(
+    runner: ModelRunner, endpoint: Endpoint, body: Any, groups: list[list[Entry]], received_ns: int
+) -> tuple[bytes, list[int]]:
+    """Answer an execute message: ((results, (input, infer, output) ns), outputs) as a datagram."""
+    requests = runner.requests(body, groups)
+    del groups
+    built_ns = time.perf_counter_ns()
+    results, outputs = runner.execute(requests)
+    del requests
+    executed_ns = time.perf_counter_ns()
+    try:
+        placed = endpoint.place(outputs)
+    except Exception as exc:  # e.g. no memory for a one-off region
+        traceback.print_exc()
+        results, _ = runner.failed(len(results), f"cannot return the outputs: {describe(exc)}")
+        placed = endpoint.place(())
+    timings = (built_ns - received_ns, executed_ns - built_ns, time.perf_counter_ns() - executed_ns)
+    return endpoint.encode(OP_EXECUTE, (results, timings), placed)
+
+
+def serve(sock: socket.socket, endpoint: Endpoint, runner: ModelRunner) -> None:
+    """Answer messages in order until finalize or until the server goes away."""
+    while True:
+        received = receive_datagram(sock, endpoint.buffer)
+        if received is None:
+            runner.finalize()
+            return
+        received_ns = time.perf_counter_ns()
+        op, body, groups = endpoint.decode(*received)
+        if op == OP_EXECUTE:
+            reply, fds = execute(runner, endpoint, body, groups, received_ns)
+        else:
+            reply, fds = endpoint.encode(op, control(runner, op, body))
+        send_datagram(sock, reply, fds)
+        if op == OP_FINALIZE:
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket-fd", type=int, required=True, help="the SOCK_SEQPACKET end to serve")
+    parser.add_argument("--input-fd", type=int, required=True, help="memfd of the server-to-worker arena")
+    parser.add_argument("--output-fd", type=int, required=True, help="memfd of the worker-to-server arena")
+    args = parser.parse_args(argv)
+    # The server decides when its workers stop; Ctrl-C in a terminal reaches the whole group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `python -m` puts the working directory first on sys.path; a Triton stub has no such entry.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+    sys.modules["triton_python_backend_utils"] = pb_utils
+    sock = socket.socket(fileno=args.socket_fd)
+    endpoint = Endpoint(outgoing=Region.attach(args.output_fd), incoming=Region.attach(args.input_fd))
+    serve(sock, endpoint, ModelRunner())
+
+
+if __name__ == "__main__":
+    main()
