@@ -690,3 +690,14 @@ def test_logger_writes_to_stderr(capfd: pytest.CaptureFixture[str]):
     err = capfd.readouterr().err
     assert "careful" in err and "plain" in err and "hidden" not in err
     assert err.splitlines()[0].startswith("W") and f" {os.getpid()} test_python_backend.py:" in err
+
+
+def test_backend_config_values_are_checked_and_applied(tmp_path: Path):
+    write_model(tmp_path, "echo", ECHO_MODEL)
+    with pytest.raises(ServerError, match="backend config shm-default-byte-size must be an integer >= 4096, got 'x'"):
+        with_model(context(tmp_path, "echo", backend_config={"shm-default-byte-size": "x"}), lambda m: asyncio.sleep(0))
+
+    async def check(model: PythonModel) -> None:
+        assert model.instances[0].max_inflight == 7
+
+    with_model(context(tmp_path, "echo", backend_config={"max-inflight": "7"}), check)

