@@ -44,10 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=int, default=8000)
     add("--grpc-address", default="0.0.0.0")
-    add("--grpc-port", type=int, default=8001, help="reserved for the gRPC frontend")
+    add("--grpc-port", type=int, default=8001)
     add("--metrics-address", default="0.0.0.0")
     add("--metrics-port", type=int, default=8002, help="reserved for the metrics endpoint")
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
+    add("--allow-grpc", type=_bool, default=True, metavar="BOOL")
     add("--model-control-mode", choices=[mode.value for mode in ControlMode], default="none")
     add("--load-model", action="append", default=[], metavar="NAME",
         help="with explicit control: a model to load at start (repeatable, '*' for all)")
@@ -84,6 +85,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
 
 async def serve(args: argparse.Namespace) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
+    from transerve.frontends.grpc.service import GrpcFrontend
     from transerve.frontends.http.app import HttpFrontend
 
     for path in args.model_repository:
@@ -100,19 +102,32 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("a model failed to load and --exit-on-error is set")
         await server.stop()
         return 1
+    # gRPC starts first, as in Triton, so that a client which saw HTTP ready can rely on gRPC listening too.
+    grpc = GrpcFrontend(server)
+    if args.allow_grpc:
+        try:
+            await grpc.start(args.grpc_address, args.grpc_port)
+        except OSError as exc:
+            log.error("cannot listen for gRPC on %s:%d: %s", args.grpc_address, args.grpc_port, exc)
+            await server.stop()
+            return 1
+        log.info("GRPC service listening on %s:%d", args.grpc_address, args.grpc_port)
     http = HttpFrontend(server, args.http_max_input_size)
     if args.allow_http:
         try:
             await http.start(args.http_address, args.http_port)
         except OSError as exc:
             log.error("cannot listen for HTTP on %s:%d: %s", args.http_address, args.http_port, exc)
+            await grpc.close()
             await server.stop()
             return 1
         log.info("HTTP service listening on %s:%d", args.http_address, args.http_port)
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %ss)", args.exit_timeout_secs)
     await http.stop()
+    grpc.stop_accepting(args.exit_timeout_secs)
     await server.stop()
+    await grpc.close()
     log.info("stopped")
     return 0
 

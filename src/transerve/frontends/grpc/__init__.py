@@ -1,0 +1,1 @@
+"""Triton's gRPC frontend: `inference.GRPCInferenceService` and `grpc.health.v1.Health`."""

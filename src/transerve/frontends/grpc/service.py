@@ -1,0 +1,336 @@
+"""`inference.GRPCInferenceService` and `grpc.health.v1.Health/Check` on grpc.aio, each RPC one core call.
+
+The servicer is Triton's generated `GRPCInferenceServiceServicer`, so method names, messages and
+routing come from tritonclient's `service_pb2_grpc` rather than a copy of the .proto.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf.message import Message
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, unavailable, unsupported
+from transerve.core.server import ControlMode, ModelVersion, Server
+from transerve.frontends.grpc.codec import decode_infer_request, encode_infer_response, parse_version
+
+log = logging.getLogger("transerve.grpc")
+
+#: Triton's mapping of error codes to gRPC status codes.
+GRPC_STATUS = {
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
+}
+
+#: Triton accepts messages up to INT32_MAX bytes each way; so do we (the HTTP limit is a separate flag).
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+#: Requests of one stream that may be in flight before the server stops reading from it, so that a client
+#: sending faster than the model answers is slowed by HTTP/2 flow control instead of filling memory.
+STREAM_WINDOW = 256
+
+_NOT_EXPLICIT = "explicit model load / unload is not allowed if polling is enabled"
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def _rpc(method: _Handler) -> _Handler:
+    """Turn a handler's ServerError into its gRPC status; anything else is a bug, reported as INTERNAL."""
+
+    @functools.wraps(method)
+    async def handler(self: InferenceServicer, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            return await method(self, request)
+        except ServerError as exc:
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
+        except Exception:
+            log.exception("unhandled error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}")
+
+    return handler  # type: ignore[return-value]
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Triton's inference service over the core `Server`."""
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        # Kept rather than looked up per stream request: CPython's get_running_loop() costs a getpid() syscall.
+        self._loop = loop
+        # Metadata and config answers per (name, version), valid while the same ModelVersion serves.
+        self._cached: dict[tuple[str, str, str], tuple[ModelVersion, Message]] = {}
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    @_rpc
+    async def ServerLive(self, request: service_pb2.ServerLiveRequest) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=self._server.live)
+
+    @_rpc
+    async def ServerReady(self, request: service_pb2.ServerReadyRequest) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=self._server.ready)
+
+    @_rpc
+    async def ModelReady(self, request: service_pb2.ModelReadyRequest) -> service_pb2.ModelReadyResponse:
+        return service_pb2.ModelReadyResponse(
+            ready=self._server.model_ready(request.name, parse_version(request.version))
+        )
+
+    @_rpc
+    async def ServerMetadata(self, request: service_pb2.ServerMetadataRequest) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(**self._server.metadata())
+
+    @_rpc
+    async def ModelMetadata(self, request: service_pb2.ModelMetadataRequest) -> service_pb2.ModelMetadataResponse:
+        return self._per_version("metadata", request.name, request.version, self._build_metadata)
+
+    @_rpc
+    async def ModelConfig(self, request: service_pb2.ModelConfigRequest) -> service_pb2.ModelConfigResponse:
+        return self._per_version(
+            "config", request.name, request.version, lambda model: service_pb2.ModelConfigResponse(config=model.config)
+        )
+
+    def _per_version(self, kind: str, name: str, version: str, build: Callable[[ModelVersion], Message]) -> Any:
+        """A cached answer about one model version; a reload makes a new ModelVersion, so a stale one never shows."""
+        version = parse_version(version)
+        model = self._server.get_version(name, version)
+        key = (kind, name, version)
+        cached = self._cached.get(key)
+        if cached is None or cached[0] is not model:
+            cached = self._cached[key] = (model, build(model))
+        return cached[1]
+
+    def _build_metadata(self, model: ModelVersion) -> service_pb2.ModelMetadataResponse:
+        metadata = self._server.model_metadata(model.name, model.version)
+        tensor = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=metadata["name"],
+            versions=metadata["versions"],
+            platform=metadata["platform"],
+            inputs=[tensor(**spec) for spec in metadata["inputs"]],
+            outputs=[tensor(**spec) for spec in metadata["outputs"]],
+        )
+
+    @_rpc
+    async def ModelStatistics(
+        self, request: service_pb2.ModelStatisticsRequest
+    ) -> service_pb2.ModelStatisticsResponse:
+        statistics = self._server.statistics(request.name, parse_version(request.version))
+        # The core's dicts are Triton's JSON statistics, whose names are the proto's, so any drift fails loudly.
+        return json_format.ParseDict(statistics, service_pb2.ModelStatisticsResponse())
+
+    # ---- inference -------------------------------------------------------------------------------
+
+    @_rpc
+    async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+        return encode_infer_response(await self._server.infer(decode_infer_request(request)))
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """Requests of a stream run concurrently and are answered in order; an error is an answer, not the end."""
+        answers: asyncio.Queue[asyncio.Task[service_pb2.ModelStreamInferResponse] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        reader = self._loop.create_task(self._read_stream(request_iterator, answers, window))
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+            reader.result()  # a failure to read the stream ends it with that failure
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                pending = answers.get_nowait()
+                if pending is not None:
+                    pending.cancel()
+
+    async def _read_stream(
+        self,
+        requests: AsyncIterator[service_pb2.ModelInferRequest],
+        answers: asyncio.Queue[asyncio.Task[service_pb2.ModelStreamInferResponse] | None],
+        window: asyncio.Semaphore,
+    ) -> None:
+        try:
+            async for request in requests:
+                await window.acquire()
+                answers.put_nowait(self._loop.create_task(self._stream_answer(request, window)))
+        finally:
+            answers.put_nowait(None)
+
+    async def _stream_answer(
+        self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore
+    ) -> service_pb2.ModelStreamInferResponse:
+        try:
+            response = encode_infer_response(await self._server.infer(decode_infer_request(request)))
+            # As Triton marks it, so that clients of decoupled models can tell the last answer to a request.
+            response.parameters["triton_final_response"].bool_param = True
+            return service_pb2.ModelStreamInferResponse(infer_response=response)
+        except ServerError as exc:
+            return _stream_error(request, exc.message)
+        except Exception:
+            log.exception("unhandled error in ModelStreamInfer")
+            return _stream_error(request, "internal error in ModelStreamInfer")
+        finally:
+            window.release()
+
+    # ---- model repository ------------------------------------------------------------------------
+
+    @_rpc
+    async def RepositoryIndex(
+        self, request: service_pb2.RepositoryIndexRequest
+    ) -> service_pb2.RepositoryIndexResponse:
+        _no_repository_name(request.repository_name)
+        index = service_pb2.RepositoryIndexResponse.ModelIndex
+        entries = self._server.repository_index(ready_only=request.ready)
+        return service_pb2.RepositoryIndexResponse(models=[index(**entry) for entry in entries])
+
+    @_rpc
+    async def RepositoryModelLoad(
+        self, request: service_pb2.RepositoryModelLoadRequest
+    ) -> service_pb2.RepositoryModelLoadResponse:
+        self._explicit_control()
+        _no_repository_name(request.repository_name)
+        config = None
+        for key, parameter in request.parameters.items():
+            if key == "config":
+                if parameter.WhichOneof("parameter_choice") != "string_param":
+                    raise invalid_arg("invalid value type for load parameter 'config', expected string_param.")
+                config = parameter.string_param
+            elif key.startswith("file:"):
+                raise unsupported(f"load parameter '{key}': model files sent with the request are not supported")
+        await self._server.load_model(request.model_name, config)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(
+        self, request: service_pb2.RepositoryModelUnloadRequest
+    ) -> service_pb2.RepositoryModelUnloadResponse:
+        self._explicit_control()
+        _no_repository_name(request.repository_name)
+        await self._server.unload_model(request.model_name)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    def _explicit_control(self) -> None:
+        if self._server.options.control_mode is not ControlMode.EXPLICIT:
+            raise unavailable(_NOT_EXPLICIT)
+
+
+def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
+    """An error answer on a stream carries an infer_response naming the request by id, as Triton's does."""
+    return service_pb2.ModelStreamInferResponse(
+        error_message=message, infer_response=service_pb2.ModelInferResponse(id=request.id)
+    )
+
+
+def _no_repository_name(name: str) -> None:
+    if name:
+        raise unsupported("'repository_name' specification is not supported")
+
+
+# ---- grpc.health.v1 ------------------------------------------------------------------------------
+
+
+def _health_messages() -> tuple[type[Message], type[Message]]:
+    """grpc.health.v1's two messages, declared here in a private descriptor pool.
+
+    Two small messages do not justify a dependency (grpcio-health-checking must match grpcio's version
+    and brings its own protobuf floor); a private pool cannot clash with that package if it is installed.
+    """
+    proto = descriptor_pb2.FileDescriptorProto(name="transerve/grpc_health_v1.proto", package="grpc.health.v1",
+                                               syntax="proto3")
+    request = proto.message_type.add(name="HealthCheckRequest")
+    request.field.add(name="service", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+                      label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    response = proto.message_type.add(name="HealthCheckResponse")
+    status = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(["UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"]):
+        status.value.add(name=name, number=number)
+    response.field.add(name="status", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_ENUM,
+                       type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
+                       label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return (
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")),
+        message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")),
+    )
+
+
+HealthCheckRequest, HealthCheckResponse = _health_messages()
+SERVING = 1
+NOT_SERVING = 2
+
+
+def health_handler(server: Server) -> grpc.GenericRpcHandler:
+    """Check answers SERVING while the server is ready, whatever service is named, as Triton does."""
+
+    async def check(request: Message, context: grpc.aio.ServicerContext) -> Message:
+        return HealthCheckResponse(status=SERVING if server.ready else NOT_SERVING)
+
+    return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check,
+            request_deserializer=HealthCheckRequest.FromString,
+            response_serializer=HealthCheckResponse.SerializeToString,
+        ),
+    })
+
+
+# ---- the listening server ------------------------------------------------------------------------
+
+
+class GrpcFrontend:
+    """Serves the inference and health services on one address, on the running event loop."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._grpc: grpc.aio.Server | None = None
+        self._stopping: asyncio.Future[None] | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on host:port; raises OSError when the address cannot be bound."""
+        self._grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default, which would let a second server share a busy port silently.
+            ("grpc.so_reuseport", 0),
+        ])
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(self.server, asyncio.get_running_loop()), self._grpc
+        )
+        self._grpc.add_generic_rpc_handlers((health_handler(self.server),))
+        address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        try:
+            bound = self._grpc.add_insecure_port(address)
+        except RuntimeError as exc:  # recent grpcio raises, older ones return 0
+            raise OSError(str(exc)) from None
+        if not bound:
+            raise OSError(f"failed to bind to {address}")
+        await self._grpc.start()
+
+    def stop_accepting(self, grace: float) -> None:
+        """Refuse new RPCs; those in flight, and open streams, go on for up to `grace` seconds or until `close`."""
+        if self._grpc is not None and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._grpc.stop(grace))
+
+    async def close(self, linger: float = 1.0) -> None:
+        """Let answers already computed reach their clients (up to `linger` seconds), then end every RPC."""
+        if self._grpc is None:
+            return
+        self.stop_accepting(linger)
+        assert self._stopping is not None
+        await asyncio.wait([self._stopping], timeout=linger)
+        await self._grpc.stop(0)
+        await self._stopping
