@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -492,6 +493,21 @@ def test_large_tensors_in_and_out(tmp_path: Path):
         medium = big[: 1024 * 1024]  # 4 MiB: fits the arena, travels as a zero-copy view
         got = outputs(only_response(await execute(model.instances[0], fp32_request(medium))))
         np.testing.assert_array_equal(got["OUTPUT0"], medium)
+
+    with_model(context(tmp_path, "echo"), check)
+
+
+def test_bf16_travels_both_ways(tmp_path: Path):
+    write_model(tmp_path, "echo", ECHO_MODEL)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    async def check(model: PythonModel) -> None:
+        for size in (3, 100_000):  # copied, then a zero-copy view
+            data = np.arange(size).astype(bf16)
+            request = InferRequest("echo", [Tensor("INPUT0", "BF16", data)])
+            (tensor,) = only_response(await execute(model.instances[0], request)).outputs
+            assert (tensor.datatype, tensor.data.dtype) == ("BF16", bf16)
+            np.testing.assert_array_equal(tensor.data, data)
 
     with_model(context(tmp_path, "echo"), check)
 

@@ -131,14 +131,14 @@ class WorkerProcess:
         try:
             (error, value), _ = await self.connection.request(op, body)
         except ConnectionLost:
-            raise ServerError(ErrorCode.INTERNAL, await self.lost_message()) from None
+            exit_code = describe_exit(await self.exited())
+            raise ServerError(
+                ErrorCode.INTERNAL, f"model instance '{self.instance}' process exited unexpectedly ({exit_code})"
+            ) from None
         if error is not None:
             code, message = error
             raise ServerError(ErrorCode[code], message)
         return value
-
-    async def lost_message(self) -> str:
-        return f"model instance '{self.instance}' process exited unexpectedly ({describe_exit(await self.exited())})"
 
     async def exited(self) -> int:
         """The exit code, killing a worker that closed its socket but does not exit."""
@@ -346,8 +346,8 @@ class PythonInstance(BackendInstance):
         async def settle() -> None:
             error = ServerError(
                 ErrorCode.INTERNAL,
-                f"Failed to process the request(s) for model '{self._spec.model_name}': "
-                f"instance '{self.name}' process exited unexpectedly ({describe_exit(await worker.exited())})",
+                f"Failed to process the request(s): model '{self._spec.model_name}' instance '{self.name}' "
+                f"process exited unexpectedly ({describe_exit(await worker.exited())})",
             )
             if not future.done():
                 future.set_result(ExecutionResult([error] * count))

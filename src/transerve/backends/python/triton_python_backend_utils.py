@@ -206,18 +206,20 @@ class _Capsule:
         return self._capsule
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-        get_pointer.restype = ctypes.c_void_p
-        get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        address = get_pointer(self._capsule, b"dltensor")
-        head = _DLTensorHead.from_address(address)
+        head = _DLTensorHead.from_address(_capsule_pointer(self._capsule, b"dltensor"))
         return head.device_type, head.device_id
 
 
-def _parameters_json(parameters: dict[str, Any] | None) -> str:
-    """Parameters as the JSON string Triton hands back, with Triton's key and value checks."""
-    if not parameters:
-        return "{}"
+#: PyCapsule_GetPointer with its own prototype (configuring `ctypes.pythonapi`'s would be process-wide).
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+def _check_parameters(parameters: Any) -> dict[str, Any]:
+    """Parameters a model attaches to a request or response, with Triton's key and value checks."""
+    if parameters is None:
+        return {}
     if not isinstance(parameters, dict):
         raise TritonModelException(f"Expect parameters to be a dict, found type {type(parameters)}")
     for key, value in parameters.items():
@@ -225,7 +227,7 @@ def _parameters_json(parameters: dict[str, Any] | None) -> str:
             raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
         if not isinstance(value, (bool, int, str, float)):
             raise TritonModelException(f"Expect parameters values to have type bool/int/str, found type {type(value)}")
-    return json.dumps(parameters)
+    return parameters
 
 
 class InferenceRequest:
@@ -248,10 +250,9 @@ class InferenceRequest:
         self,
         request_id: str = "",
         correlation_id: int | str = 0,
-        *,
-        inputs: list[Tensor],
-        requested_output_names: list[str],
-        model_name: str,
+        inputs: list[Tensor] | None = None,
+        requested_output_names: list[str] | None = None,
+        model_name: str | None = None,
         model_version: int = -1,
         flags: int = 0,
         timeout: int = 0,
@@ -259,6 +260,9 @@ class InferenceRequest:
         trace: Any = None,
         parameters: dict[str, Any] | None = None,
     ) -> None:
+        """The BLS form; like Triton's, `inputs`, `requested_output_names` and `model_name` are required."""
+        if inputs is None or requested_output_names is None or model_name is None:
+            raise TypeError("InferenceRequest needs inputs, requested_output_names and model_name")
         if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
         self._request_id = request_id
@@ -269,8 +273,8 @@ class InferenceRequest:
         self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
-        self._parameters = None
-        self._parameters_json = _parameters_json(parameters)
+        self._parameters = _check_parameters(parameters)
+        self._parameters_json: str | None = None
 
     @classmethod
     def _received(
@@ -352,10 +356,9 @@ class InferenceResponse:
     ) -> None:
         if error is not None and not isinstance(error, TritonError):
             raise TypeError(f"InferenceResponse: error must be a pb_utils.TritonError, got {type(error)}")
-        _parameters_json(parameters)
         self._output_tensors = list(output_tensors) if output_tensors else []
         self._error = error
-        self._parameters = parameters or {}
+        self._parameters = _check_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._output_tensors
@@ -367,7 +370,7 @@ class InferenceResponse:
         return self._error
 
     def parameters(self) -> str:
-        return _parameters_json(self._parameters)
+        return json.dumps(self._parameters)
 
 
 class Logger:
