@@ -1,8 +1,9 @@
 """Round-trip cost of the python backend's worker IPC, measured on the `add_sub` example model.
 
-Loads the model through `PythonBackend` (no HTTP) and drives one instance with 1, 2 and 8
-concurrent callers, then with batches of requests per call, and prints per request: wall time,
-CPU of the server process and CPU of the worker process. Run:
+Loads the model through `PythonBackend` (no HTTP) and drives one instance with 1, 2, 4 and 8
+concurrent callers (the instance queues up to `max_inflight`, 4 by default, in the worker's socket),
+then with several requests per execute call, and prints per request: throughput, wall time, CPU of
+the server process (including this driver's own coroutines) and CPU of the worker process. Run:
 
     python benchmarks/python_backend_ipc.py [--requests 20000] [--no-uvloop]
 """
@@ -63,8 +64,8 @@ async def measure(instance: PythonInstance, worker: psutil.Process, callers: int
     server_us = (sum(server.cpu_times()[:2]) - server_cpu) / total * 1e6
     worker_us = (sum(worker.cpu_times()[:2]) - worker_cpu) / total * 1e6
     return (
-        f"| {callers:>7} | {per_call:>8} | {total / wall:>10,.0f} | {wall / total * 1e6:>9.1f} "
-        f"| {server_us:>10.1f} | {worker_us:>10.1f} |"
+        f"| {callers:>7} | {per_call:>8} | {total / wall:>10,.0f} | {wall / total * 1e6:>11.1f} "
+        f"| {server_us:>17.1f} | {worker_us:>17.1f} |"
     )
 
 
@@ -74,8 +75,8 @@ async def main(requests: int) -> None:
     assert isinstance(instance, PythonInstance)
     worker = psutil.Process(instance._worker.process.pid)
     print("| callers | req/call |    req/s   | wall µs/req | server CPU µs/req | worker CPU µs/req |")
-    print("|--------:|---------:|-----------:|---------:|-----------:|-----------:|")
-    for callers, per_call in ((1, 1), (2, 1), (8, 1), (2, 8), (2, 64)):
+    print("|--------:|---------:|-----------:|------------:|------------------:|------------------:|")
+    for callers, per_call in ((1, 1), (2, 1), (4, 1), (8, 1), (4, 8), (4, 64)):
         print(await measure(instance, worker, callers, requests, per_call))
     await model.unload()
 

@@ -396,6 +396,7 @@ def test_model_folder_helpers_import_like_triton(tmp_path: Path):
 # --- errors while executing -------------------------------------------------------------------------
 
 ERRORS_MODEL = """
+import ctypes
 import os
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -416,6 +417,8 @@ class TritonPythonModel:
                 os._exit(3)
             elif value == -5:
                 return "not a list"
+            elif value == -6:
+                ctypes.string_at(0)  # a segfault
             else:
                 tensor = pb_utils.Tensor("OUTPUT0", np.array([value * 10], dtype=np.float32))
                 responses.append(pb_utils.InferenceResponse([tensor], parameters={"seen": int(value)}))
@@ -476,6 +479,9 @@ def test_a_crashed_worker_fails_its_requests_and_is_restarted(tmp_path: Path):
                 outputs(only_response(await execute(instance, fp32_request([value]))))["OUTPUT0"], [value * 10]
             )
         assert await instance.is_ready()
+        (segfault,) = (await execute(instance, fp32_request([-6.0]))).results
+        assert isinstance(segfault, ServerError) and "(code -11, signal SIGSEGV)" in segfault.message
+        assert isinstance(only_response(await execute(instance, fp32_request([7.0]))), InferResponse)
 
     with_model(context(tmp_path, "crashy"), check)
 
