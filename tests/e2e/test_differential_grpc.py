@@ -4,8 +4,7 @@ match: gRPC status codes exactly, whole ModelInferResponse messages exactly wher
 wording.
 
 Triton is the specification, so when the two disagree the fix belongs in transerve, except for the cases in
-DELIBERATE_DIVERGENCES, each with its reason, and KNOWN_CORE_GAPS, which are bugs outside the gRPC frontend that
-are marked as expected failures so that fixing them shows (the mark is strict).
+DELIBERATE_DIVERGENCES, each with its reason.
 """
 
 from __future__ import annotations
@@ -419,6 +418,10 @@ class BadCall:
 _I0 = "INPUT0"
 
 BAD_CALLS = [
+    BadCall("statistics_unknown_model", service_pb2.ModelStatisticsRequest(name="no_such_model"), "INVALID_ARGUMENT",
+            ("requested model 'no_such_model' is not available",), "ModelStatistics"),
+    BadCall("statistics_unknown_version", service_pb2.ModelStatisticsRequest(name="add_sub", version="2"),
+            "INVALID_ARGUMENT", ("requested model version is not available for model 'add_sub'",), "ModelStatistics"),
     BadCall("unknown_model", add_sub("no_such_model"), "NOT_FOUND", ("unknown model", "'no_such_model'")),
     BadCall("unknown_version", add_sub(model_version="2"), "NOT_FOUND", ("unknown model", "version 2")),
     BadCall("version_not_a_number", add_sub(model_version="abc"), "INVALID_ARGUMENT",
@@ -549,18 +552,3 @@ def test_deliberate_divergence(stubs: dict[str, Stub], case: Divergence) -> None
     assert code_of(outcomes["triton"]) == case.triton, f"the reference changed: {outcomes['triton']}"
     assert code_of(outcomes["transerve"]) == case.transerve, outcomes["transerve"]
     assert_both_alive(stubs)
-
-
-KNOWN_CORE_GAPS = [
-    BadCall("statistics_unknown_model", service_pb2.ModelStatisticsRequest(name="no_such_model"), "INVALID_ARGUMENT",
-            ("requested model 'no_such_model' is not available",), "ModelStatistics"),
-    BadCall("statistics_unknown_version", service_pb2.ModelStatisticsRequest(name="add_sub", version="2"),
-            "INVALID_ARGUMENT", ("requested model version is not available for model 'add_sub'",), "ModelStatistics"),
-]
-
-
-@pytest.mark.xfail(strict=True, reason="core: Server.statistics() raises NOT_FOUND (and get_version's wording) where "
-                                       "Triton raises INVALID_ARG; over HTTP that is 404 where Triton answers 400")
-@pytest.mark.parametrize("case", KNOWN_CORE_GAPS, ids=lambda c: c.id)
-def test_known_core_gap(stubs: dict[str, Stub], case: BadCall) -> None:
-    test_bad_input_same_status(stubs, case)

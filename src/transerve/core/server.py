@@ -244,12 +244,15 @@ class Server:
 
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:
+            record = self._models.get(name)
+            if record is None or not record.versions:
+                raise invalid_arg(f"requested model '{name}' is not available")
             if version:
-                models = [self.get_version(name, version)]
+                model = record.versions.get(int(version)) if version.isdigit() else None
+                if model is None:
+                    raise invalid_arg(f"requested model version is not available for model '{name}'")
+                models = [model]
             else:
-                record = self._models.get(name)
-                if record is None or not record.versions:
-                    raise not_found(f"requested model '{name}' is not available")
                 models = [record.versions[v] for v in sorted(record.versions)]
         else:
             models = [m for record in self._models.values() for _, m in sorted(record.versions.items())]
