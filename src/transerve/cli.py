@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -134,6 +135,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_verbose > 0:  # python-backend workers inherit it: pb_utils.Logger.log_verbose then prints
+        os.environ["TRANSERVE_LOG_VERBOSE"] = str(args.log_verbose)
     logging.basicConfig(
         level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
