@@ -254,3 +254,41 @@ def test_several_repositories_and_version_policies(tmp_path):
 def test_unknown_versions(transerve_server, path):
     answer = requests.get(transerve_server.base_url + path, timeout=10)
     assert answer.status_code in (400, 404)
+
+
+CRASHY_MODEL = '''
+import os, numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if value[0] < 0:
+                os._exit(3)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value)]))
+        return responses
+'''
+
+
+def test_a_crashing_model_gets_500_naming_it_and_the_server_recovers(tmp_path):
+    repo = copy_example(tmp_path, "add_sub")
+    write_model(repo, "crashy", SLOW_CONFIG.replace('"slow"', '"crashy"'), CRASHY_MODEL)
+    with start_transerve(repo) as server:
+        url = f"{server.base_url}/v2/models/crashy/infer"
+
+        def call(value: int) -> requests.Response:
+            body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [value]}]}
+            return requests.post(url, json=body, timeout=60)
+
+        assert call(1).json()["outputs"][0]["data"] == [1]
+        crashed = call(-1)
+        assert crashed.status_code == 500
+        assert "crashy" in crashed.json()["error"] and "exited unexpectedly" in crashed.json()["error"]
+        deadline = time.monotonic() + 60
+        while (answer := call(2)).status_code != 200:  # the instance restarts in the background
+            assert answer.status_code in (500, 503) and time.monotonic() < deadline, answer.text
+            time.sleep(0.1)
+        assert answer.json()["outputs"][0]["data"] == [2]
+        assert requests.post(f"{server.base_url}/v2/models/add_sub/infer", json=ADD_SUB_BODY, timeout=10).ok
