@@ -35,7 +35,7 @@ from transerve.repository.repository import (
     is_plain_model_name,
     select_versions,
 )
-from transerve.scheduling.direct import DirectScheduler
+from transerve.scheduling import Scheduler, create_scheduler
 
 log = logging.getLogger("transerve")
 
@@ -86,7 +86,7 @@ class ModelVersion:
     config_dict: dict[str, Any]
     signature: ModelSignature
     backend_model: BackendModel
-    scheduler: DirectScheduler
+    scheduler: Scheduler
     stats: ModelStats
 
 
@@ -386,7 +386,7 @@ class Server:
             config_dict=to_json_dict(config),
             signature=ModelSignature(name, config),
             backend_model=backend_model,
-            scheduler=DirectScheduler(name, backend_model.instances, stats, config.max_batch_size),
+            scheduler=create_scheduler(name, config, backend_model.instances, stats),
             stats=stats,
         )
 

@@ -1,1 +1,34 @@
-"""Per-model schedulers: which requests go to which instance, and when."""
+"""Per-model schedulers: which requests go to which instance, and when.
+
+Every scheduler has the same face to the core: `submit(request)` returns a future of the
+response, `pending_count` says how many wait, and `drain()` waits until none is queued or running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.base import BackendInstance
+from transerve.core.stats import ModelStats
+from transerve.core.types import InferRequest, InferResponse
+
+
+class Scheduler(Protocol):
+    @property
+    def pending_count(self) -> int: ...
+
+    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]: ...
+
+    async def drain(self) -> None: ...
+
+
+def create_scheduler(
+    model_name: str, config: model_config_pb2.ModelConfig, instances: list[BackendInstance], stats: ModelStats
+) -> Scheduler:
+    """The scheduler the config asks for."""
+    from transerve.scheduling.direct import DirectScheduler
+
+    return DirectScheduler(model_name, instances, stats, config.max_batch_size)
