@@ -11,10 +11,9 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.types import InferResponse, RequestedOutput, Tensor
 from transerve.frontends.grpc.codec import (
-    SEQUENCE_END,
-    SEQUENCE_START,
     decode_infer_request,
     encode_infer_response,
     parse_version,

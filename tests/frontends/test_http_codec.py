@@ -26,6 +26,7 @@ def test_json_request_with_parameters_id_and_outputs():
     request, binary_default = decode_infer_request("m", "2", body, None)
     assert (request.model_name, request.model_version, request.id) == ("m", "2", "r1")
     assert request.parameters == {"scale": 3}  # protocol parameters are not the model's
+    assert request.priority == 1
     assert binary_default is False  # listed outputs choose for themselves, as in Triton
     assert request.outputs == [RequestedOutput("B", {"binary_data": False})]
     np.testing.assert_array_equal(request.inputs[0].data, [[1, 2]])
@@ -62,6 +63,9 @@ SHORT_BINARY = b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32","parameter
         (SHORT_BINARY + b"xx", str(len(SHORT_BINARY)), "expecting 4 additional bytes"),
         (b'{"inputs":[]}extra', "13", "unexpected additional input data"),
         (b'{"inputs":[],"parameters":{"p":[1]}}', None, "parameter 'p' has invalid type"),
+        (b'{"inputs":[],"parameters":{"priority":-1}}', None, "'priority' must be a non-negative integer"),
+        (b'{"inputs":[],"parameters":{"sequence_start":1}}', None, "'sequence_start' must be true or false"),
+        (b'{"inputs":[],"parameters":{"sequence_id":1.5}}', None, "'sequence_id' must be an integer or a string"),
         (b'{"inputs":[],"outputs":[{"name":"B","parameters":{"classification":2}}]}', None, "classification"),
     ],
 )
@@ -108,3 +112,9 @@ def test_decompression_limits():
         decompress_body(b"abc", "br", 10)
     with pytest.raises(ValueError, match="cannot decompress"):
         decompress_body(b"not gzip", "gzip", 10)
+
+
+def test_scheduling_parameters_land_on_the_request():
+    body = b'{"inputs":[],"parameters":{"sequence_id":"abc","sequence_start":true,"sequence_end":true,"timeout":5}}'
+    request, _ = decode_infer_request("m", "", body, None)
+    assert (request.correlation_id, request.flags, request.timeout_us, request.parameters) == ("abc", 3, 5, {})

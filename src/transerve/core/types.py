@@ -44,8 +44,14 @@ class InferRequest:
     id: str = ""
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: Sequence id (`sequence_id`): 0 when the request belongs to no sequence.
     correlation_id: int | str = 0
+    #: TRITONSERVER_REQUEST_FLAG_SEQUENCE_START (1) / _END (2), from `sequence_start` / `sequence_end`.
     flags: int = 0
+    #: Scheduling priority (`priority`): 0 is the model's default level, 1 the highest.
+    priority: int = 0
+    #: Queue timeout in microseconds (`timeout`): 0 is the model's default.
+    timeout_us: int = 0
     #: Monotonic nanoseconds at which the core accepted the request (set by the core).
     arrival_ns: int = 0
 

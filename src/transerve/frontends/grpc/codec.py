@@ -16,12 +16,9 @@ from tritonclient.grpc import service_pb2
 
 from transerve.core.datatypes import serialize_bytes
 from transerve.core.errors import internal, invalid_arg, unsupported
+from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
-
-#: Triton's TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END, set from the sequence parameters.
-SEQUENCE_START = 1
-SEQUENCE_END = 2
 
 #: Request parameters the protocol consumes, with the value kinds Triton accepts for each.
 PROTOCOL_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -148,13 +145,8 @@ def _decode_request_parameters(
         if allowed is not None:
             if kind not in allowed:
                 raise invalid_arg(f"invalid value type for '{key}' parameter, expected {' or '.join(allowed)}.")
-            value = getattr(parameter, kind)
-            if key == "sequence_id":
-                request.correlation_id = value
-            elif key == "sequence_start" and value:
-                request.flags |= SEQUENCE_START
-            elif key == "sequence_end" and value:
-                request.flags |= SEQUENCE_END
+            if key in SCHEDULING_PARAMETERS:
+                apply_scheduling_parameter(request, key, getattr(parameter, kind))
             continue
         if key.startswith("triton_"):
             raise invalid_arg(

@@ -9,13 +9,14 @@ import orjson
 
 from transerve.core.datatypes import serialize_bytes
 from transerve.core.errors import invalid_arg, unsupported
+from transerve.core.protocol_parameters import (
+    FRONTEND_PARAMETERS,
+    SCHEDULING_PARAMETERS,
+    apply_scheduling_parameter,
+)
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
-#: Request parameters the protocol itself consumes; the rest reach the model.
-RESERVED_PARAMETERS = frozenset(
-    {"binary_data_output", "sequence_id", "sequence_start", "sequence_end", "priority", "timeout"}
-)
 _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -63,14 +64,13 @@ def decode_infer_request(
     if offset != len(binary):
         raise invalid_arg(f"unexpected additional input data for model '{model_name}'")
     outputs = _decode_outputs(document.get("outputs"))
-    request = InferRequest(
-        model_name=model_name,
-        model_version=model_version,
-        id=request_id,
-        inputs=inputs,
-        outputs=outputs,
-        parameters={k: v for k, v in parameters.items() if k not in RESERVED_PARAMETERS},
-    )
+    request = InferRequest(model_name=model_name, model_version=model_version, id=request_id, inputs=inputs,
+                           outputs=outputs)
+    for key, value in parameters.items():
+        if key in SCHEDULING_PARAMETERS:
+            apply_scheduling_parameter(request, key, value)
+        elif key not in FRONTEND_PARAMETERS:
+            request.parameters[key] = value
     # As in Triton, binary_data_output is the default only when the request lists no outputs.
     return request, outputs is None and bool(parameters.get("binary_data_output", False))
 
