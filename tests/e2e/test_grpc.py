@@ -253,6 +253,22 @@ def test_aio_client_concurrent(transerve_server: ServerProcess) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), np.full((1, 4), i, np.float32) - ADD_SUB_B)
 
 
+def test_a_burst_of_calls_on_one_connection_is_served_not_cancelled(transerve_server: ServerProcess) -> None:
+    """Thousands of calls arriving at once on one channel all get answers, as from Triton. (With gRPC core's
+    default pending-call limits, a grpc.aio server cancels whatever exceeds about a thousand.)"""
+
+    async def run() -> list[Any]:
+        async with grpc.aio.insecure_channel(transerve_server.grpc_url) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            message = raw_add_sub().SerializeToString()
+            return await asyncio.wait_for(
+                asyncio.gather(*(call(message) for _ in range(4000)), return_exceptions=True), 120)
+
+    outcomes = asyncio.run(run())
+    failures = [o for o in outcomes if isinstance(o, Exception)]
+    assert not failures, f"{len(failures)} of {len(outcomes)} failed, e.g. {failures[0]!r}"
+
+
 @pytest.mark.parametrize("datatype", sorted(VALUES))
 def test_identity_every_datatype_raw(client: grpcclient.InferenceServerClient, datatype: str) -> None:
     values = VALUES[datatype].reshape(1, -1)

@@ -38,6 +38,10 @@ GRPC_STATUS = {
 #: Triton accepts messages up to INT32_MAX bytes each way; so do we (the HTTP limit is a separate flag).
 MAX_MESSAGE_BYTES = 2**31 - 1
 
+#: Calls that may wait for the server to pick them up. grpc.aio takes calls from gRPC core one at a time, and
+#: core's defaults (1000, hard 3000) cancel the rest of a burst that Triton's C++ server would have served.
+MAX_PENDING_CALLS = 1 << 16
+
 #: Requests of one stream that may be in flight before the server stops reading from it, so that a client
 #: sending faster than the model answers is slowed by HTTP/2 flow control instead of filling memory.
 STREAM_WINDOW = 256
@@ -304,6 +308,8 @@ class GrpcFrontend:
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
             # gRPC sets SO_REUSEPORT by default, which would let a second server share a busy port silently.
             ("grpc.so_reuseport", 0),
         ])
