@@ -1,11 +1,12 @@
-"""HTTP protocol overhead: add_sub over KServe v2 JSON and binary, transerve against the real Triton.
+"""Protocol overhead: add_sub over KServe v2 HTTP (JSON, binary) and gRPC, transerve against the real Triton.
 
     python benchmarks/protocol.py                        # starts both servers, 5 s per run, concurrency 1,16,64
-    python benchmarks/protocol.py --duration 10 --rounds 3 --protocols binary
-    python benchmarks/protocol.py --transerve-url 127.0.0.1:8000 --triton-url 127.0.0.1:18000
+    python benchmarks/protocol.py --duration 10 --rounds 3 --protocols binary,grpc
+    python benchmarks/protocol.py --transerve-url 127.0.0.1:8000 --triton-url 127.0.0.1:18000 \
+        --transerve-grpc-url 127.0.0.1:8001 --triton-grpc-url 127.0.0.1:18001
 
-add_sub does almost no work, so what is measured is the server's request path: HTTP parsing, decoding,
-validation, scheduling, the trip to the python-backend worker and back, encoding.
+add_sub does almost no work, so what is measured is the server's request path: HTTP or HTTP/2 parsing,
+decoding, validation, scheduling, the trip to the python-backend worker and back, encoding.
 
 The load generator must not be the bottleneck. It speaks raw HTTP/1.1 over keep-alive connections with a
 minimal asyncio.Protocol on uvloop, with request bytes built once: measured on the 2-core development machine
@@ -13,6 +14,13 @@ against Triton at concurrency 16, that costs about 26 us of client CPU per reque
 costs about 170 us (asyncio streams were within noise of the protocol, at 27 us). Connections can be spread over
 several client processes (--client-processes), and the table reports the busiest client process's CPU use so
 a reader can see when the client, not the server, was saturated.
+
+gRPC is measured the same way, with unary ModelInfer calls carrying raw contents. gRPC's own Python clients are
+too heavy for this: measured against Triton on the 2-core machine, a grpc.aio channel sending pre-serialized
+bytes costs 150-230 us of client CPU per call, tritonclient.grpc.aio 130-260 us and grpcio's sync futures
+170-210 us. So the client speaks just enough HTTP/2 itself (GrpcConnection): a constant header block and
+message built once, all of a client process's calls multiplexed as streams on one connection (as gRPC
+clients do, tritonclient's shared channel included).
 
 Fairness: both servers serve the same repository on the same machine, and runs alternate (A/B/A/B...) so
 that drift in the machine's load spreads over both. Every run has a warm-up that is not counted, and every
@@ -42,6 +50,7 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_PATH = "/v2/models/add_sub/infer"
+GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 INPUT0 = [1.0, 2.0, 3.0, 4.0]
 INPUT1 = [0.5, 0.5, 0.5, 0.5]
 RUN_GRACE_S = 30.0
@@ -81,11 +90,26 @@ def http_request(host: str, body: bytes, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-PROTOCOLS = {"json": json_request, "binary": binary_request}
+def grpc_message(host: str) -> bytes:
+    """A ModelInferRequest with raw contents, as a length-prefixed gRPC message (the header block is per connection)."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name="add_sub")
+    for name, values in (("INPUT0", INPUT0), ("INPUT1", INPUT1)):
+        message.inputs.add(name=name, datatype="FP32", shape=[1, 4])
+        message.raw_input_contents.append(struct.pack("<4f", *values))
+    encoded = message.SerializeToString()
+    return b"\x00" + len(encoded).to_bytes(4, "big") + encoded
+
+
+PROTOCOLS = {"json": json_request, "binary": binary_request, "grpc": grpc_message}
 
 
 def check_answer(host: str, port: int, protocol: str) -> None:
     """One request with a full parse of the answer, so that a benchmark never measures a fast wrong answer."""
+    if protocol == "grpc":
+        check_grpc_answer(host, port)
+        return
     request = PROTOCOLS[protocol](f"{host}:{port}")
     head, body = request.split(b"\r\n\r\n", 1)
     headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
@@ -110,6 +134,24 @@ def check_answer(host: str, port: int, protocol: str) -> None:
             offset += size
     if outputs.get("OUTPUT0") != expected:
         raise SystemExit(f"{host}:{port} {protocol}: wrong OUTPUT0 {outputs.get('OUTPUT0')}, expected {expected}")
+
+
+def check_grpc_answer(host: str, port: int) -> None:
+    """The benchmark's own request bytes, sent with grpcio and its answer parsed in full."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        call = channel.unary_unary(GRPC_PATH, response_deserializer=service_pb2.ModelInferResponse.FromString)
+        try:
+            response = call(grpc_message(host)[5:], timeout=30)
+        except grpc.RpcError as exc:
+            raise SystemExit(f"{host}:{port} grpc: {exc.code().name}: {exc.details()}") from None
+    outputs = {o.name: list(struct.unpack("<4f", raw))
+               for o, raw in zip(response.outputs, response.raw_output_contents, strict=True)}
+    expected = [a + b for a, b in zip(INPUT0, INPUT1, strict=True)]
+    if outputs.get("OUTPUT0") != expected:
+        raise SystemExit(f"{host}:{port} grpc: wrong OUTPUT0 {outputs.get('OUTPUT0')}, expected {expected}")
 
 
 # ------------------------------------------------------------------------------------------------- client
@@ -168,6 +210,131 @@ class Connection(asyncio.Protocol):
         return await self.waiter
 
 
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_FRAME = struct.Struct(">I B I")  # length (24 bits, shifted into the first 4 bytes with the type), flags, stream
+_H2_MAX_WINDOW = 2**31 - 1
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
+_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+
+
+def h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return _H2_FRAME.pack(len(payload) << 8 | kind, flags, stream) + payload
+
+
+def hpack_literal(name: str, value: str) -> bytes:
+    """A header as an HPACK literal without indexing (no Huffman), so the block is the same for every request."""
+    encoded_name, encoded_value = name.encode(), value.encode()
+    assert len(encoded_name) < 127 and len(encoded_value) < 127
+    return bytes([0, len(encoded_name)]) + encoded_name + bytes([len(encoded_value)]) + encoded_value
+
+
+class GrpcConnection(asyncio.Protocol):
+    """Unary gRPC calls as HTTP/2 streams over one cleartext connection, any number in flight at once.
+
+    Just enough HTTP/2 for a load generator: the client's windows are opened wide once, the server's connection
+    window is respected, SETTINGS and PING are acknowledged. Response headers are never decoded (a decoder that
+    never reads values needs no HPACK state): a call succeeded when its answer carried a message, since a gRPC
+    server answers an error with trailers only; `send` reports that as 200, anything else as 500.
+    """
+
+    def __init__(self, authority: str) -> None:
+        self.loop = asyncio.get_running_loop()  # once, not per call: it costs a getpid() syscall in CPython 3.11
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.headers = b"".join(hpack_literal(name, value) for name, value in [
+            (":method", "POST"), (":scheme", "http"), (":path", GRPC_PATH), (":authority", authority),
+            ("content-type", "application/grpc"), ("te", "trailers"),
+        ])
+        self.next_stream = 1
+        self.calls: dict[int, list] = {}  # stream -> [future, answer carried a message]
+        self.send_window = 65535  # the server's connection window for our DATA
+        self.blocked: list[tuple[bytes, int]] = []  # frames (and their DATA size) waiting for the server's window
+        self.received = 0  # DATA bytes not yet returned to the server's window
+        self.closed: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        settings = struct.pack(">HI", 0x2, 0) + struct.pack(">HI", 0x4, _H2_MAX_WINDOW)  # no push, widest window
+        transport.write(_H2_PREFACE + h2_frame(_SETTINGS, 0, 0, settings)  # type: ignore[attr-defined]
+                        + h2_frame(_WINDOW_UPDATE, 0, 0, (_H2_MAX_WINDOW - 65535).to_bytes(4, "big")))
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        offset = 0
+        while len(buffer) - offset >= 9:
+            head, flags, stream = _H2_FRAME.unpack_from(buffer, offset)
+            length, kind = head >> 8, head & 0xFF
+            end = offset + 9 + length
+            if end > len(buffer):
+                break
+            stream &= 0x7FFFFFFF
+            if kind == _DATA:
+                self.received += length
+                call = self.calls.get(stream)
+                if call is not None and length:
+                    call[1] = True
+                if flags & _END_STREAM:
+                    self._finish(stream)
+            elif kind == _HEADERS:
+                if flags & _END_STREAM:
+                    self._finish(stream)
+            elif kind == _RST_STREAM:
+                self._finish(stream, failed=True)
+            elif kind == _SETTINGS and not flags & _ACK:
+                self.transport.write(h2_frame(_SETTINGS, _ACK, 0, b""))  # type: ignore[union-attr]
+            elif kind == _PING and not flags & _ACK:
+                self.transport.write(h2_frame(_PING, _ACK, 0, bytes(buffer[offset + 9:end])))  # type: ignore[union-attr]
+            elif kind == _WINDOW_UPDATE and stream == 0:
+                self.send_window += int.from_bytes(buffer[offset + 9:end], "big") & 0x7FFFFFFF
+                self._unblock()
+            elif kind == _GOAWAY:
+                self._fail(ConnectionError("the server sent GOAWAY"))
+            offset = end
+        del buffer[:offset]
+        if self.received > 1 << 20:
+            self.transport.write(h2_frame(_WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big")))  # type: ignore
+            self.received = 0
+
+    def _finish(self, stream: int, failed: bool = False) -> None:
+        call = self.calls.pop(stream, None)
+        if call is not None and not call[0].done():
+            call[0].set_result(200 if call[1] and not failed else 500)
+
+    def _unblock(self) -> None:
+        while self.blocked and self.send_window >= self.blocked[0][1]:
+            frames, size = self.blocked.pop(0)
+            self.send_window -= size
+            self.transport.write(frames)  # type: ignore[union-attr]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or ConnectionError("connection closed by the server"))
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = exc
+        for future, _ in self.calls.values():
+            if not future.done():
+                future.set_exception(exc)
+        self.calls.clear()
+
+    async def send(self, message: bytes) -> int:
+        """Call ModelInfer with one length-prefixed message; 200 when a message came back, else 500."""
+        if self.closed is not None:
+            raise ConnectionError(str(self.closed))
+        stream = self.next_stream
+        self.next_stream += 2
+        future = self.loop.create_future()
+        self.calls[stream] = [future, False]
+        frames = (h2_frame(_HEADERS, _END_HEADERS, stream, self.headers)
+                  + h2_frame(_DATA, _END_STREAM, stream, message))
+        if self.blocked or self.send_window < len(message):  # only DATA payloads count against the window
+            self.blocked.append((frames, len(message)))
+        else:
+            self.send_window -= len(message)
+            self.transport.write(frames)  # type: ignore[union-attr]
+        return await future
+
+
 @dataclass
 class WorkerResult:
     latencies: array = field(default_factory=lambda: array("d"))
@@ -177,14 +344,22 @@ class WorkerResult:
     """This process's CPU time over the measured window's wall time: near 1.0 means the client was saturated."""
 
 
-async def drive(host: str, port: int, request: bytes, connections: int, warmup: float, duration: float,
-                barrier: Barrier) -> WorkerResult:
-    """Keep `connections` requests in flight, back to back; record those started within the measured window."""
+async def drive(host: str, port: int, protocol_name: str, request: bytes, connections: int, warmup: float,
+                duration: float, barrier: Barrier) -> WorkerResult:
+    """Keep `connections` requests in flight, back to back; record those started within the measured window.
+
+    Over HTTP each request in flight has its own connection; over gRPC they are streams of one connection.
+    """
     loop = asyncio.get_running_loop()
-    protocols: list[Connection] = []
-    for _ in range(connections):
-        _, protocol = await loop.create_connection(Connection, host, port)
+
+    def factory() -> asyncio.Protocol:
+        return GrpcConnection(f"{host}:{port}") if protocol_name == "grpc" else Connection()
+
+    protocols: list[Connection | GrpcConnection] = []
+    for _ in range(1 if protocol_name == "grpc" else connections):
+        _, protocol = await loop.create_connection(factory, host, port)
         protocols.append(protocol)
+    protocols = [protocols[i % len(protocols)] for i in range(connections)]
     barrier.wait()  # all client processes start their clocks together
     measure_from = time.perf_counter() + warmup
     end = measure_from + duration
@@ -197,7 +372,7 @@ async def drive(host: str, port: int, request: bytes, connections: int, warmup: 
         await asyncio.sleep(end - time.perf_counter())
         cpu_window.append(time.process_time())
 
-    async def run(protocol: Connection) -> None:
+    async def run(protocol: Connection | GrpcConnection) -> None:
         while True:
             started = time.perf_counter()
             if started >= end:
@@ -206,7 +381,7 @@ async def drive(host: str, port: int, request: bytes, connections: int, warmup: 
                 status = await protocol.send(request)
             except ConnectionError:
                 result.errors += 1
-                _, protocol = await loop.create_connection(Connection, host, port)
+                _, protocol = await loop.create_connection(factory, host, port)
                 continue
             if started >= measure_from:
                 result.latencies.append(time.perf_counter() - started)
@@ -214,15 +389,15 @@ async def drive(host: str, port: int, request: bytes, connections: int, warmup: 
                     result.errors += 1
 
     await asyncio.wait_for(asyncio.gather(sample_cpu(), *(run(p) for p in protocols)), warmup + duration + RUN_GRACE_S)
-    for protocol in protocols:
+    for protocol in set(protocols):
         if protocol.transport is not None:
             protocol.transport.close()
     result.cpu_fraction = (cpu_window[1] - cpu_window[0]) / duration
     return result
 
 
-def worker_main(host: str, port: int, request: bytes, connections: int, warmup: float, duration: float,
-                barrier: Barrier, results: Queue) -> None:
+def worker_main(host: str, port: int, protocol: str, request: bytes, connections: int, warmup: float,
+                duration: float, barrier: Barrier, results: Queue) -> None:
     """Entry point of one client process: uvloop when available, as it is cheaper per request than asyncio's loop.
 
     A failure is sent back as text, so the parent reports it instead of waiting for a result that never comes.
@@ -234,7 +409,7 @@ def worker_main(host: str, port: int, request: bytes, connections: int, warmup: 
     else:
         runner = uvloop.run
     try:
-        results.put(runner(drive(host, port, request, connections, warmup, duration, barrier)))
+        results.put(runner(drive(host, port, protocol, request, connections, warmup, duration, barrier)))
     except Exception as exc:  # noqa: BLE001 - any failure must reach the parent
         barrier.abort()
         results.put(f"client process failed: {type(exc).__name__}: {exc}")
@@ -265,7 +440,8 @@ def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: 
     barrier = context.Barrier(processes)
     results = context.Queue()
     workers = [
-        context.Process(target=worker_main, args=(host, port, request, share, warmup, duration, barrier, results))
+        context.Process(target=worker_main,
+                        args=(host, port, protocol, request, share, warmup, duration, barrier, results))
         for share in shares
     ]
     for worker in workers:
@@ -337,17 +513,20 @@ def comma_list(text: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def servers_under_test(args: argparse.Namespace) -> Iterator[dict[str, tuple[str, int]]]:
-    """The servers' addresses: given by URL, or started here (and stopped on exit) with tests/support."""
+def servers_under_test(args: argparse.Namespace) -> Iterator[dict[str, dict[str, tuple[str, int]]]]:
+    """The servers' HTTP and gRPC addresses: given by URL, or started here (and stopped on exit) with tests/support."""
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     from support import EXAMPLE_REPOSITORY, TritonUnavailable, start_transerve, start_triton
 
-    urls = {"transerve": args.transerve_url, "triton": args.triton_url}
+    urls = {"transerve": (args.transerve_url, args.transerve_grpc_url),
+            "triton": (args.triton_url, args.triton_grpc_url)}
     with contextlib.ExitStack() as stack:
         addresses = {}
         for name in args.servers:
-            if urls[name]:
-                addresses[name] = parse_address(urls[name])
+            http_url, grpc_url = urls[name]
+            if http_url or grpc_url:
+                addresses[name] = {kind: parse_address(url) for kind, url in (("http", http_url), ("grpc", grpc_url))
+                                   if url}
                 continue
             print(f"starting {name} on {EXAMPLE_REPOSITORY} ...", file=sys.stderr)
             try:
@@ -356,7 +535,7 @@ def servers_under_test(args: argparse.Namespace) -> Iterator[dict[str, tuple[str
                 )
             except TritonUnavailable as exc:
                 raise SystemExit(f"cannot start Triton: {exc}\n(use --servers transerve, or --triton-url)") from exc
-            addresses[name] = ("127.0.0.1", server.http_port)
+            addresses[name] = {"http": ("127.0.0.1", server.http_port), "grpc": ("127.0.0.1", server.grpc_port)}
         yield addresses
 
 
@@ -367,10 +546,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs per server and row, alternating (default 2)")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in comma_list(s)], default=[1, 16, 64],
                         help="comma-separated connection counts (default 1,16,64)")
-    parser.add_argument("--protocols", type=comma_list, default=["json", "binary"], help="json,binary")
+    parser.add_argument("--protocols", type=comma_list, default=["json", "binary", "grpc"], help="json,binary,grpc")
     parser.add_argument("--servers", type=comma_list, default=["transerve", "triton"], help="transerve,triton")
     parser.add_argument("--transerve-url", help="use this running transerve (host:port) instead of starting one")
     parser.add_argument("--triton-url", help="use this running Triton (host:port) instead of starting one")
+    parser.add_argument("--transerve-grpc-url", help="the running transerve's gRPC address (host:port)")
+    parser.add_argument("--triton-grpc-url", help="the running Triton's gRPC address (host:port)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes to spread connections over (default 1; on a 2-core machine a second "
                              "client process takes CPU from the server)")
@@ -384,16 +565,21 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: list[RunResult] = []
     with servers_under_test(args) as addresses:
-        for host, port in addresses.values():
+        for name, server_addresses in addresses.items():
             for protocol in args.protocols:
-                check_answer(host, port, protocol)
+                kind = "grpc" if protocol == "grpc" else "http"
+                if kind not in server_addresses:
+                    flag = f"--{name}-grpc-url" if kind == "grpc" else f"--{name}-url"
+                    parser.error(f"{name}: protocol {protocol} needs {flag}")
+                check_answer(*server_addresses[kind], protocol)
         for protocol in args.protocols:
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
                     # One run of each server per round, so the runs go A/B/A/B and machine drift hits both.
                     for name in args.servers:
-                        run = run_once(name, addresses[name], protocol, concurrency, args.client_processes,
-                                       args.warmup, args.duration)
+                        address = addresses[name]["grpc" if protocol == "grpc" else "http"]
+                        run = run_once(name, address, protocol, concurrency, args.client_processes, args.warmup,
+                                       args.duration)
                         runs.append(run)
                         print(f"round {round_index + 1}/{args.rounds} {name:9s} {protocol:6s} c={concurrency:<3d} "
                               f"{len(run.latencies) / run.duration:8.0f} req/s  errors {run.errors}", file=sys.stderr)
