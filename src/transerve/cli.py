@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from transerve import __version__
 from transerve.core.server import ControlMode, Server, ServerOptions
@@ -47,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=int, default=8001)
     add("--metrics-address", default="0.0.0.0")
-    add("--metrics-port", type=int, default=8002, help="reserved for the metrics endpoint")
+    add("--metrics-port", type=int, default=8002)
+    add("--allow-metrics", type=_bool, default=True, metavar="BOOL", help="serve Prometheus metrics on /metrics")
+    add("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
+    add("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL")
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--allow-grpc", type=_bool, default=True, metavar="BOOL")
     add("--model-control-mode", choices=[mode.value for mode in ControlMode], default="none")
@@ -88,6 +92,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
     from transerve.frontends.grpc.service import GrpcFrontend
     from transerve.frontends.http.app import HttpFrontend
+    from transerve.frontends.metrics import MetricsFrontend
 
     for path in args.model_repository:
         if not path.is_dir():
@@ -104,33 +109,38 @@ async def serve(args: argparse.Namespace) -> int:
         await server.stop()
         return 1
     # gRPC starts first, as in Triton, so that a client which saw HTTP ready can rely on gRPC listening too.
-    grpc = GrpcFrontend(server)
+    listeners: list[tuple[str, Any, str, int]] = []
     if args.allow_grpc:
-        try:
-            await grpc.start(args.grpc_address, args.grpc_port)
-        except OSError as exc:
-            log.error("cannot listen for gRPC on %s:%d: %s", args.grpc_address, args.grpc_port, exc)
-            await server.stop()
-            return 1
-        log.info("GRPC service listening on %s:%d", args.grpc_address, args.grpc_port)
-    http = HttpFrontend(server, args.http_max_input_size)
+        listeners.append(("GRPC", GrpcFrontend(server), args.grpc_address, args.grpc_port))
     if args.allow_http:
+        listeners.append(("HTTP", HttpFrontend(server, args.http_max_input_size), args.http_address, args.http_port))
+    if args.allow_metrics:
+        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics)
+        listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
+    started = []
+    for name, frontend, address, port in listeners:
         try:
-            await http.start(args.http_address, args.http_port)
+            await frontend.start(address, port)
         except OSError as exc:
-            log.error("cannot listen for HTTP on %s:%d: %s", args.http_address, args.http_port, exc)
-            await grpc.close()
-            await server.stop()
+            log.error("cannot listen for %s on %s:%d: %s", name, address, port, exc)
+            await _shutdown(server, started, 0)
             return 1
-        log.info("HTTP service listening on %s:%d", args.http_address, args.http_port)
+        started.append(frontend)
+        log.info("%s service listening on %s:%d", name, address, port)
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %ss)", args.exit_timeout_secs)
-    await http.stop()
-    grpc.stop_accepting(args.exit_timeout_secs)
-    await server.stop()
-    await grpc.close()
+    await _shutdown(server, started, args.exit_timeout_secs)
     log.info("stopped")
     return 0
+
+
+async def _shutdown(server: Server, frontends: list[Any], grace: float) -> None:
+    """Stop accepting everywhere, let the core finish and unload, then close the frontends."""
+    for frontend in frontends:
+        frontend.stop_accepting(grace)
+    await server.stop()
+    for frontend in frontends:
+        await frontend.close()
 
 
 def main(argv: list[str] | None = None) -> int:

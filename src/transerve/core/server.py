@@ -242,6 +242,10 @@ class Server:
                 entries.append(entry)
         return entries
 
+    def serving_versions(self) -> list[ModelVersion]:
+        """Every loaded version, for metrics."""
+        return [model for record in self._models.values() for _, model in sorted(record.versions.items())]
+
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:
             record = self._models.get(name)
@@ -255,7 +259,7 @@ class Server:
             else:
                 models = [record.versions[v] for v in sorted(record.versions)]
         else:
-            models = [m for record in self._models.values() for _, m in sorted(record.versions.items())]
+            models = self.serving_versions()
         return {"model_stats": [m.stats.as_dict(m.name, m.version) for m in models]}
 
     # ---- inference -------------------------------------------------------------------------------
@@ -270,8 +274,8 @@ class Server:
         self._inflight += 1
         try:
             response = await model.scheduler.submit(request)
-        except ServerError:
-            model.stats.fail.add(time.monotonic_ns() - request.arrival_ns)
+        except ServerError as exc:
+            model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
             raise
         finally:
             self._inflight -= 1
@@ -370,6 +374,7 @@ class Server:
             backend_config=self.options.backend_configs.get(kind, {}),
             auto_complete=self.options.auto_complete,
         )
+        started = time.monotonic()
         backend_model = await backend.load(context)
         config = backend_model.config
         try:
@@ -378,7 +383,7 @@ class Server:
         except ConfigError as exc:
             await backend_model.unload()
             raise invalid_arg(str(exc)) from None
-        stats = ModelStats()
+        stats = ModelStats(load_duration_secs=time.monotonic() - started)
         return ModelVersion(
             name=name,
             version=str(version),

@@ -9,6 +9,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from transerve.core.errors import ErrorCode
+
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+#: Validation failures never reach the statistics (as in Triton), so what fails here was either refused by
+#: the scheduler (queue full, timed out), cancelled, or failed in the model.
+_FAILURE_REASON = {ErrorCode.UNAVAILABLE: "REJECTED", ErrorCode.CANCELLED: "CANCELED"}
+
 
 @dataclass(slots=True)
 class Duration:
@@ -44,6 +51,14 @@ class ModelStats:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=dict)
+    #: Failed requests by Triton's metric reason (REJECTED, CANCELED, BACKEND, OTHER).
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    load_duration_secs: float = 0.0
+
+    def record_failure(self, code: ErrorCode, duration_ns: int) -> None:
+        """A request that failed after validation: in the scheduler's queue or in the model."""
+        self.fail.add(duration_ns)
+        self.failures[_FAILURE_REASON.get(code, "BACKEND")] += 1
 
     def record_execution(
         self, batch_size: int, request_count: int, input_ns: int, infer_ns: int, output_ns: int

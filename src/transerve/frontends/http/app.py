@@ -55,10 +55,13 @@ class HttpFrontend:
             lambda: HttpConnection(self.handle, self.max_input_size, error_response), host, port, reuse_address=True
         )
 
-    async def stop(self) -> None:
+    def stop_accepting(self, grace: float) -> None:
         """Stop accepting connections; requests already read still get their answers."""
         if self._listener is not None:
             self._listener.close()
+
+    async def close(self) -> None:
+        """Nothing to release once the listener is closed: open connections end with the process."""
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         try:

@@ -1,0 +1,156 @@
+"""Prometheus metrics on the metrics port, with Triton's metric names and labels.
+
+The collector reads the core's statistics when scraped, so the request path only bumps plain
+integers in `ModelStats` and never takes a metrics lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import psutil
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+
+from transerve.core.server import Server
+from transerve.core.stats import FAILURE_REASONS
+from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse
+
+_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: (metric name, help, attribute of ModelStats giving a Duration, or a callable) for the per-model counters.
+_DURATIONS = (
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", "success"),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", "queue"),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+     "compute_input"),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+     "compute_infer"),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
+     "compute_output"),
+)
+
+
+def _family(name: str, documentation: str, kind: str) -> Metric:
+    return Metric(name, documentation, kind)
+
+
+class TritonMetricsCollector:
+    """A prometheus_client collector producing Triton's metric families from the server's state."""
+
+    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True) -> None:
+        self._server = server
+        self._cpu_metrics = cpu_metrics
+        self._gpu = _GpuProbe() if gpu_metrics else None
+        psutil.cpu_percent(interval=None)  # the first reading is meaningless; start the interval now
+
+    def collect(self) -> Iterator[Metric]:
+        models = self._server.serving_versions()
+        success = _family("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+                          "counter")
+        failure = _family("nv_inference_request_failure", "Number of failed inference requests, all batch sizes",
+                          "counter")
+        count = _family("nv_inference_count", "Number of inferences performed", "counter")
+        executions = _family("nv_inference_exec_count", "Number of model executions performed", "counter")
+        pending = _family("nv_inference_pending_request_count",
+                          "Instantaneous number of pending requests awaiting execution per-model.", "gauge")
+        load = _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge")
+        durations = [(_family(name, text, "counter"), attribute) for name, text, attribute in _DURATIONS]
+        for model in models:
+            labels = {"model": model.name, "version": model.version}
+            stats = model.stats
+            success.add_sample(success.name, labels, stats.success.count)
+            for reason in FAILURE_REASONS:
+                failure.add_sample(failure.name, {**labels, "reason": reason}, stats.failures[reason])
+            count.add_sample(count.name, labels, stats.inference_count)
+            executions.add_sample(executions.name, labels, stats.execution_count)
+            pending.add_sample(pending.name, labels, model.scheduler.pending_count)
+            load.add_sample(load.name, labels, round(stats.load_duration_secs, 6))
+            for family, attribute in durations:
+                family.add_sample(family.name, labels, getattr(stats, attribute).ns // 1000)
+        yield from (success, failure, count, executions)
+        yield from (family for family, _ in durations)
+        yield from (pending, load)
+        if self._cpu_metrics:
+            yield from _cpu_families()
+        if self._gpu is not None:
+            yield from self._gpu.families()
+
+
+def _cpu_families() -> Iterator[Metric]:
+    memory = psutil.virtual_memory()
+    for name, text, value in (
+        ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", psutil.cpu_percent(interval=None) / 100.0),
+        ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", memory.total),
+        ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", memory.total - memory.available),
+    ):
+        family = _family(name, text, "gauge")
+        family.add_sample(name, {}, value)
+        yield family
+
+
+class _GpuProbe:
+    """NVIDIA GPU gauges through NVML, when the `nvidia-ml-py` package and a GPU are present."""
+
+    def __init__(self) -> None:
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._nvml = pynvml
+        except Exception:  # no package, no driver or no GPU: no GPU metrics, as in Triton
+            self._handles = []
+
+    def families(self) -> Iterator[Metric]:
+        if self._nvml is None or not self._handles:
+            return
+        nvml = self._nvml
+        utilization = _family("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", "gauge")
+        total = _family("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", "gauge")
+        used = _family("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", "gauge")
+        power = _family("nv_gpu_power_usage", "GPU power usage in watts", "gauge")
+        for index, handle in enumerate(self._handles):
+            labels = {"gpu_uuid": nvml.nvmlDeviceGetUUID(handle), "gpu": str(index)}
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            utilization.add_sample(utilization.name, labels, nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+            total.add_sample(total.name, labels, memory.total)
+            used.add_sample(used.name, labels, memory.used)
+            power.add_sample(power.name, labels, nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+        yield from (utilization, total, used, power)
+
+
+class MetricsFrontend:
+    """`GET /metrics` in the Prometheus text format on its own port."""
+
+    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(TritonMetricsCollector(server, cpu_metrics, gpu_metrics))
+        self._listener: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            lambda: HttpConnection(self.handle, 1024 * 1024, _plain_error), host, port, reuse_address=True
+        )
+
+    def stop_accepting(self, grace: float) -> None:
+        """Stop accepting connections; requests already read still get their answers."""
+        if self._listener is not None:
+            self._listener.close()
+
+    async def close(self) -> None:
+        """Nothing to release once the listener is closed: open connections end with the process."""
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        if request.path.rstrip("/") != "/metrics":
+            return _plain_error(404, "Not Found")
+        if request.method != "GET":
+            return _plain_error(405, "Method Not Allowed")
+        return HttpResponse(200, generate_latest(self.registry), _CONTENT_TYPE)
+
+
+def _plain_error(status: int, message: str) -> HttpResponse:
+    return HttpResponse(status, message.encode(), "text/plain")
