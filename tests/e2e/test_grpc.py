@@ -561,7 +561,7 @@ def test_a_busy_grpc_port_is_a_clear_startup_error(tmp_path: Path) -> None:
         result = subprocess.run(transerve_argv(repo, http, grpc_port, metrics), capture_output=True, text=True,
                                 timeout=120)
     assert result.returncode == 1
-    assert "cannot listen for gRPC" in result.stderr
+    assert "cannot listen for grpc" in result.stderr.lower()
 
 
 SLOW_MODEL = '''

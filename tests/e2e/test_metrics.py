@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-
 from support import EXAMPLE_REPOSITORY, start_transerve
 
 SAMPLE = re.compile(r'^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$')

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.fingerprint import fingerprint
+from transerve.repository.overrides import write_model_files
 from transerve.repository.repository import (
     ModelLocation,
     ModelRepository,
@@ -101,6 +103,8 @@ class ModelRecord:
     #: Versions that failed to load, with why.
     failed: dict[int, str] = field(default_factory=dict)
     fingerprint: str = ""
+    #: The folder a load request's `file:` contents were written to; removed with the record.
+    override_path: Path | None = None
 
     def latest(self) -> ModelVersion | None:
         return self.versions[max(self.versions)] if self.versions else None
@@ -296,25 +300,41 @@ class Server:
             lock = self._model_locks[name] = asyncio.Lock()
         return lock
 
-    async def load_model(self, name: str, config_json: str | bytes | None = None) -> None:
-        """Load (or reload) a model; the old versions keep serving until the new ones are ready."""
+    async def load_model(
+        self, name: str, config_json: str | bytes | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        """Load (or reload) a model; the old versions keep serving until the new ones are ready.
+
+        `files` (a load request's `file:<version>/<name>` contents) replace the model's folder: they are
+        written to a temporary folder, never into the repository, and need `config_json` beside them.
+        """
         if not is_plain_model_name(name):
             raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
         async with self._lock(name):
-            location = self.repository.locate(name)
-            if location is None:
-                raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
+            override = None
+            if files:
+                if not config_json:
+                    raise invalid_arg(f"failed to load '{name}': 'file:' contents need a 'config' parameter too")
+                override = write_model_files(name, files)
+                location = ModelLocation(name, override / name, override)
+            else:
+                location = self.repository.locate(name)
+                if location is None:
+                    raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
             old = self._models.get(name)
             if old is None:
                 self._models[name] = ModelRecord(name, ModelState.LOADING)
             try:
                 record = await self._load_record(location, config_json)
             except ServerError as exc:
+                if override is not None:
+                    shutil.rmtree(override, ignore_errors=True)
                 if old is not None and old.versions:
                     log.error("reload of model '%s' failed, the old version keeps serving: %s", name, exc.message)
                 else:
                     self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, exc.message)
                 raise
+            record.override_path = override
             self._models[name] = record
             if old is not None:
                 asyncio.ensure_future(self._unload_record(old))
@@ -410,6 +430,8 @@ class Server:
         for model in record.versions.values():
             await model.scheduler.drain()
             await model.backend_model.unload()
+        if record.override_path is not None:
+            shutil.rmtree(record.override_path, ignore_errors=True)
 
     # ---- polling ---------------------------------------------------------------------------------
 

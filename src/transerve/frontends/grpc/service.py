@@ -207,14 +207,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._explicit_control()
         _no_repository_name(request.repository_name)
         config = None
+        files: dict[str, bytes] = {}
         for key, parameter in request.parameters.items():
             if key == "config":
                 if parameter.WhichOneof("parameter_choice") != "string_param":
                     raise invalid_arg("invalid value type for load parameter 'config', expected string_param.")
                 config = parameter.string_param
             elif key.startswith("file:"):
-                raise unsupported(f"load parameter '{key}': model files sent with the request are not supported")
-        await self._server.load_model(request.model_name, config)
+                if parameter.WhichOneof("parameter_choice") != "bytes_param":
+                    raise invalid_arg(f"invalid value type for load parameter '{key}', expected bytes_param.")
+                files[key[len("file:"):]] = parameter.bytes_param
+        await self._server.load_model(request.model_name, config, files)
         return service_pb2.RepositoryModelLoadResponse()
 
     @_rpc

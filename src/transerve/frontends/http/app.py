@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import gzip
 import logging
 import zlib
@@ -157,8 +159,8 @@ class HttpFrontend:
             if not isinstance(parameters, dict):
                 raise invalid_arg("'parameters' must be a JSON object")
             if parts[2] == "load":
-                config = parameters.get("config")
-                await self.server.load_model(parts[1], config if isinstance(config, str) else None)
+                config, files = _load_parameters(parameters)
+                await self.server.load_model(parts[1], config, files)
             else:
                 await self.server.unload_model(parts[1])
             return HttpResponse(200, b"", "application/json")
@@ -175,6 +177,23 @@ def _json_body(body: bytes) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise invalid_arg("the request body must be a JSON object")
     return document
+
+
+def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
+    """The `config` override and the base64 `file:<path>` contents of a load request."""
+    config = parameters.get("config")
+    if config is not None and not isinstance(config, str):
+        raise invalid_arg("load parameter 'config' must be a string holding the JSON model configuration")
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if key.startswith("file:"):
+            if not isinstance(value, str):
+                raise invalid_arg(f"load parameter '{key}' must be a base64 string")
+            try:
+                files[key[len("file:"):]] = base64.b64decode(value, validate=True)
+            except binascii.Error:
+                raise invalid_arg(f"load parameter '{key}' is not valid base64") from None
+    return config, files
 
 
 def _compress(response: HttpResponse, accept: str) -> HttpResponse:
