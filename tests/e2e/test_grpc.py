@@ -518,6 +518,15 @@ def test_explicit_model_control_over_grpc(tmp_path: Path) -> None:
                                       ADD_SUB_A + ADD_SUB_B)
         ready = raw_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=TIMEOUT_S)
         assert [(m.name, m.state) for m in ready.models] == [("add_sub", "READY")]
+        # A reload shows at once in the (cached) config and metadata answers.
+        assert control.get_model_config("add_sub").config.max_batch_size == 8
+        assert list(control.get_model_metadata("add_sub").inputs[0].shape) == [-1, 4]
+        unbatched = {"backend": "python", "max_batch_size": 0, "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+                     "input": [{"name": n, "data_type": "TYPE_FP32", "dims": [4]} for n in ("INPUT0", "INPUT1")],
+                     "output": [{"name": n, "data_type": "TYPE_FP32", "dims": [4]} for n in ("OUTPUT0", "OUTPUT1")]}
+        control.load_model("add_sub", config=json.dumps(unbatched))
+        assert control.get_model_config("add_sub").config.max_batch_size == 0
+        assert list(control.get_model_metadata("add_sub").inputs[0].shape) == [4]
         control.unload_model("add_sub")
         assert not control.is_model_ready("add_sub")
         with pytest.raises(InferenceServerException) as caught:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import Message
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
@@ -74,8 +74,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self._server = server
         # Kept rather than looked up per stream request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = loop
-        # Metadata and config answers per (name, version), valid while the same ModelVersion serves.
-        self._cached: dict[tuple[str, str, str], tuple[ModelVersion, Message]] = {}
+        # Metadata and config answers per (kind, name, version), with the config of the ModelVersion they describe:
+        # a load makes new versions with new configs, and holding a config, unlike a version, keeps no backend alive.
+        self._cached: dict[tuple[str, str, str], tuple[model_config_pb2.ModelConfig, Message]] = {}
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -108,13 +109,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     def _per_version(self, kind: str, name: str, version: str, build: Callable[[ModelVersion], Message]) -> Any:
-        """A cached answer about one model version; a reload makes a new ModelVersion, so a stale one never shows."""
+        """A cached answer about one model version; a reload makes new versions, so a stale answer never shows."""
         version = parse_version(version)
         model = self._server.get_version(name, version)
         key = (kind, name, version)
         cached = self._cached.get(key)
-        if cached is None or cached[0] is not model:
-            cached = self._cached[key] = (model, build(model))
+        if cached is None or cached[0] is not model.config:
+            cached = self._cached[key] = (model.config, build(model))
         return cached[1]
 
     def _build_metadata(self, model: ModelVersion) -> service_pb2.ModelMetadataResponse:
