@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 import requests
@@ -571,6 +572,46 @@ def test_a_busy_grpc_port_is_a_clear_startup_error(tmp_path: Path) -> None:
                                 timeout=120)
     assert result.returncode == 1
     assert "cannot listen for grpc" in result.stderr.lower()
+
+
+BF16_ECHO_CONFIG = '''
+name: "bf16_echo" backend: "python" max_batch_size: 0
+input [ { name: "INPUT_BF16" data_type: TYPE_BF16 dims: [ -1 ] } ]
+output [ { name: "OUTPUT_BF16" data_type: TYPE_BF16 dims: [ -1 ] } ]
+'''
+
+BF16_ECHO_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT_BF16", r.inputs()[0].as_numpy())])
+                for r in requests]
+'''
+
+
+def test_bf16_raw_only(tmp_path: Path) -> None:
+    """BF16 travels as raw bytes both ways; typed contents have no field for it, as in Triton. (Built by hand:
+    tritonclient's BF16 numpy conventions changed across its versions.)"""
+    (tmp_path / "repo" / "bf16_echo" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "bf16_echo" / "config.pbtxt").write_text(BF16_ECHO_CONFIG)
+    (tmp_path / "repo" / "bf16_echo" / "1" / "model.py").write_text(BF16_ECHO_MODEL)
+    values = np.array([0.0, 1.0, -2.5, 0.0078125, 3.0e38, np.inf], ml_dtypes.bfloat16)
+    with start_transerve(tmp_path / "repo") as server, grpc.insecure_channel(server.grpc_url) as channel:
+        bf16 = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        message = service_pb2.ModelInferRequest(model_name="bf16_echo")
+        message.inputs.add(name="INPUT_BF16", datatype="BF16", shape=[len(values)])
+        message.raw_input_contents.append(values.tobytes())
+        response = bf16.ModelInfer(message, timeout=TIMEOUT_S)
+        assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+            ("OUTPUT_BF16", "BF16", [len(values)])]
+        assert response.raw_output_contents[0] == values.tobytes()
+        message.ClearField("raw_input_contents")
+        message.inputs[0].contents.fp32_contents.extend(values.astype(np.float32).tolist())
+        with pytest.raises(grpc.RpcError) as caught:
+            bf16.ModelInfer(message, timeout=TIMEOUT_S)
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "of type 'FP32', expected datatype 'BF16'" in caught.value.details()
 
 
 SLOW_MODEL = '''
