@@ -13,6 +13,8 @@ from typing import Any
 from google.protobuf import descriptor, json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+from transerve.config.devices import visible_gpus
+from transerve.config.sequence_batching import check_sequence_batching, normalize_sequence_batching
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 
 ModelConfig = model_config_pb2.ModelConfig
@@ -91,18 +93,29 @@ def normalize(config: ModelConfig, model_name: str) -> None:
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True
+    batching = config.dynamic_batching if config.HasField("dynamic_batching") else None
+    if batching is not None and not batching.preferred_batch_size and config.max_batch_size > 0:
+        batching.preferred_batch_size.append(config.max_batch_size)  # as Triton fills it
+    if config.HasField("sequence_batching"):
+        normalize_sequence_batching(config)
     if backend == "ensemble":
         return
     if not config.instance_group:
         group = config.instance_group.add()
         group.name = config.name
+    gpus = visible_gpus()
+    kinds = model_config_pb2.ModelInstanceGroup
     for index, group in enumerate(config.instance_group):
         if not group.name:
             group.name = f"{config.name}_{index}"
         if group.count < 1:
             group.count = 1
-        if group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO:
-            group.kind = model_config_pb2.ModelInstanceGroup.KIND_CPU
+        if group.kind == kinds.KIND_AUTO:
+            # Triton: GPU when GPUs exist and every listed one is among them, else CPU.
+            on_gpu = bool(gpus) and all(gpu in gpus for gpu in group.gpus)
+            group.kind = kinds.KIND_GPU if on_gpu else kinds.KIND_CPU
+        if group.kind == kinds.KIND_GPU and not group.gpus:
+            group.gpus.extend(gpus)
 
 
 def validate(config: ModelConfig, model_name: str) -> None:
@@ -134,6 +147,57 @@ def validate(config: ModelConfig, model_name: str) -> None:
                     raise ConfigError(f"{where} has invalid dimension {dim} in dims {list(tensor.dims)}")
             if tensor.HasField("reshape"):
                 _check_reshape(where, list(tensor.dims), list(tensor.reshape.shape))
+    if config.HasField("dynamic_batching"):
+        _check_dynamic_batching(config)
+    if config.HasField("sequence_batching"):
+        try:
+            check_sequence_batching(config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    for group in config.instance_group:
+        _check_instance_group(config.name, group)
+
+
+def _check_dynamic_batching(config: ModelConfig) -> None:
+    """Triton's checks of `dynamic_batching`, with its wording."""
+    batching, name = config.dynamic_batching, config.name
+    for size in batching.preferred_batch_size:
+        if size <= 0:
+            raise ConfigError(f"dynamic batching preferred size must be positive for {name}")
+        if size > config.max_batch_size:
+            raise ConfigError(f"dynamic batching preferred size must be <= max batch size for {name}")
+    levels = batching.priority_levels
+    if levels:
+        if not 1 <= batching.default_priority_level <= levels:
+            raise ConfigError(f"default priority level must be in range [1, {levels}] for {name}")
+        for level in batching.priority_queue_policy:
+            if not 1 <= level <= levels:
+                raise ConfigError(f"priority queue policy must have priority level in range [1, {levels}] for {name}")
+    if batching.preserve_ordering:
+        if levels > 1:
+            raise ConfigError(f"Only one priority level is allowed when 'preserve_ordering' is true for {name}")
+        delay = model_config_pb2.ModelQueuePolicy.DELAY
+        for policy in [batching.default_queue_policy, *batching.priority_queue_policy.values()]:
+            if policy.default_timeout_microseconds and policy.timeout_action == delay:
+                raise ConfigError(
+                    f"Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true for {name}"
+                )
+
+
+def _check_instance_group(model_name: str, group: model_config_pb2.ModelInstanceGroup) -> None:
+    """Triton's placement checks: GPUs only for KIND_GPU, and only GPUs that exist."""
+    where = f"instance group {group.name} of model {model_name}"
+    kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind)
+    if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU:
+        gpus = visible_gpus()
+        if not group.gpus:
+            raise ConfigError(f"{where} has kind KIND_GPU but no GPUs are available")
+        for gpu in group.gpus:
+            if gpu not in gpus:
+                listed = ", ".join(str(g) for g in gpus)
+                raise ConfigError(f"{where} specifies invalid or unsupported gpu id {gpu}. Visible GPUs are: {listed}")
+    elif group.gpus:
+        raise ConfigError(f"{where} has kind {kind} but specifies one or more GPUs")
 
 
 def _check_reshape(where: str, dims: list[int], reshape: list[int]) -> None:

@@ -430,6 +430,14 @@ class PythonBackend(Backend):
         )
         if not spec.model_file.is_file():
             raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
+        if config.sequence_batching.state:
+            # Triton's python backend loads such a model but never stores the output state, so every request
+            # would see the initial state: refusing says so instead of computing wrong answers.
+            raise ServerError(
+                ErrorCode.INVALID_ARG,
+                "implicit state (sequence_batching.state) is not supported by the python backend: "
+                "keep the state in the model, keyed by the CORRID control input",
+            )
         names = _instance_names(config)
         first = await WorkerProcess.start(spec, names[0][0])
         if context.auto_complete:
@@ -438,7 +446,10 @@ class PythonBackend(Backend):
             except BaseException:
                 await first.abort()
                 raise
-        instances = [PythonInstance(spec, name, _initialize_args(context, config, name, kind)) for name, kind in names]
+        instances = [
+            PythonInstance(spec, name, _initialize_args(context, config, name, kind, device))
+            for name, kind, device in names
+        ]
         outcomes = await asyncio.gather(
             *(instance.start(first if index == 0 else None) for index, instance in enumerate(instances)),
             return_exceptions=True,
@@ -464,24 +475,28 @@ async def _auto_complete(
     return config
 
 
-def _instance_names(config: model_config_pb2.ModelConfig) -> list[tuple[str, str]]:
-    """(name, kind) of every instance, named as Triton names them: `<group name>_<index in group>`."""
+def _instance_names(config: model_config_pb2.ModelConfig) -> list[tuple[str, str, int]]:
+    """(name, kind, device id) of every instance, as Triton creates them: `count` instances per group, each
+    named `<group name>_<index in group>`, and for KIND_GPU that many on every listed GPU."""
     names = []
     for group in config.instance_group:
         kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
-        names.extend((f"{group.name}_{index}", kind) for index in range(max(group.count, 1)))
-    return names or [(f"{config.name}_0", "CPU")]
+        devices = list(group.gpus) if kind == "GPU" else [0]
+        names.extend(
+            (f"{group.name}_{index}", kind, device) for index in range(max(group.count, 1)) for device in devices
+        )
+    return names or [(f"{config.name}_0", "CPU", 0)]
 
 
 def _initialize_args(
-    context: ModelContext, config: model_config_pb2.ModelConfig, instance: str, kind: str
+    context: ModelContext, config: model_config_pb2.ModelConfig, instance: str, kind: str, device: int
 ) -> dict[str, str]:
     """The `args` Triton passes to `initialize`, every value a string."""
     return {
         "model_config": model_config.to_json(config),
         "model_instance_kind": kind,
         "model_instance_name": instance,
-        "model_instance_device_id": "0",
+        "model_instance_device_id": str(device),
         "model_repository": str(context.model_path),
         "model_version": context.version,
         "model_name": context.name,
