@@ -29,6 +29,10 @@ def create_scheduler(
     model_name: str, config: model_config_pb2.ModelConfig, instances: list[BackendInstance], stats: ModelStats
 ) -> Scheduler:
     """The scheduler the config asks for."""
+    if config.HasField("dynamic_batching"):
+        from transerve.scheduling.dynamic_batcher import DynamicBatcher
+
+        return DynamicBatcher(model_name, config, instances, stats)
     from transerve.scheduling.direct import DirectScheduler
 
     return DirectScheduler(model_name, instances, stats, config.max_batch_size)
