@@ -61,11 +61,18 @@ class ModelStats:
         self.failures[_FAILURE_REASON.get(code, "BACKEND")] += 1
 
     def record_execution(
-        self, batch_size: int, request_count: int, input_ns: int, infer_ns: int, output_ns: int
+        self,
+        batch_size: int,
+        request_count: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        inferences: int | None = None,
     ) -> None:
-        """One backend execution of `request_count` requests holding `batch_size` samples."""
+        """One backend execution of `request_count` requests holding `batch_size` samples, of which
+        `inferences` (default: all) were asked for by clients; the sequence batcher pads with null requests."""
         self.execution_count += 1
-        self.inference_count += batch_size
+        self.inference_count += batch_size if inferences is None else inferences
         self.last_inference_ms = time.time_ns() // 1_000_000
         # Triton charges each request the full compute time of the execution it was part of.
         self.compute_input.add(input_ns * request_count, request_count)

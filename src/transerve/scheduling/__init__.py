@@ -29,6 +29,10 @@ def create_scheduler(
     model_name: str, config: model_config_pb2.ModelConfig, instances: list[BackendInstance], stats: ModelStats
 ) -> Scheduler:
     """The scheduler the config asks for."""
+    if config.HasField("sequence_batching"):
+        from transerve.scheduling.sequence_batcher import SequenceBatcher
+
+        return SequenceBatcher(model_name, config, instances, stats)
     if config.HasField("dynamic_batching"):
         from transerve.scheduling.dynamic_batcher import DynamicBatcher
 

@@ -1,0 +1,586 @@
+"""The sequence batcher: Triton's scheduler for stateful models (`sequence_batching`).
+
+Every request names its sequence (`sequence_id`, an integer or a string). From its START request to its
+END request a sequence holds one batch slot of one instance, so all its requests run on that instance, in
+order, one per execution. Sequences that find every slot taken wait in a backlog, in arrival order, for
+the next slot that frees; a sequence idle for `max_sequence_idle_microseconds` (measured from its last
+request's arrival, as Triton measures it) loses its slot, and a later request without START fails.
+Before a request executes, the batcher adds the control inputs the config declares (START, END, READY,
+CORRID) to it, with the values and shapes Triton gives them.
+
+The two strategies are Triton's:
+
+- direct: a request's index in the executed batch is its slot. Free slots below the highest busy one get
+  "null" requests (READY false, CORRID 0, zeroed inputs) whose results are dropped, so a model that keeps
+  state per batch slot always finds a sequence at the same index. `max_queue_delay_microseconds` with
+  `minimum_slot_utilization` lets a batch wait for more slots to fill.
+- oldest: an instance holds up to `max_candidate_sequences` sequences and batches the oldest ready request
+  of each, as a dynamic batcher would (`preferred_batch_size`, `max_queue_delay_microseconds`); the next
+  request of a sequence becomes ready only when its previous one has finished.
+
+Each instance runs one execution at a time (not `max_inflight`), as Triton's instances do: the next batch
+is formed when the previous one finishes, which is what lets requests gather into batches. Requests whose
+variable-size inputs differ in shape do not share a batch (unless the input allows ragged batches).
+A request whose client has gone still executes, so the sequence's state stays consistent.
+Implicit state (`sequence_batching.state`) is not implemented here; backends that cannot carry it refuse
+such configs at load.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.base import BackendInstance, ExecutionResult
+from transerve.config.sequence_batching import BooleanControl, SequenceControls, sequence_controls
+from transerve.core.datatypes import NUMPY_DTYPES
+from transerve.core.errors import ServerError, internal, invalid_arg
+from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
+from transerve.core.stats import ModelStats
+from transerve.core.types import InferRequest, InferResponse, Tensor
+
+log = logging.getLogger("transerve")
+
+#: How often the reaper looks again at an idle sequence that still waits in the backlog (Triton's 50 ms).
+_BACKLOG_RECHECK_NS = 50_000_000
+_UINT64_MASK = (1 << 64) - 1
+#: What `_ControlTensors.tensors` is asked for: a request's START/END flags, or a null request.
+_NOT_READY = -1
+
+
+class _Pending:
+    """A queued request and the future its client awaits."""
+
+    __slots__ = ("request", "future")
+
+    def __init__(self, request: InferRequest, future: asyncio.Future[InferResponse]) -> None:
+        self.request = request
+        self.future = future
+
+
+class _Slot:
+    """One batch slot of one instance. `queue` holds its sequence's requests; None in it marks where the
+    reaper ended an idle sequence."""
+
+    __slots__ = ("lane", "index", "queue", "in_flight")
+
+    def __init__(self, lane: _Lane, index: int) -> None:
+        self.lane = lane
+        self.index = index
+        self.queue: deque[_Pending | None] = deque()
+        #: oldest: a request of this slot is waiting to execute or executing.
+        self.in_flight = False
+
+    def __lt__(self, other: _Slot) -> bool:
+        """Free slots are handed out lowest index first, so load spreads over instances (Triton's order)."""
+        return (self.index, self.lane.number) < (other.index, other.lane.number)
+
+
+class _Backlog:
+    """Requests of a sequence that started while every slot was taken."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self) -> None:
+        self.queue: deque[_Pending] = deque()
+
+
+class _ControlTensors:
+    """The control inputs as tensors: the START/END/READY combinations are built once and shared."""
+
+    def __init__(self, controls: SequenceControls, batching: bool) -> None:
+        self._shape = (1, 1) if batching else (1,)
+        self._corrid_name = controls.corrid_name
+        self._corrid_datatype = controls.corrid_datatype
+        self._corrid_dtype = NUMPY_DTYPES.get(controls.corrid_datatype)
+        # Keyed by the request's START|END flags, or _NOT_READY for a null request.
+        self._by_flags: dict[int, list[Tensor]] = {}
+        for flags in (0, SEQUENCE_START, SEQUENCE_END, SEQUENCE_START | SEQUENCE_END, _NOT_READY):
+            ready = flags != _NOT_READY
+            values = (
+                (controls.start, ready and bool(flags & SEQUENCE_START)),
+                (controls.end, ready and bool(flags & SEQUENCE_END)),
+                (controls.ready, ready),
+            )
+            self._by_flags[flags] = [self._boolean(control, on) for control, on in values if control is not None]
+
+    def _boolean(self, control: BooleanControl, on: bool) -> Tensor:
+        value = control.true_value if on else control.false_value
+        data = np.full(self._shape, value, dtype=NUMPY_DTYPES[control.datatype])
+        data.flags.writeable = False
+        return Tensor(control.name, control.datatype, data)
+
+    def tensors(self, flags: int, correlation_id: int | str) -> list[Tensor]:
+        controls = self._by_flags[flags]
+        if not self._corrid_name:
+            return controls
+        return [*controls, Tensor(self._corrid_name, self._corrid_datatype, self._corrid(correlation_id))]
+
+    def _corrid(self, correlation_id: int | str) -> np.ndarray:
+        """CORRID as the model declared it. Where Triton leaves it uninitialized (a string id for a numeric
+        CORRID), it is 0; an integer id for a string CORRID is its decimal text."""
+        if self._corrid_datatype == "BYTES":
+            text = correlation_id if isinstance(correlation_id, str) else str(correlation_id)
+            return np.full(self._shape, text.encode(), dtype=np.object_)
+        number = 0 if isinstance(correlation_id, str) else correlation_id & _UINT64_MASK
+        # A narrower CORRID keeps the low bytes of the 64-bit id, as Triton's copy does.
+        return np.full(self._shape, number, dtype=np.uint64).astype(self._corrid_dtype)
+
+
+class SequenceBatcher:
+    """Sequences bound to instance slots, control inputs added, batches formed per strategy."""
+
+    def __init__(
+        self,
+        model_name: str,
+        config: model_config_pb2.ModelConfig,
+        instances: list[BackendInstance],
+        stats: ModelStats,
+    ) -> None:
+        self._model_name = model_name
+        self._stats = stats
+        self._loop = asyncio.get_running_loop()
+        batching = config.sequence_batching
+        self._max_batch_size = config.max_batch_size
+        self._idle_ns = batching.max_sequence_idle_microseconds * 1000
+        controls = sequence_controls(config)
+        self._controls = _ControlTensors(controls, batching=config.max_batch_size > 0)
+        # Control names that are also client inputs: the control value replaces what the client sent.
+        self._overridden = controls.names & {tensor.name for tensor in config.input}
+        # Inputs whose shape must agree within a batch: variable-size ones that do not allow ragged batches.
+        self._equal_shapes = frozenset(
+            tensor.name for tensor in config.input if -1 in tensor.dims and not tensor.allow_ragged_batch
+        )
+        self._check_inputs = bool(self._equal_shapes) or any(tensor.optional for tensor in config.input)
+        if batching.HasField("oldest"):
+            slots = batching.oldest.max_candidate_sequences or max(1, config.max_batch_size)
+            self._lanes: list[_Lane] = [
+                _OldestLane(self, number, instance, slots, max(1, config.max_batch_size), batching.oldest)
+                for number, instance in enumerate(instances)
+            ]
+        else:
+            slots = max(1, config.max_batch_size)
+            self._lanes = [
+                _DirectLane(self, number, instance, slots, batching.direct) for number, instance in enumerate(instances)
+            ]
+        self._free: list[_Slot] = [slot for lane in self._lanes for slot in lane.slots]
+        heapq.heapify(self._free)
+        #: Sequence id -> its slot, from its first request until its END request is queued.
+        self._assigned: dict[int | str, _Slot] = {}
+        #: Sequence id -> its backlog, while the sequence is still sending requests there.
+        self._backlogged: dict[int | str, _Backlog] = {}
+        self._backlogs: deque[_Backlog] = deque()
+        #: Sequence id -> arrival (monotonic ns) of its latest request, for the idle reaper.
+        self._last_seen: dict[int | str, int] = {}
+        self._reaper: asyncio.TimerHandle | None = None
+        self._queued = 0
+        self._running = 0
+
+    # ---- the face the core sees -----------------------------------------------------------------------
+
+    @property
+    def pending_count(self) -> int:
+        """Requests accepted but not yet executing."""
+        return self._queued
+
+    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
+        """Route a request to its sequence's slot (or the backlog); the future resolves with its response."""
+        future: asyncio.Future[InferResponse] = self._loop.create_future()
+        correlation_id, flags = request.correlation_id, request.flags
+        slot = self._assigned.get(correlation_id)
+        backlog = self._backlogged.get(correlation_id) if slot is None else None
+        error = self._refusal(request, known=slot is not None or backlog is not None)
+        if error is not None:
+            future.set_exception(error)
+            return future
+        if flags & SEQUENCE_START and (slot is not None or backlog is not None):
+            log.warning(
+                "sequence %s for model '%s' has a conflict: the previous sequence did not end before this START; "
+                "it continues in the same place",
+                correlation_id,
+                self._model_name,
+            )
+        ends = flags & SEQUENCE_END
+        if ends:
+            # An ended sequence is not the reaper's business any more.
+            self._last_seen.pop(correlation_id, None)
+        else:
+            self._last_seen[correlation_id] = request.arrival_ns
+            if self._reaper is None:
+                self._arm_reaper(request.arrival_ns + self._idle_ns)
+        self._queued += 1
+        pending = _Pending(request, future)
+        if slot is None and backlog is None:
+            if self._free:
+                slot = heapq.heappop(self._free)
+                if not ends:
+                    self._assigned[correlation_id] = slot
+            else:
+                backlog = _Backlog()
+                self._backlogs.append(backlog)
+                if not ends:
+                    self._backlogged[correlation_id] = backlog
+        elif ends:
+            # Later requests with this id start a new sequence.
+            self._assigned.pop(correlation_id, None)
+            self._backlogged.pop(correlation_id, None)
+        if backlog is not None:
+            backlog.queue.append(pending)
+        elif slot is not None:
+            slot.lane.enqueue(slot, pending)
+        return future
+
+    def _refusal(self, request: InferRequest, known: bool) -> ServerError | None:
+        """Triton's reasons to refuse a request to a sequence model, with its wording."""
+        if self._max_batch_size > 0 and request.batch_size(self._max_batch_size) > 1:
+            return invalid_arg(
+                f"inference request to model '{self._model_name}' must specify batch-size 1 due to requirements "
+                "of sequence batcher"
+            )
+        if request.correlation_id == 0 or request.correlation_id == "":
+            return invalid_arg(
+                f"inference request to model '{self._model_name}' must specify a non-zero or non-empty "
+                "correlation ID"
+            )
+        if not known and not request.flags & SEQUENCE_START:
+            return invalid_arg(
+                f"inference request for sequence {request.correlation_id} to model '{self._model_name}' must "
+                "specify the START flag on the first request of the sequence"
+            )
+        return None
+
+    async def drain(self) -> None:
+        """Wait until nothing is queued or running (used before unloading)."""
+        while self._queued or self._running:
+            await asyncio.sleep(0.005)
+
+    # ---- slots, backlog and the idle reaper ------------------------------------------------------------
+
+    def release(self, slot: _Slot) -> None:
+        """A slot's sequence ended: give the slot to the oldest backlogged sequence, or free it."""
+        if not self._backlogs:
+            heapq.heappush(self._free, slot)
+            return
+        backlog = self._backlogs.popleft()
+        last = backlog.queue[-1].request
+        if not last.flags & SEQUENCE_END:
+            # Still sending: its later requests go straight to the slot.
+            self._backlogged.pop(last.correlation_id, None)
+            self._assigned[last.correlation_id] = slot
+        for pending in backlog.queue:
+            slot.queue.append(pending)
+
+    def _arm_reaper(self, deadline_ns: int) -> None:
+        delay_s = max(0, deadline_ns - time.monotonic_ns()) / 1e9
+        self._reaper = self._loop.call_later(delay_s, self._reap)
+
+    def _reap(self) -> None:
+        """End sequences idle past the limit: their slot frees once their queued requests have run."""
+        self._reaper = None
+        now = time.monotonic_ns()
+        next_deadline = None
+        for correlation_id, seen in list(self._last_seen.items()):
+            deadline = seen + self._idle_ns
+            if deadline > now:
+                next_deadline = deadline if next_deadline is None else min(next_deadline, deadline)
+                continue
+            slot = self._assigned.pop(correlation_id, None)
+            if slot is not None:
+                del self._last_seen[correlation_id]
+                slot.lane.enqueue(slot, None)
+            elif correlation_id in self._backlogged:
+                # Still waiting for a slot: look again soon, it may have one by then.
+                recheck = now + _BACKLOG_RECHECK_NS
+                next_deadline = recheck if next_deadline is None else min(next_deadline, recheck)
+            else:
+                del self._last_seen[correlation_id]
+        if next_deadline is not None:
+            self._arm_reaper(next_deadline)
+
+    # ---- what lanes share ------------------------------------------------------------------------------
+
+    def prepare(self, request: InferRequest) -> None:
+        """Add the control inputs to a request about to be batched (replacing any the client sent)."""
+        controls = self._controls.tensors(request.flags & (SEQUENCE_START | SEQUENCE_END), request.correlation_id)
+        if self._overridden:
+            request.inputs = [tensor for tensor in request.inputs if tensor.name not in self._overridden]
+        request.inputs.extend(controls)
+
+    def null_request(self, model_name: str, zeros: list[Tensor]) -> InferRequest:
+        """A placeholder for an empty direct slot: zeroed inputs, READY false, CORRID 0, no outputs asked."""
+        return InferRequest(model_name, [*zeros, *self._controls.tensors(_NOT_READY, 0)], outputs=[])
+
+    def zeroed_inputs(self, inputs: list[Tensor]) -> list[Tensor]:
+        """Client inputs with zeroed data, for null requests shaped as the batch's real ones."""
+        zeros = []
+        for tensor in inputs:
+            if tensor.datatype == "BYTES":
+                data = np.full(tensor.data.shape, b"", dtype=np.object_)
+            else:
+                data = np.zeros(tensor.data.shape, dtype=tensor.data.dtype)
+            zeros.append(Tensor(tensor.name, tensor.datatype, data))
+        return zeros
+
+    def batch_key(self, request: InferRequest) -> object:
+        """Requests batch together only with equal keys: the same inputs present, and equal shapes where the
+        model needs them."""
+        if not self._check_inputs:
+            return None
+        return tuple(
+            (tensor.name, tensor.data.shape if tensor.name in self._equal_shapes else None)
+            for tensor in sorted(request.inputs, key=lambda tensor: tensor.name)
+        )
+
+    def execute(
+        self,
+        lane: _Lane,
+        requests: list[InferRequest],
+        futures: list[asyncio.Future[InferResponse] | None],
+        finished: Callable[[], None],
+    ) -> None:
+        """Run a batch on the lane's instance; `futures` has None for null requests, whose results are
+        dropped. `finished` runs once every result is delivered."""
+        started = time.monotonic_ns()
+        real = 0
+        for request, future in zip(requests, futures, strict=True):
+            if future is not None:
+                real += 1
+                self._stats.queue.add(started - request.arrival_ns)
+        self._queued -= real
+        self._running += 1
+
+        def collect(done: asyncio.Future[ExecutionResult]) -> None:
+            if done.cancelled():
+                result = self._failed(lane, len(requests), "was cancelled")
+            elif done.exception() is not None:
+                result = self._failed(lane, len(requests), f"failed: {done.exception()!r}")
+            else:
+                result = done.result()
+            self._deliver(lane, requests, futures, real, result)
+            finished()
+
+        try:
+            execution = lane.instance.execute(requests)
+            if not isinstance(execution, asyncio.Future):
+                execution = self._loop.create_task(execution)
+        except Exception as exc:  # a backend bug: fail this batch, keep serving
+            self._deliver(lane, requests, futures, real, self._failed(lane, len(requests), f"failed: {exc!r}"))
+            finished()
+            return
+        execution.add_done_callback(collect)
+
+    def _deliver(
+        self,
+        lane: _Lane,
+        requests: list[InferRequest],
+        futures: list[asyncio.Future[InferResponse] | None],
+        real: int,
+        result: ExecutionResult,
+    ) -> None:
+        self._running -= 1
+        if len(result.results) != len(requests):
+            count = len(result.results)
+            result = self._failed(lane, len(requests), f"returned {count} results for {len(requests)} requests")
+        # Triton counts null requests in the batch size, but not as inferences.
+        self._stats.record_execution(
+            len(requests), real, result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
+            inferences=real,
+        )
+        for future, outcome in zip(futures, result.results, strict=True):
+            if future is None or future.done():
+                continue
+            if isinstance(outcome, ServerError):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _failed(self, lane: _Lane, count: int, what: str) -> ExecutionResult:
+        error = internal(f"model '{self._model_name}' instance '{lane.instance.name}' {what}")
+        return ExecutionResult([error] * count)
+
+    def call_later(self, delay_ns: int, callback: Callable[[], None]) -> asyncio.TimerHandle:
+        return self._loop.call_later(delay_ns / 1e9, callback)
+
+
+class _Lane(abc.ABC):
+    """The slots of one instance and the batches formed from them; one execution at a time."""
+
+    def __init__(self, batcher: SequenceBatcher, number: int, instance: BackendInstance, slots: int) -> None:
+        self.batcher = batcher
+        self.number = number
+        self.instance = instance
+        self.slots = [_Slot(self, index) for index in range(slots)]
+        self.busy = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    @abc.abstractmethod
+    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
+        """Add a request (or the reaper's end mark) to a slot of this lane."""
+
+    def _wait(self, delay_ns: int) -> None:
+        """Form the batch again after `delay_ns`, unless a completion or arrival does it first."""
+        if self._timer is None:
+            self._timer = self.batcher.call_later(delay_ns, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        self.schedule()
+
+    def _stop_waiting(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @abc.abstractmethod
+    def schedule(self) -> None:
+        """Start the next batch if the instance is free and one is due."""
+
+    def _finished(self) -> None:
+        self.busy = False
+        self.schedule()
+
+
+class _DirectLane(_Lane):
+    """Direct strategy: a batch holds each busy slot's next request at the slot's index."""
+
+    def __init__(
+        self,
+        batcher: SequenceBatcher,
+        number: int,
+        instance: BackendInstance,
+        slots: int,
+        config: model_config_pb2.ModelSequenceBatching.StrategyDirect,
+    ) -> None:
+        super().__init__(batcher, number, instance, slots)
+        self._delay_ns = config.max_queue_delay_microseconds * 1000
+        self._utilization = config.minimum_slot_utilization
+
+    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
+        slot.queue.append(pending)
+        self.schedule()
+
+    def schedule(self) -> None:
+        if self.busy:
+            return
+        for slot in self.slots:
+            # The reaper's mark reached the front: every request before it has run.
+            while slot.queue and slot.queue[0] is None:
+                slot.queue.popleft()
+                self.batcher.release(slot)
+        heads = [(slot, slot.queue[0]) for slot in self.slots if slot.queue]
+        if not heads:
+            return
+        if self._delay_ns and self._utilization and len(heads) / len(self.slots) < self._utilization:
+            waited = time.monotonic_ns() - min(pending.request.arrival_ns for _, pending in heads)
+            if waited < self._delay_ns:
+                self._wait(self._delay_ns - waited)
+                return
+        self._stop_waiting()
+        first = heads[0][1]
+        assert first is not None  # marks were taken off the fronts above
+        key = self.batcher.batch_key(first.request)
+        # Null requests copy the first request's inputs as the client sent them, before controls are added.
+        client_inputs = list(first.request.inputs)
+        zeros: list[Tensor] | None = None
+        requests: list[InferRequest] = []
+        futures: list[asyncio.Future[InferResponse] | None] = []
+        for slot in self.slots[: heads[-1][0].index + 1]:
+            pending = slot.queue[0] if slot.queue else None
+            if pending is None or (key is not None and self.batcher.batch_key(pending.request) != key):
+                if zeros is None:
+                    zeros = self.batcher.zeroed_inputs(client_inputs)
+                requests.append(self.batcher.null_request(first.request.model_name, zeros))
+                futures.append(None)
+                continue
+            slot.queue.popleft()
+            request = pending.request
+            self.batcher.prepare(request)
+            requests.append(request)
+            futures.append(pending.future)
+            if request.flags & SEQUENCE_END:
+                self.batcher.release(slot)
+        self.busy = True
+        self.batcher.execute(self, requests, futures, self._finished)
+
+
+class _OldestLane(_Lane):
+    """Oldest strategy: each slot's next request joins a queue, batched oldest first."""
+
+    def __init__(
+        self,
+        batcher: SequenceBatcher,
+        number: int,
+        instance: BackendInstance,
+        slots: int,
+        max_batch: int,
+        config: model_config_pb2.ModelSequenceBatching.StrategyOldest,
+    ) -> None:
+        super().__init__(batcher, number, instance, slots)
+        self._preferred = sorted(config.preferred_batch_size)
+        #: A batch this big goes at once (the largest preferred size, else the largest batch).
+        self._target = self._preferred[-1] if self._preferred else max_batch
+        self._delay_ns = config.max_queue_delay_microseconds * 1000
+        #: (slot, request, monotonic ns it became ready): the queue delay counts from the last.
+        self._ready: deque[tuple[_Slot, _Pending, int]] = deque()
+
+    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
+        slot.queue.append(pending)
+        if not slot.in_flight:
+            self._advance(slot)
+        self.schedule()
+
+    def _advance(self, slot: _Slot) -> None:
+        """Make the slot's next request ready, releasing the slot at its sequence's end (Triton's
+        CompleteAndNext); a sequence taking the slot over waits for the ending one's last request."""
+        while slot.queue and not slot.in_flight:
+            pending = slot.queue.popleft()
+            if pending is None:
+                self.batcher.release(slot)
+                continue
+            request = pending.request
+            self.batcher.prepare(request)
+            slot.in_flight = True
+            self._ready.append((slot, pending, time.monotonic_ns()))
+            if request.flags & SEQUENCE_END:
+                self.batcher.release(slot)
+
+    def schedule(self) -> None:
+        if self.busy or not self._ready:
+            return
+        key = self.batcher.batch_key(self._ready[0][1].request)
+        count = 0
+        for _, pending, _ in self._ready:
+            if count == self._target or (key is not None and self.batcher.batch_key(pending.request) != key):
+                break
+            count += 1
+        if count < self._target and count == len(self._ready):
+            # The batch could still grow: wait out the queue delay, then take a preferred size if one fits.
+            waited = time.monotonic_ns() - self._ready[0][2]
+            if waited < self._delay_ns:
+                self._wait(self._delay_ns - waited)
+                return
+            if self._delay_ns:
+                count = next((size for size in reversed(self._preferred) if size <= count), count)
+        self._stop_waiting()
+        batch = [self._ready.popleft() for _ in range(count)]
+        self.busy = True
+        self.batcher.execute(
+            self,
+            [pending.request for _, pending, _ in batch],
+            [pending.future for _, pending, _ in batch],
+            lambda: self._completed([slot for slot, _, _ in batch]),
+        )
+
+    def _completed(self, slots: list[_Slot]) -> None:
+        for slot in slots:
+            slot.in_flight = False
+            self._advance(slot)
+        self._finished()
