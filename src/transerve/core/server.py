@@ -38,6 +38,7 @@ from transerve.repository.repository import (
     select_versions,
 )
 from transerve.scheduling import Scheduler, create_scheduler
+from transerve.scheduling.warmup import warm_up
 
 log = logging.getLogger("transerve")
 
@@ -404,6 +405,12 @@ class Server:
             await backend_model.unload()
             raise invalid_arg(str(exc)) from None
         stats = ModelStats(load_duration_secs=time.monotonic() - started)
+        try:
+            scheduler = create_scheduler(name, config, backend_model.instances, stats)
+            await warm_up(name, config, location.path, backend_model.instances)
+        except ServerError:
+            await backend_model.unload()
+            raise
         return ModelVersion(
             name=name,
             version=str(version),
@@ -411,7 +418,7 @@ class Server:
             config_dict=to_json_dict(config),
             signature=ModelSignature(name, config),
             backend_model=backend_model,
-            scheduler=create_scheduler(name, config, backend_model.instances, stats),
+            scheduler=scheduler,
             stats=stats,
         )
 
