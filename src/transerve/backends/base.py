@@ -11,6 +11,7 @@ import abc
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
@@ -34,6 +35,9 @@ class ModelContext:
     backend_config: dict[str, str] = field(default_factory=dict)
     #: False under `--disable-auto-complete-config`.
     auto_complete: bool = True
+    #: The core, for backends whose models call other models (ensembles, BLS): it offers
+    #: `get_version(name, version)` and `await infer(request)`.
+    runtime: Any = None
 
 
 @dataclass(slots=True)

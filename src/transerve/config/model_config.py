@@ -90,6 +90,9 @@ def normalize(config: ModelConfig, model_name: str) -> None:
     backend = backend_name(config)
     if not config.default_model_filename and backend in DEFAULT_MODEL_FILENAMES:
         config.default_model_filename = DEFAULT_MODEL_FILENAMES[backend]
+    if backend == "ensemble":
+        config.model_transaction_policy.SetInParent()  # Triton prints it for ensembles
+        return
     if not config.HasField("optimization"):
         config.optimization.input_pinned_memory.enable = True
         config.optimization.output_pinned_memory.enable = True
@@ -98,8 +101,6 @@ def normalize(config: ModelConfig, model_name: str) -> None:
         batching.preferred_batch_size.append(config.max_batch_size)  # as Triton fills it
     if config.HasField("sequence_batching"):
         normalize_sequence_batching(config)
-    if backend == "ensemble":
-        return
     if not config.instance_group:
         group = config.instance_group.add()
         group.name = config.name

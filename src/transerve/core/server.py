@@ -24,9 +24,10 @@ from transerve.config.model_config import (
     to_json_dict,
     validate,
 )
-from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
+from transerve.core.streams import ResponseStream
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.fingerprint import fingerprint
 from transerve.repository.overrides import write_model_files
@@ -112,9 +113,17 @@ class ModelRecord:
 
 
 def _backend_registry() -> dict[str, type[Backend]]:
+    from transerve.backends.ensemble.backend import EnsembleBackend
     from transerve.backends.python.backend import PythonBackend
 
-    return {"python": PythonBackend}
+    return {"python": PythonBackend, "ensemble": EnsembleBackend}
+
+
+def _is_ensemble(location: ModelLocation) -> bool:
+    try:
+        return backend_name(load_config_file(location.path)) == "ensemble"
+    except ConfigError:
+        return False
 
 
 class Server:
@@ -131,11 +140,15 @@ class Server:
         self._stopping = False
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._poll_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        #: The event loop the server runs on, kept from start() (looking it up costs a syscall).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load the models the control mode asks for; broken ones are recorded, never fatal."""
+        self._loop = asyncio.get_running_loop()
         self._live = True
         found, duplicates = self.repository.scan()
         for name, reason in duplicates.items():
@@ -145,7 +158,10 @@ class Server:
             names = list(found) if "*" in self.options.load_models else self.options.load_models
         else:
             names = list(found)
-        await asyncio.gather(*(self._load_logged(name) for name in names))
+        # Ensembles check their steps against loaded models, so they load after everything else.
+        ensembles = {name for name in names if name in found and _is_ensemble(found[name])}
+        await asyncio.gather(*(self._load_logged(name) for name in names if name not in ensembles))
+        await asyncio.gather(*(self._load_logged(name) for name in ensembles))
         if self.options.control_mode is ControlMode.POLL:
             self._poll_task = asyncio.ensure_future(self._poll_forever())
 
@@ -274,7 +290,55 @@ class Server:
         if self._stopping:
             raise unavailable("the server is shutting down")
         model = self.get_version(request.model_name, request.model_version)
+        if model.config.model_transaction_policy.decoupled:
+            raise unsupported(f"model '{model.name}' is decoupled (zero or many responses per request): "
+                              "use a streaming endpoint (gRPC ModelStreamInfer or HTTP generate_stream)")
         model.signature.validate(request)
+        return await self._infer_validated(model, request)
+
+    def infer_stream(self, request: InferRequest) -> ResponseStream:
+        """Any model's responses as a stream: a decoupled model's zero or more, another model's one.
+
+        Validation errors raise here, before anything is queued; later errors end the stream.
+        """
+        if self._stopping:
+            raise unavailable("the server is shutting down")
+        model = self.get_version(request.model_name, request.model_version)
+        model.signature.validate(request)
+        stream = ResponseStream(self._loop or asyncio.get_running_loop())
+        if model.config.model_transaction_policy.decoupled:
+            request.response_stream = stream
+            self._track(self._run_decoupled(model, request, stream))
+        else:
+            self._track(self._run_single(model, request, stream))
+        return stream
+
+    def _track(self, coroutine: Any) -> None:
+        task = (self._loop or asyncio.get_running_loop()).create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _run_single(self, model: ModelVersion, request: InferRequest, stream: ResponseStream) -> None:
+        try:
+            stream.send(await self._infer_validated(model, request), final=True)
+        except ServerError as exc:
+            stream.fail(exc)
+
+    async def _run_decoupled(self, model: ModelVersion, request: InferRequest, stream: ResponseStream) -> None:
+        """The scheduler's future settles when `execute` returns; responses keep coming through the stream."""
+        request.arrival_ns = time.monotonic_ns()
+        self._inflight += 1
+        try:
+            await model.scheduler.submit(request)
+        except ServerError as exc:
+            model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+            stream.fail(exc)
+            return
+        finally:
+            self._inflight -= 1
+        model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
+
+    async def _infer_validated(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         request.arrival_ns = time.monotonic_ns()
         self._inflight += 1
         try:
@@ -341,14 +405,31 @@ class Server:
                 asyncio.ensure_future(self._unload_record(old))
             log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload a model; with `unload_dependents`, an ensemble's composing models too."""
         if not is_plain_model_name(name):
             raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
         async with self._lock(name):
             record = self._models.pop(name, None)
-            if record is not None:
-                await self._unload_record(record)
-                log.info("model '%s' unloaded", name)
+            if record is None:
+                return
+            await self._unload_record(record)
+            log.info("model '%s' unloaded", name)
+        if unload_dependents:
+            for model in record.versions.values():
+                for step in model.config.ensemble_scheduling.step:
+                    if step.model_name != name:
+                        await self.unload_model(step.model_name, unload_dependents=True)
+
+    async def _load_composing_models(self, name: str, config: model_config_pb2.ModelConfig) -> None:
+        """Explicit control loads what an ensemble needs first, as Triton does."""
+        for step in config.ensemble_scheduling.step:
+            if step.model_name != name and step.model_name not in self._models:
+                try:
+                    await self.load_model(step.model_name)
+                except ServerError as exc:
+                    raise invalid_arg(f"ensemble '{name}': composing model '{step.model_name}' failed to load: "
+                                      f"{exc.message}") from None
 
     async def _load_record(self, location: ModelLocation, config_json: str | bytes | None) -> ModelRecord:
         name = location.name
@@ -361,6 +442,8 @@ class Server:
             raise invalid_arg(str(exc)) from None
         if not versions:
             raise invalid_arg(f"model '{name}' has no version folders to serve (e.g. '{name}/1/')")
+        if self.options.control_mode is ControlMode.EXPLICIT and backend_name(config) == "ensemble":
+            await self._load_composing_models(name, config)
         record = ModelRecord(name, ModelState.READY, fingerprint=fingerprint(location.path))
         results = await asyncio.gather(
             *(self._load_version(location, config, version) for version in versions), return_exceptions=True
@@ -394,6 +477,7 @@ class Server:
             config=config,
             backend_config=self.options.backend_configs.get(kind, {}),
             auto_complete=self.options.auto_complete,
+            runtime=self,
         )
         started = time.monotonic()
         backend_model = await backend.load(context)

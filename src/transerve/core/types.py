@@ -54,6 +54,8 @@ class InferRequest:
     timeout_us: int = 0
     #: Monotonic nanoseconds at which the core accepted the request (set by the core).
     arrival_ns: int = 0
+    #: Where a decoupled model sends its responses (set by the core; a `core.streams.ResponseStream`).
+    response_stream: Any = None
 
     def batch_size(self, max_batch_size: int) -> int:
         """The request's own batch size: its first dimension for batching models, else 1."""

@@ -162,7 +162,7 @@ class HttpFrontend:
                 config, files = _load_parameters(parameters)
                 await self.server.load_model(parts[1], config, files)
             else:
-                await self.server.unload_model(parts[1])
+                await self.server.unload_model(parts[1], bool(parameters.get("unload_dependents", False)))
             return HttpResponse(200, b"", "application/json")
         return error_response(404, "Not Found")
 

@@ -1,0 +1,142 @@
+"""An ensemble's steps as a checked graph: every tensor has one producer, types and shapes agree, no cycles.
+
+All checks happen at load, with one-line reasons, so a broken ensemble is UNAVAILABLE instead of failing
+its first requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve.config.model_config import ConfigError
+from transerve.core.signature import ModelSignature, TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step: which model, and how its tensors are named in the ensemble."""
+
+    index: int
+    model_name: str
+    model_version: str
+    #: step model input name -> ensemble tensor name.
+    inputs: dict[str, str]
+    #: step model output name -> ensemble tensor name.
+    outputs: dict[str, str]
+
+    @property
+    def label(self) -> str:
+        return f"step {self.index} (model '{self.model_name}')"
+
+
+def build_steps(
+    name: str, config: model_config_pb2.ModelConfig, signatures: dict[tuple[str, str], ModelSignature]
+) -> list[Step]:
+    """Check the ensemble against its composing models' signatures; return its steps in config order.
+
+    `signatures` maps (model name, version or "") to the signature of each composing model.
+    """
+    if not config.HasField("ensemble_scheduling") or not config.ensemble_scheduling.step:
+        raise ConfigError(f"ensemble '{name}' has no ensemble_scheduling steps")
+    own = ModelSignature(name, config)
+    producers: dict[str, str] = {tensor: "the ensemble input" for tensor in own.inputs}
+    specs: dict[str, TensorSpec] = dict(own.inputs)
+    steps = []
+    for index, raw in enumerate(config.ensemble_scheduling.step):
+        version = "" if raw.model_version < 0 else str(raw.model_version)
+        step = Step(index, raw.model_name, version, dict(raw.input_map), dict(raw.output_map))
+        signature = signatures.get((raw.model_name, version))
+        if signature is None:
+            raise ConfigError(f"ensemble '{name}': {step.label} names a model that is not loaded"
+                              + (f" in version {version}" if version else ""))
+        _check_batching(name, step, own, signature)
+        for model_input, tensor in step.inputs.items():
+            if model_input not in signature.inputs:
+                raise ConfigError(f"ensemble '{name}': {step.label} maps '{tensor}' to '{model_input}', "
+                                  f"which is not an input of '{step.model_name}'")
+        missing = [i for i in signature.required if i not in step.inputs]
+        if missing:
+            raise ConfigError(f"ensemble '{name}': {step.label} leaves required inputs {missing} unmapped")
+        for model_output, tensor in step.outputs.items():
+            spec = signature.outputs.get(model_output)
+            if spec is None:
+                raise ConfigError(f"ensemble '{name}': {step.label} maps output '{model_output}', which is not "
+                                  f"an output of '{step.model_name}'")
+            if tensor in producers:
+                raise ConfigError(f"ensemble '{name}': tensor '{tensor}' is produced by both {producers[tensor]} "
+                                  f"and {step.label}")
+            producers[tensor] = step.label
+            specs[tensor] = spec
+        steps.append(step)
+    _check_consumers(name, steps, signatures, specs, producers)
+    _check_outputs(name, own, specs, producers)
+    _check_acyclic(name, steps, own)
+    return steps
+
+
+def _check_batching(name: str, step: Step, own: ModelSignature, signature: ModelSignature) -> None:
+    if own.max_batch_size > 0 and signature.max_batch_size < own.max_batch_size:
+        raise ConfigError(f"ensemble '{name}' batches up to {own.max_batch_size} but {step.label} only up to "
+                          f"{signature.max_batch_size}")
+
+
+def _check_consumers(
+    name: str,
+    steps: list[Step],
+    signatures: dict[tuple[str, str], ModelSignature],
+    specs: dict[str, TensorSpec],
+    producers: dict[str, str],
+) -> None:
+    consumed: set[str] = set()
+    for step in steps:
+        signature = signatures[(step.model_name, step.model_version)]
+        for model_input, tensor in step.inputs.items():
+            consumed.add(tensor)
+            if tensor not in producers:
+                raise ConfigError(f"ensemble '{name}': {step.label} reads '{tensor}', which is neither an ensemble "
+                                  "input nor any step's output")
+            produced, wanted = specs[tensor], signature.inputs[model_input]
+            if produced.datatype != wanted.datatype:
+                raise ConfigError(f"ensemble '{name}': '{tensor}' is {produced.datatype} from {producers[tensor]} "
+                                  f"but {step.label} input '{model_input}' expects {wanted.datatype}")
+            if not _compatible(produced.dims, wanted.dims):
+                raise ConfigError(f"ensemble '{name}': '{tensor}' has dims {list(produced.dims)} from "
+                                  f"{producers[tensor]} but {step.label} input '{model_input}' expects "
+                                  f"{list(wanted.dims)}")
+    unused = [tensor for tensor, producer in producers.items()
+              if producer == "the ensemble input" and tensor not in consumed]
+    if unused:
+        raise ConfigError(f"ensemble '{name}': inputs {unused} are not used by any step")
+
+
+def _check_outputs(name: str, own: ModelSignature, specs: dict[str, TensorSpec], producers: dict[str, str]) -> None:
+    for output, spec in own.outputs.items():
+        if output not in producers:
+            raise ConfigError(f"ensemble '{name}': output '{output}' is not produced by any step")
+        produced = specs[output]
+        if produced.datatype != spec.datatype:
+            raise ConfigError(f"ensemble '{name}': output '{output}' is {produced.datatype} from "
+                              f"{producers[output]} but the ensemble declares {spec.datatype}")
+        if not _compatible(produced.dims, spec.dims):
+            raise ConfigError(f"ensemble '{name}': output '{output}' has dims {list(produced.dims)} from "
+                              f"{producers[output]} but the ensemble declares {list(spec.dims)}")
+
+
+def _compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def _check_acyclic(name: str, steps: list[Step], own: ModelSignature) -> None:
+    """Kahn's walk from the ensemble inputs: every step must become runnable."""
+    available = set(own.inputs)
+    pending = list(steps)
+    while pending:
+        runnable = [step for step in pending if set(step.inputs.values()) <= available]
+        if not runnable:
+            stuck = ", ".join(step.label for step in pending)
+            raise ConfigError(f"ensemble '{name}' has a cycle: {stuck} wait on each other's outputs")
+        for step in runnable:
+            available.update(step.outputs.values())
+            pending.remove(step)
