@@ -16,6 +16,12 @@ import orjson
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg
 from transerve.core.server import ControlMode, Server
 from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
+from transerve.frontends.http.generate import (
+    SSE_CONTENT_TYPE,
+    decode_generate_request,
+    event_stream,
+    single_response,
+)
 from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse, decompress_body
 
 log = logging.getLogger("transerve.http")
@@ -117,6 +123,10 @@ class HttpFrontend:
             if method != "POST":
                 return error_response(405, "Method Not Allowed")
             return await self._infer(request, name, version)
+        if action in ("generate", "generate_stream"):
+            if method != "POST":
+                return error_response(405, "Method Not Allowed")
+            return await self._generate(request, name, version, streaming=action == "generate_stream")
         if action == "ready":
             if self._get(method):
                 return error_response(405, "Method Not Allowed")
@@ -144,6 +154,25 @@ class HttpFrontend:
             return HttpResponse(200, payload)
         return HttpResponse(200, payload, "application/octet-stream",
                             [("Inference-Header-Content-Length", str(header_length))])
+
+    async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
+        body = request.body
+        encoding = request.headers.get("content-encoding")
+        if encoding:
+            try:
+                body = decompress_body(body, encoding, self.max_input_size)
+            except ValueError as exc:
+                raise invalid_arg(str(exc)) from None
+        model = self.server.get_version(name, version)
+        infer_request = decode_generate_request(name, version, model.signature, body)
+        stream = self.server.infer_stream(infer_request)
+        if streaming:
+            return HttpResponse(200, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream))
+        try:
+            return _json(await single_response(stream))
+        finally:
+            if not stream.closed:
+                stream.cancel()
 
     async def _repository(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
         if request.method != "POST":

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httptools
@@ -38,6 +38,8 @@ class HttpResponse:
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    #: A streamed body (e.g. server-sent events), sent with chunked transfer encoding instead of `body`.
+    stream: AsyncIterator[bytes] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -56,7 +58,7 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop",
+        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task",
     )
 
     def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse]):
@@ -75,6 +77,9 @@ class HttpConnection(asyncio.Protocol):
         self._paused = False
         # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = asyncio.get_running_loop()
+        #: The task answering this connection's requests; cancelled when the client goes away, which drops
+        #: its queued request and tells a streaming model to stop.
+        self._task: asyncio.Task | None = None
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -84,6 +89,8 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._queue.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -140,7 +147,7 @@ class HttpConnection(asyncio.Protocol):
             self._transport.pause_reading()
         if not self._busy:
             self._busy = True
-            self._loop.create_task(self._serve_queue())
+            self._task = self._loop.create_task(self._serve_queue())
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
@@ -154,7 +161,12 @@ class HttpConnection(asyncio.Protocol):
                 response = self._error_response(500, "internal error")
             if self._closing or self._transport is None:
                 return
-            self._write(response, keep_alive)
+            if response.stream is not None:
+                await self._write_stream(response, keep_alive)
+                if self._closing:
+                    return
+            else:
+                self._write(response, keep_alive)
             if not keep_alive:
                 self._transport.close()
                 self._closing = True
@@ -177,6 +189,24 @@ class HttpConnection(asyncio.Protocol):
         head.append("\r\n")
         assert self._transport is not None
         self._transport.write("".join(head).encode("latin-1") + response.body)
+
+    async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> None:
+        """Headers now, then each piece as it is produced, as an HTTP/1.1 chunk."""
+        assert self._transport is not None and response.stream is not None
+        head = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Unknown')}\r\n",
+                f"Content-Type: {response.content_type}\r\n", "Transfer-Encoding: chunked\r\n",
+                "Cache-Control: no-cache\r\n"]
+        head.extend(f"{name}: {value}\r\n" for name, value in response.headers)
+        if not keep_alive:
+            head.append("Connection: close\r\n")
+        self._transport.write(("".join(head) + "\r\n").encode("latin-1"))
+        async for piece in response.stream:
+            if self._closing:
+                break
+            if piece:
+                self._transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        if not self._closing:
+            self._transport.write(b"0\r\n\r\n")
 
     def _reject(self, response: HttpResponse) -> None:
         if self._transport is not None and not self._closing:
