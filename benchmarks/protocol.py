@@ -430,10 +430,13 @@ class RunResult:
 
 
 def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: int, processes: int,
-             warmup: float, duration: float) -> RunResult:
-    """One timed run: `concurrency` connections spread over up to `processes` client processes."""
+             warmup: float, duration: float, request: bytes | None = None) -> RunResult:
+    """One timed run: `concurrency` connections spread over up to `processes` client processes.
+
+    `request` replaces the protocol's add_sub request with prepared bytes (other benchmarks reuse this driver).
+    """
     host, port = address
-    request = PROTOCOLS[protocol](f"{host}:{port}")
+    request = request if request is not None else PROTOCOLS[protocol](f"{host}:{port}")
     processes = max(1, min(processes, concurrency))
     shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
     context = multiprocessing.get_context("spawn")
