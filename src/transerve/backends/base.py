@@ -70,6 +70,27 @@ class BackendInstance(abc.ABC):
         """Release the instance (the python backend calls the model's `finalize`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one instance runs: Triton's instance name, its kind (`CPU`, `GPU`, `MODEL`) and GPU id."""
+
+    name: str
+    kind: str
+    device_id: int
+
+
+def instance_placements(config: model_config_pb2.ModelConfig) -> list[Placement]:
+    """Every instance of a normalized config, as Triton creates them: `count` per group, named
+    `<group name>_<index in group>`, and for KIND_GPU that many on every listed GPU."""
+    placements = []
+    for group in config.instance_group:
+        kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
+        devices = list(group.gpus) if kind == "GPU" else [0]
+        for index in range(max(group.count, 1)):
+            placements.extend(Placement(f"{group.name}_{index}", kind, device) for device in devices)
+    return placements or [Placement(f"{config.name}_0", "CPU", 0)]
+
+
 class BackendModel(abc.ABC):
     """A loaded model version and its instances."""
 

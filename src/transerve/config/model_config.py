@@ -35,6 +35,9 @@ PLATFORM_BACKENDS = {
     "ensemble": "ensemble",
 }
 
+#: The backends whose platform a model file implies, and that platform.
+_FILE_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+
 
 class ConfigError(ValueError):
     """The configuration cannot be served; the message says why in one line."""
@@ -81,6 +84,30 @@ def backend_name(config: ModelConfig) -> str:
     return config.platform
 
 
+def complete_backend_fields(config: ModelConfig, model_path: Path) -> None:
+    """Fill `backend` and `platform` as Triton does for its file-based backends: each from the other, or, when
+    the config names neither, from the model file found in a version folder (`model.onnx`, `model.pt`,
+    `model.plan`), so that a model folder without config.pbtxt can be served."""
+    if not config.backend and not config.platform:
+        versions = [entry for entry in _folders(model_path) if entry.name.isdigit()]
+        for backend, platform in _FILE_PLATFORMS.items():
+            if any((version / DEFAULT_MODEL_FILENAMES[backend]).exists() for version in versions):
+                config.platform = platform
+                break
+    if not config.backend and config.platform in _FILE_PLATFORMS.values():
+        config.backend = PLATFORM_BACKENDS[config.platform]
+    elif not config.platform and config.backend in _FILE_PLATFORMS:
+        config.platform = _FILE_PLATFORMS[config.backend]
+
+
+
+def _folders(path: Path) -> list[Path]:
+    try:
+        return [entry for entry in path.iterdir() if entry.is_dir()]
+    except OSError:
+        return []
+
+
 def normalize(config: ModelConfig, model_name: str) -> None:
     """Fill the defaults Triton fills, in place, so our config JSON matches Triton's."""
     if not config.name:
@@ -119,8 +146,12 @@ def normalize(config: ModelConfig, model_name: str) -> None:
             group.gpus.extend(gpus)
 
 
-def validate(config: ModelConfig, model_name: str) -> None:
-    """Reject what Triton rejects at load time, with a one-line reason."""
+def validate(config: ModelConfig, model_name: str, partial_io: bool = False) -> None:
+    """Reject what Triton rejects at load time, with a one-line reason.
+
+    `partial_io`: inputs and outputs may lack their data type, for a backend's auto-complete to fill in
+    (the completed config is validated again).
+    """
     if config.name != model_name:
         raise ConfigError(
             f"unexpected model name '{config.name}' in config.pbtxt: it must match the folder name '{model_name}'"
@@ -140,6 +171,8 @@ def validate(config: ModelConfig, model_name: str) -> None:
             seen.add(tensor.name)
             type_name = model_config_pb2.DataType.Name(tensor.data_type)
             if tensor.data_type == model_config_pb2.TYPE_INVALID:
+                if partial_io:
+                    continue
                 raise ConfigError(f"{where} has no data_type")
             if config_to_protocol(type_name) not in NUMPY_DTYPES:
                 raise ConfigError(f"{where} has unsupported data_type {type_name}")

@@ -18,6 +18,7 @@ from transerve.backends.base import Backend, BackendModel, ModelContext
 from transerve.config.model_config import (
     ConfigError,
     backend_name,
+    complete_backend_fields,
     load_config_file,
     normalize,
     parse_config_json,
@@ -114,9 +115,18 @@ class ModelRecord:
 
 def _backend_registry() -> dict[str, type[Backend]]:
     from transerve.backends.ensemble.backend import EnsembleBackend
+    from transerve.backends.onnxruntime.backend import OnnxRuntimeBackend
     from transerve.backends.python.backend import PythonBackend
+    from transerve.backends.pytorch.backend import PyTorchBackend
+    from transerve.backends.tensorrt.backend import TensorRTBackend
 
-    return {"python": PythonBackend, "ensemble": EnsembleBackend}
+    return {
+        "python": PythonBackend,
+        "ensemble": EnsembleBackend,
+        "onnxruntime": OnnxRuntimeBackend,
+        "pytorch": PyTorchBackend,
+        "tensorrt": TensorRTBackend,
+    }
 
 
 def _is_ensemble(location: ModelLocation) -> bool:
@@ -435,8 +445,9 @@ class Server:
         name = location.name
         try:
             config = parse_config_json(config_json) if config_json else load_config_file(location.path)
+            complete_backend_fields(config, location.path)
             normalize(config, name)
-            validate(config, name)
+            validate(config, name, partial_io=self.options.auto_complete)
             versions = select_versions(config.version_policy, available_versions(location.path))
         except (ConfigError, OSError) as exc:
             raise invalid_arg(str(exc)) from None

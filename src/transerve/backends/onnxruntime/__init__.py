@@ -1,0 +1,1 @@
+"""Triton's onnxruntime backend: ONNX models in onnxruntime sessions."""

@@ -1,0 +1,184 @@
+"""The `onnxruntime` backend (`platform: "onnxruntime_onnx"`, `model.onnx`): one InferenceSession per instance.
+
+Settings follow Triton's onnxruntime backend: `parameters` `intra_op_thread_count`, `inter_op_thread_count`
+and `execution_mode` (0 sequential, 1 parallel); `optimization { graph { level } }` (-1 basic, 1 extended,
+otherwise all); KIND_GPU instances run on the CUDA execution provider of their GPU, with TensorRT's in front
+when `optimization.execution_accelerators` asks for `tensorrt` (both need `onnxruntime-gpu`); KIND_CPU
+instances on the CPU provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends import autocomplete
+from transerve.backends.base import Backend, ModelContext, Placement, instance_placements
+from transerve.backends.threaded import ThreadedInstance, ThreadedModel, import_engine, open_engines, release
+from transerve.config.model_config import ConfigError
+from transerve.core.errors import ServerError, invalid_arg, unavailable
+
+_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "execution_mode")
+
+
+#: onnxruntime's type names -> config data types.
+ONNX_TYPES = {
+    "tensor(bool)": "TYPE_BOOL",
+    "tensor(uint8)": "TYPE_UINT8",
+    "tensor(uint16)": "TYPE_UINT16",
+    "tensor(uint32)": "TYPE_UINT32",
+    "tensor(uint64)": "TYPE_UINT64",
+    "tensor(int8)": "TYPE_INT8",
+    "tensor(int16)": "TYPE_INT16",
+    "tensor(int32)": "TYPE_INT32",
+    "tensor(int64)": "TYPE_INT64",
+    "tensor(float16)": "TYPE_FP16",
+    "tensor(float)": "TYPE_FP32",
+    "tensor(double)": "TYPE_FP64",
+    "tensor(bfloat16)": "TYPE_BF16",
+    "tensor(string)": "TYPE_STRING",
+}
+
+
+def _graph_tensors(nodes: list[Any], kind: str) -> list[autocomplete.ModelTensor]:
+    """onnxruntime's NodeArgs; a non-tensor value (a sequence, a map) cannot be served."""
+    tensors = []
+    for node in nodes:
+        data_type = ONNX_TYPES.get(node.type)
+        if data_type is None:
+            raise ConfigError(f"{kind} '{node.name}' of the ONNX model is {node.type}, which cannot be served")
+        shape = tuple(dim if isinstance(dim, int) and dim >= 0 else -1 for dim in (node.shape or ()))
+        tensors.append(autocomplete.ModelTensor(node.name, data_type, shape))
+    return tensors
+
+
+class OrtEngine:
+    """An InferenceSession; BYTES tensors cross as the str arrays onnxruntime wants."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        #: BYTES inputs, set once the config is final.
+        self.string_inputs: set[str] = set()
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        feed = {name: _to_str(array) if name in self.string_inputs else array for name, array in inputs.items()}
+        values = self.session.run(outputs, feed)
+        pairs = zip(outputs, values, strict=True)
+        return {name: _to_bytes(value) if value.dtype == object else value for name, value in pairs}
+
+
+def _to_str(array: np.ndarray) -> np.ndarray:
+    return np.vectorize(lambda item: item.decode("utf-8") if isinstance(item, bytes) else item, otypes=[object])(array)
+
+
+def _to_bytes(array: np.ndarray) -> np.ndarray:
+    return np.vectorize(lambda item: item.encode("utf-8") if isinstance(item, str) else item, otypes=[object])(array)
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    async def load(self, context: ModelContext) -> ThreadedModel:
+        ort = import_engine("onnxruntime", "onnx")
+        where = f"failed to load '{context.name}' version {context.version}"
+        path = _model_file(context)
+        config = context.config
+        loop = asyncio.get_running_loop()
+        opened: list[tuple[ThreadPoolExecutor, OrtEngine]] = []
+        try:
+            options = _session_options(ort, config)
+            opened = await open_engines(
+                loop, instance_placements(config),
+                lambda placement: OrtEngine(_open_session(ort, path, options, placement, config)), "ort",
+            )
+            session = opened[0][1].session
+            inputs = _graph_tensors(session.get_inputs(), "input")
+            outputs = _graph_tensors(session.get_outputs(), "output")
+            if context.auto_complete:
+                default = context.backend_config.get("default-max-batch-size", str(autocomplete.DEFAULT_MAX_BATCH_SIZE))
+                autocomplete.auto_complete(config, inputs, outputs, _int(default, "default-max-batch-size"))
+            autocomplete.check(config, inputs, outputs)
+        except ConfigError as exc:
+            release([executor for executor, _ in opened])
+            raise invalid_arg(f"{where}: {exc}") from None
+        except ServerError as exc:
+            release([executor for executor, _ in opened])
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
+        except Exception as exc:  # onnxruntime's own errors: a corrupt file, an unsupported operator...
+            release([executor for executor, _ in opened])
+            raise invalid_arg(f"{where}: onnxruntime cannot load {path.name}: {_one_line(exc)}") from None
+        strings = {t.name for t in config.input if t.data_type == model_config_pb2.TYPE_STRING}
+        for _, engine in opened:
+            engine.string_inputs = strings
+        instances = [
+            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
+            for placement, (executor, engine) in zip(instance_placements(config), opened, strict=True)
+        ]
+        return ThreadedModel(config, instances)
+
+
+def _model_file(context: ModelContext) -> Path:
+    """`model.onnx`, or the `model.onnx/model.onnx` of a folder holding external weights (as Triton allows)."""
+    path = context.version_path / (context.config.default_model_filename or "model.onnx")
+    if path.is_dir():
+        path = path / "model.onnx"
+    if not path.is_file():
+        raise invalid_arg(f"failed to load '{context.name}' version {context.version}: model file '{path}' not found")
+    return path
+
+
+def _session_options(ort: ModuleType, config: model_config_pb2.ModelConfig) -> Any:
+    options = ort.SessionOptions()
+    values = {key: _int(config.parameters[key].string_value, key) for key in _PARAMETERS if key in config.parameters}
+    if values.get("intra_op_thread_count", 0) > 0:
+        options.intra_op_num_threads = values["intra_op_thread_count"]
+    if values.get("inter_op_thread_count", 0) > 0:
+        options.inter_op_num_threads = values["inter_op_thread_count"]
+    if values.get("execution_mode") == 1:
+        options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    level = config.optimization.graph.level
+    levels = ort.GraphOptimizationLevel
+    options.graph_optimization_level = {-1: levels.ORT_ENABLE_BASIC, 1: levels.ORT_ENABLE_EXTENDED}.get(
+        level, levels.ORT_ENABLE_ALL
+    )
+    return options
+
+
+def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement: Placement) -> list[Any]:
+    if placement.kind != "GPU":
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise unavailable(f"instance '{placement.name}' is KIND_GPU but this onnxruntime has no CUDA execution "
+                          "provider: pip install onnxruntime-gpu")
+    device = {"device_id": placement.device_id}
+    providers: list[Any] = [("CUDAExecutionProvider", device), "CPUExecutionProvider"]
+    accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
+    if any(accelerator.name == "tensorrt" for accelerator in accelerators):
+        if "TensorrtExecutionProvider" not in available:
+            raise unavailable("the config asks for the tensorrt execution accelerator, which this onnxruntime lacks")
+        providers.insert(0, ("TensorrtExecutionProvider", device))
+    return providers
+
+
+def _open_session(
+    ort: ModuleType, path: Path, options: Any, placement: Placement, config: model_config_pb2.ModelConfig
+) -> Any:
+    return ort.InferenceSession(str(path), sess_options=options, providers=_providers(ort, config, placement))
+
+
+def _int(text: str, key: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise invalid_arg(f"parameter {key} must be an integer, got '{text}'") from None
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,1 @@
+"""Triton's pytorch (libtorch) backend: TorchScript models."""

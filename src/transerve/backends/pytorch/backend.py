@@ -1,0 +1,187 @@
+"""The `pytorch` backend (`platform: "pytorch_libtorch"`, `model.pt`): TorchScript modules, one per instance.
+
+Inputs reach `forward` as Triton's libtorch backend passes them: by index when every input is named
+`<name>__<index>` (`INPUT__0`, `input__1`), by keyword when every input is a `forward` argument name, otherwise
+in config order. Outputs are taken by index for `<name>__<index>` names, by key from a dict result, otherwise
+in config order. `parameters` as in Triton: `INFERENCE_MODE` (default true: `torch.inference_mode`, else
+`no_grad`), `DISABLE_OPTIMIZED_EXECUTION`, `INTRA_OP_THREAD_COUNT` and `INTER_OP_THREAD_COUNT` (torch keeps
+one setting of each per process: the last model loaded sets them). A TorchScript file does not record
+input and output types, so the config must list them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.base import Backend, ModelContext, Placement, instance_placements
+from transerve.backends.threaded import ThreadedInstance, ThreadedModel, import_engine, open_engines
+from transerve.config.model_config import ConfigError
+from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
+
+log = logging.getLogger(__name__)
+
+_INDEXED = re.compile(r"^.+__(\d+)$")
+
+
+class TorchEngine:
+    """A TorchScript module on one device, its inputs and outputs mapped once at load."""
+
+    def __init__(self, torch: ModuleType, module: Any, device: Any, call: _CallSpec, settings: _Settings) -> None:
+        self._torch = torch
+        self._module = module
+        self._device = device
+        self._call = call
+        self._settings = settings
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        torch = self._torch
+        mode = torch.inference_mode() if self._settings.inference_mode else torch.no_grad()
+        with mode, torch.jit.optimized_execution(self._settings.optimized_execution):
+            tensors = {name: torch.from_numpy(_writable(array)).to(self._device) for name, array in inputs.items()}
+            if self._call.keyword:
+                result = self._module(**tensors)
+            else:
+                result = self._module(*(tensors[name] for name in self._call.positional))
+            produced = self._call.pick(result, outputs)
+        return {name: tensor.detach().cpu().numpy() for name, tensor in produced.items()}
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """torch.from_numpy warns on read-only arrays (request bodies are), so those are copied."""
+    return array if array.flags.writeable else array.copy()
+
+
+class _Settings:
+    def __init__(self, config: model_config_pb2.ModelConfig) -> None:
+        self.inference_mode = _flag(config, "INFERENCE_MODE", True)
+        self.optimized_execution = not _flag(config, "DISABLE_OPTIMIZED_EXECUTION", False)
+        self.intra_op_threads = _count(config, "INTRA_OP_THREAD_COUNT")
+        self.inter_op_threads = _count(config, "INTER_OP_THREAD_COUNT")
+
+
+class _CallSpec:
+    """How config inputs become `forward` arguments and `forward`'s result becomes config outputs."""
+
+    def __init__(self, config: model_config_pb2.ModelConfig, arguments: list[str]) -> None:
+        inputs = [tensor.name for tensor in config.input]
+        indexed = [_INDEXED.match(name) for name in inputs]
+        self.keyword = False
+        if inputs and all(indexed):
+            order = sorted(zip((int(m.group(1)) for m in indexed if m), inputs, strict=True))
+            if [index for index, _ in order] != list(range(len(inputs))):
+                raise ConfigError(f"input indices of {inputs} must run from 0 to {len(inputs) - 1}")
+            self.positional = [name for _, name in order]
+        elif inputs and set(inputs) <= set(arguments):
+            self.keyword = True
+            self.positional = inputs
+        else:
+            self.positional = inputs
+        outputs = [tensor.name for tensor in config.output]
+        matches = [_INDEXED.match(name) for name in outputs]
+        if outputs and all(matches):
+            self.output_index = {name: int(m.group(1)) for name, m in zip(outputs, matches, strict=True) if m}
+        else:
+            self.output_index = {name: index for index, name in enumerate(outputs)}
+
+    def pick(self, result: Any, wanted: list[str]) -> dict[str, Any]:
+        if isinstance(result, dict):
+            missing = [name for name in wanted if name not in result]
+            if missing:
+                raise internal(f"the model's forward returned no {missing} (it returned {sorted(result)})")
+            return {name: result[name] for name in wanted}
+        values = list(result) if isinstance(result, (tuple, list)) else [result]
+        picked = {}
+        for name in wanted:
+            index = self.output_index[name]
+            if index >= len(values):
+                raise internal(f"output '{name}' is result {index} of forward, which returned {len(values)}")
+            picked[name] = values[index]
+        return picked
+
+
+def _flag(config: model_config_pb2.ModelConfig, key: str, default: bool) -> bool:
+    if key not in config.parameters:
+        return default
+    text = config.parameters[key].string_value.strip().lower()
+    if text not in ("true", "false"):
+        raise invalid_arg(f"parameter {key} must be 'true' or 'false', got '{text}'")
+    return text == "true"
+
+
+def _count(config: model_config_pb2.ModelConfig, key: str) -> int:
+    if key not in config.parameters:
+        return 0
+    text = config.parameters[key].string_value
+    if not text.strip().isdigit():
+        raise invalid_arg(f"parameter {key} must be a non-negative integer, got '{text}'")
+    return int(text)
+
+
+class PyTorchBackend(Backend):
+    name = "pytorch"
+
+    async def load(self, context: ModelContext) -> ThreadedModel:
+        torch = import_engine("torch", "torch")
+        where = f"failed to load '{context.name}' version {context.version}"
+        config = context.config
+        path = context.version_path / (config.default_model_filename or "model.pt")
+        if not path.is_file():
+            raise invalid_arg(f"{where}: model file '{path}' not found")
+        if not config.input or not config.output:
+            raise invalid_arg(f"{where}: a TorchScript model does not record its inputs and outputs: list them "
+                              "(name, data_type, dims) in config.pbtxt")
+        strings = [t.name for t in [*config.input, *config.output] if t.data_type == model_config_pb2.TYPE_STRING]
+        if strings:
+            raise invalid_arg(f"{where}: TYPE_STRING tensors {strings} are not supported by the pytorch backend")
+        loop = asyncio.get_running_loop()
+        placements = instance_placements(config)
+        try:
+            settings = _Settings(config)
+            opened = await open_engines(
+                loop, placements, lambda placement: _open(torch, path, placement, config, settings), "torch"
+            )
+        except ServerError as exc:
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
+        except ConfigError as exc:
+            raise invalid_arg(f"{where}: {exc}") from None
+        except Exception as exc:  # torch's own errors: not TorchScript, a corrupt archive...
+            raise invalid_arg(f"{where}: torch cannot load {path.name}: {' '.join(str(exc).split())[:500]}") from None
+        instances = [
+            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
+            for placement, (executor, engine) in zip(placements, opened, strict=True)
+        ]
+        return ThreadedModel(config, instances)
+
+
+def _open(
+    torch: ModuleType, path: Path, placement: Placement, config: model_config_pb2.ModelConfig, settings: _Settings
+) -> TorchEngine:
+    """Load the module in its instance's thread, with the thread settings applied there."""
+    if placement.kind == "GPU":
+        if not torch.cuda.is_available():
+            raise unavailable(f"instance '{placement.name}' is KIND_GPU but this torch has no CUDA support")
+        device = torch.device("cuda", placement.device_id)
+    else:
+        device = torch.device("cpu")
+    if settings.intra_op_threads:
+        torch.set_num_threads(settings.intra_op_threads)
+    if settings.inter_op_threads and torch.get_num_interop_threads() != settings.inter_op_threads:
+        try:
+            torch.set_num_interop_threads(settings.inter_op_threads)
+        except RuntimeError:  # torch allows it only once, before its first parallel work
+            log.warning("INTER_OP_THREAD_COUNT of '%s' ignored: torch's inter-op threads were already set to %d",
+                        config.name, torch.get_num_interop_threads())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is what Triton's backend serves
+        module = torch.jit.load(str(path), map_location=device).eval()
+    arguments = [argument.name for argument in module.forward.schema.arguments][1:]  # without `self`
+    return TorchEngine(torch, module, device, _CallSpec(config, arguments), settings)

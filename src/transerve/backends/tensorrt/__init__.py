@@ -1,0 +1,1 @@
+"""Triton's tensorrt backend: serialized TensorRT engines (`model.plan`) on NVIDIA GPUs."""

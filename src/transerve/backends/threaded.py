@@ -1,0 +1,198 @@
+"""What the onnxruntime, pytorch and tensorrt backends share: an engine that runs one tensor per input and
+releases the GIL, driven from a thread of its own so that the event loop never waits on it.
+
+A batch's requests are merged (padded to a common shape and stacked, `scheduling.batching`), run once, and
+split back per request. Outputs along a padded axis are trimmed back to each request's own length, so every
+request gets what it would have got alone: an output axis declared `-1` whose size is the length the inputs
+were padded to is taken to follow that length (a sequence axis such as `last_hidden_state`'s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.base import BackendInstance, BackendModel, ExecutionResult, Placement
+from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
+from transerve.core.errors import ServerError, internal, unavailable
+from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.scheduling.batching import merge_inputs, split_outputs
+
+
+def import_engine(module: str, extra: str) -> ModuleType:
+    """The engine's module, imported on first use; UNAVAILABLE naming the extra to install when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise unavailable(f"{module} is not installed ({exc}): pip install 'transerve[{extra}]'") from None
+
+
+class Engine(Protocol):
+    """One loaded model in one engine, called from its instance's thread only."""
+
+    def run(self, inputs: dict[str, np.ndarray], outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """Outputs by name for named inputs, the batch axis first when the model batches."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    name: str
+    datatype: str
+    dtype: np.dtype
+    #: Config dims, without the batch axis.
+    dims: tuple[int, ...]
+
+
+def output_specs(config: model_config_pb2.ModelConfig) -> list[OutputSpec]:
+    specs = []
+    for output in config.output:
+        datatype = config_to_protocol(model_config_pb2.DataType.Name(output.data_type))
+        dims = tuple(output.reshape.shape) if output.HasField("reshape") else tuple(output.dims)
+        specs.append(OutputSpec(output.name, datatype, NUMPY_DTYPES[datatype], dims))
+    return specs
+
+
+class ThreadedInstance(BackendInstance):
+    """One instance: its engine lives in, and is only ever called from, a single thread of its own."""
+
+    def __init__(
+        self,
+        model_name: str,
+        version: str,
+        name: str,
+        config: model_config_pb2.ModelConfig,
+        executor: ThreadPoolExecutor,
+        engine: Engine,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.name = name
+        self._model_name = model_name
+        self._version = version
+        self._batching = config.max_batch_size > 0
+        self._outputs = output_specs(config)
+        self._executor = executor
+        #: The engine's model (an onnxruntime session, a TorchScript module...): touch it from its thread only.
+        self.engine = engine
+        self._loop = loop
+
+    def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+        return self._loop.run_in_executor(self._executor, self._execute, requests)
+
+    async def close(self) -> None:
+        self.engine = None  # type: ignore[assignment]  # the engine's memory goes with its last reference
+        await self._loop.run_in_executor(None, self._executor.shutdown)
+
+    def _execute(self, requests: list[InferRequest]) -> ExecutionResult:
+        try:
+            if self._batching:
+                return self._run_merged(requests)
+            results: list[InferResponse | ServerError] = []
+            timings = [0, 0, 0]
+            for request in requests:
+                one = self._run_merged([request], merge=False)
+                results.extend(one.results)
+                timings = [timings[0] + one.compute_input_ns, timings[1] + one.compute_infer_ns,
+                           timings[2] + one.compute_output_ns]
+            return ExecutionResult(results, *timings)
+        except ServerError as exc:
+            return ExecutionResult([exc] * len(requests))
+        except Exception as exc:  # the engine's own error: the requests fail, the instance keeps serving
+            error = internal(f"model '{self._model_name}' instance '{self.name}': {type(exc).__name__}: {exc}")
+            return ExecutionResult([error] * len(requests))
+
+    def _run_merged(self, requests: list[InferRequest], merge: bool = True) -> ExecutionResult:
+        started = time.monotonic_ns()
+        if merge:
+            inputs, sizes = merge_inputs(requests)
+        else:
+            inputs, sizes = {tensor.name: tensor.data for tensor in requests[0].inputs}, [1]
+        wanted = self._wanted(requests)
+        merged_at = time.monotonic_ns()
+        produced = self.engine.run(inputs, [spec.name for spec in wanted])
+        ran_at = time.monotonic_ns()
+        for spec in wanted:
+            array = produced[spec.name]
+            if array.dtype != spec.dtype:
+                raise internal(f"model '{self._model_name}' produced output '{spec.name}' as {array.dtype}, "
+                               f"but its config declares {spec.datatype}")
+        per_request = split_outputs(produced, sizes) if merge else [produced]
+        padded = _padded_lengths(requests, inputs) if merge and len(requests) > 1 else None
+        results: list[InferResponse | ServerError] = []
+        for index, (request, arrays) in enumerate(zip(requests, per_request, strict=True)):
+            names = None if request.outputs is None else {output.name for output in request.outputs}
+            tensors = []
+            for spec in wanted:
+                if names is not None and spec.name not in names:
+                    continue
+                array = arrays[spec.name]
+                if padded:
+                    array = _trim(array, spec.dims, padded, index)
+                tensors.append(Tensor(spec.name, spec.datatype, np.ascontiguousarray(array)))
+            results.append(InferResponse(self._model_name, self._version, tensors, id=request.id))
+        return ExecutionResult(results, merged_at - started, ran_at - merged_at, time.monotonic_ns() - ran_at)
+
+    def _wanted(self, requests: list[InferRequest]) -> list[OutputSpec]:
+        """The outputs any request of the batch asked for (all of them when one asked for none in particular)."""
+        if any(request.outputs is None for request in requests):
+            return self._outputs
+        names = {output.name for request in requests for output in request.outputs or ()}
+        return [spec for spec in self._outputs if spec.name in names]
+
+
+def _padded_lengths(requests: list[InferRequest], merged: dict[str, np.ndarray]) -> dict[int, list[int]]:
+    """For each length the inputs were padded to: every request's own length along that axis."""
+    lengths: dict[int, list[int]] = {}
+    for index, request in enumerate(requests):
+        for tensor in request.inputs:
+            for axis in range(1, tensor.data.ndim):
+                own, padded = tensor.data.shape[axis], merged[tensor.name].shape[axis]
+                if own != padded:
+                    row = lengths.setdefault(padded, [padded] * len(requests))
+                    row[index] = own if row[index] == padded else max(row[index], own)
+    return lengths
+
+
+def _trim(array: np.ndarray, dims: tuple[int, ...], padded: dict[int, list[int]], index: int) -> np.ndarray:
+    """A request's output cut back along each variable axis whose size is a padded length."""
+    cut = [slice(None)] * array.ndim
+    for axis, dim in enumerate(dims, start=1):
+        if dim == -1 and axis < array.ndim and array.shape[axis] in padded:
+            cut[axis] = slice(0, padded[array.shape[axis]][index])
+    return array[tuple(cut)]
+
+
+async def open_engines(
+    loop: asyncio.AbstractEventLoop, placements: list[Placement], opener: Callable[[Placement], Engine], prefix: str
+) -> list[tuple[ThreadPoolExecutor, Engine]]:
+    """One engine per instance, each opened in the thread that will run it, all at once, off the event loop
+    (loading a model takes seconds). On failure every thread is released and the first error raised."""
+    executors = [ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-{p.name}") for p in placements]
+    try:
+        engines = await asyncio.gather(*(
+            loop.run_in_executor(executor, opener, placement)
+            for executor, placement in zip(executors, placements, strict=True)
+        ))
+    except BaseException:
+        release(executors)
+        raise
+    return list(zip(executors, engines, strict=True))
+
+
+def release(executors: Sequence[ThreadPoolExecutor]) -> None:
+    for executor in executors:
+        executor.shutdown(wait=False)
+
+
+class ThreadedModel(BackendModel):
+    def __init__(self, config: model_config_pb2.ModelConfig, instances: list[ThreadedInstance]) -> None:
+        self.config = config
+        self.instances = list(instances)

@@ -1,0 +1,242 @@
+"""The onnxruntime backend through the core's loading path: auto-complete, batching, bad input, broken models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.in_process import outputs, request, states, with_server
+from support.tiny_models import token_states_reference, write_onnx
+
+from transerve.config.devices import visible_gpus
+from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.server import Server
+
+pytest.importorskip("onnxruntime")
+
+ADD_SUB_CONFIG = """
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def add_model(repository: Path, name: str, model: str = "add_sub", config: str | None = None) -> Path:
+    write_onnx(model, repository / name / "1" / "model.onnx")
+    if config is not None:
+        (repository / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    return repository / name
+
+
+def pair(rows: int = 1, width: int = 4, dtype: str = "FP32") -> dict[str, tuple[str, np.ndarray]]:
+    a = np.arange(rows * width, dtype=np.float32).reshape(rows, width)
+    return {"INPUT0": (dtype, a if dtype == "FP32" else a.astype(np.int32)), "INPUT1": (dtype, np.ones_like(a))}
+
+
+def test_a_folder_without_config_is_served_from_what_the_graph_says(tmp_path: Path):
+    add_model(tmp_path, "add_sub")
+
+    async def check(server: Server) -> None:
+        config = server.model_config("add_sub")
+        assert (config["platform"], config["backend"]) == ("onnxruntime_onnx", "onnxruntime")
+        assert config["max_batch_size"] == 4  # Triton's default for a graph with a dynamic batch axis
+        assert config["dynamic_batching"]["preferred_batch_size"] == [4]
+        assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+            ("INPUT0", "TYPE_FP32", [4]), ("INPUT1", "TYPE_FP32", [4])]
+        assert [t["name"] for t in config["output"]] == ["OUTPUT0", "OUTPUT1"]
+        assert server.model_metadata("add_sub")["platform"] == "onnxruntime_onnx"
+        got = outputs(await server.infer(request("add_sub", **pair(rows=2))))
+        np.testing.assert_array_equal(got["OUTPUT0"], np.arange(8).reshape(2, 4) + 1)
+        np.testing.assert_array_equal(got["OUTPUT1"], np.arange(8).reshape(2, 4) - 1)
+
+    with_server(tmp_path, check)
+
+
+def test_a_partial_config_keeps_what_it_says_and_gets_the_rest(tmp_path: Path):
+    add_model(tmp_path, "add_sub", config='max_batch_size: 2\ninput [ { name: "INPUT1" } ]\n')
+    add_model(tmp_path, "unbatched", config="max_batch_size: 1\n")
+
+    async def check(server: Server) -> None:
+        config = server.model_config("add_sub")
+        assert config["max_batch_size"] == 2
+        assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+            ("INPUT1", "TYPE_FP32", [4]), ("INPUT0", "TYPE_FP32", [4])]
+        assert "dynamic_batching" in config
+        assert "dynamic_batching" not in server.model_config("unbatched")  # one at a time: nothing to batch
+        with pytest.raises(ServerError, match="batch-size must be <= 2"):
+            await server.infer(request("add_sub", **pair(rows=3)))
+
+    with_server(tmp_path, check)
+
+
+def test_requests_of_different_lengths_batch_padded_and_come_back_trimmed(tmp_path: Path):
+    add_model(tmp_path, "bucketed", "token_states", """
+        max_batch_size: 8
+        dynamic_batching { max_queue_delay_microseconds: 200000 }
+        parameters { key: "batching_strategy" value: { string_value: "bucketed" } }
+        parameters { key: "bucket_boundaries" value: { string_value: "4,16" } }
+    """)
+    add_model(tmp_path, "triton_rule", "token_states", "max_batch_size: 8\ndynamic_batching { }\n")
+
+    async def check(server: Server) -> None:
+        lengths = [5, 9, 6, 16, 12]
+        sent = []
+        for length in lengths:
+            ids = (np.arange(length, dtype=np.int64) % 90 + 1)[None]
+            mask = np.ones_like(ids)
+            mask[0, -1] = 0  # a request's own padding stays the model's business
+            sent.append((ids, mask))
+        answers = await asyncio.gather(*(
+            server.infer(request("bucketed", input_ids=("INT64", ids), attention_mask=("INT64", mask)))
+            for ids, mask in sent
+        ))
+        for (ids, mask), answer in zip(sent, answers, strict=True):
+            got = outputs(answer)
+            np.testing.assert_allclose(got["hidden"], token_states_reference(ids, mask), rtol=1e-6)
+            assert got["length"].tolist() == [[ids.shape[1] - 1]]
+        sizes = [entry["batch_size"] for entry in server.statistics("bucketed")["model_stats"][0]["batch_stats"]]
+        assert sizes == [5]  # one bucket (5..16 tokens), one batch
+        # Without buckets, Triton's rule: only equal shapes share a batch; answers are right either way.
+        answers = await asyncio.gather(*(
+            server.infer(request("triton_rule", input_ids=("INT64", ids), attention_mask=("INT64", mask)))
+            for ids, mask in sent
+        ))
+        assert [outputs(a)["hidden"].shape[1] for a in answers] == lengths
+
+    with_server(tmp_path, check)
+
+
+def test_bad_requests_are_refused_before_the_engine(tmp_path: Path):
+    add_model(tmp_path, "add_sub", config=ADD_SUB_CONFIG)
+
+    async def check(server: Server) -> None:
+        for tensors, message in (
+            (pair(dtype="INT32"), "data-type is 'INT32', but model 'add_sub' expects 'FP32'"),
+            (pair(width=5), "unexpected shape for input 'INPUT0'"),
+            ({"INPUT0": pair()["INPUT0"]}, "missing required input(s) ['INPUT1']"),
+        ):
+            with pytest.raises(ServerError) as caught:
+                await server.infer(request("add_sub", **tensors))
+            assert caught.value.code is ErrorCode.INVALID_ARG
+            assert message in caught.value.message
+        assert outputs(await server.infer(request("add_sub", **pair())))["OUTPUT0"].shape == (1, 4)
+
+    with_server(tmp_path, check)
+
+
+def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_path: Path):
+    add_model(tmp_path, "good", config=ADD_SUB_CONFIG)
+    (tmp_path / "missing" / "1").mkdir(parents=True)
+    (tmp_path / "missing" / "config.pbtxt").write_text(ADD_SUB_CONFIG)
+    (tmp_path / "corrupt" / "1").mkdir(parents=True)
+    (tmp_path / "corrupt" / "1" / "model.onnx").write_bytes(b"\x08\x07not an onnx graph")
+    add_model(tmp_path, "wrong_type", config=ADD_SUB_CONFIG.replace("TYPE_FP32", "TYPE_INT32", 1))
+    add_model(tmp_path, "wrong_name", config=ADD_SUB_CONFIG.replace('"INPUT1"', '"INPUT9"'))
+    add_model(tmp_path, "wrong_dims", config=ADD_SUB_CONFIG.replace("dims: [ 4 ] }, {", "dims: [ 5 ] }, {", 1))
+    add_model(tmp_path, "bad_threads", config=ADD_SUB_CONFIG
+              + 'parameters { key: "intra_op_thread_count" value: { string_value: "many" } }')
+    expected = {
+        "missing": "model file",
+        "corrupt": "onnxruntime cannot load model.onnx",
+        "wrong_type": "unexpected datatype TYPE_INT32 for input 'INPUT0', model provides TYPE_FP32",
+        "wrong_name": "unexpected inference input 'INPUT9', allowed inputs are: INPUT0, INPUT1",
+        "wrong_dims": "the model expects shape [-1, 4] but the model configuration specifies [-1, 5]",
+        "bad_threads": "parameter intra_op_thread_count must be an integer, got 'many'",
+    }
+
+    async def check(server: Server) -> None:
+        index = states(server)
+        for name, fragment in expected.items():
+            assert index[name]["state"] == "UNAVAILABLE", index[name]
+            assert fragment in index[name]["reason"], index[name]["reason"]
+            assert "\n" not in index[name]["reason"]
+        assert index["good"]["state"] == "READY"
+        assert outputs(await server.infer(request("good", **pair())))["OUTPUT1"].tolist() == [[-1, 0, 1, 2]]
+
+    with_server(tmp_path, check)
+
+
+def test_without_auto_complete_the_config_must_describe_the_graph(tmp_path: Path):
+    add_model(tmp_path, "bare")
+    add_model(tmp_path, "complete", config=ADD_SUB_CONFIG)
+
+    async def check(server: Server) -> None:
+        index = states(server)
+        assert "configuration expects 0 inputs, model provides 2" in index["bare"]["reason"]
+        assert index["complete"]["state"] == "READY"
+
+    with_server(tmp_path, check, auto_complete=False)
+
+
+def test_parameters_and_instance_groups_shape_the_sessions(tmp_path: Path):
+    add_model(tmp_path, "tuned", config=ADD_SUB_CONFIG + """
+        instance_group [ { count: 2 kind: KIND_CPU } ]
+        optimization { graph { level: -1 } }
+        parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+        parameters { key: "inter_op_thread_count" value: { string_value: "1" } }
+    """)
+
+    async def check(server: Server) -> None:
+        import onnxruntime
+
+        instances = server.get_version("tuned").backend_model.instances
+        assert [instance.name for instance in instances] == ["tuned_0_0", "tuned_0_1"]
+        sessions = [instance.engine.session for instance in instances]
+        assert sessions[0] is not sessions[1]
+        options = sessions[0].get_session_options()
+        assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
+        assert options.graph_optimization_level == onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        assert sessions[0].get_providers() == ["CPUExecutionProvider"]
+        answers = await asyncio.gather(*(server.infer(request("tuned", **pair())) for _ in range(8)))
+        assert all(outputs(a)["OUTPUT0"].tolist() == [[1, 2, 3, 4]] for a in answers)
+
+    with_server(tmp_path, check)
+
+
+def test_without_onnxruntime_the_model_is_unavailable_naming_the_extra(tmp_path: Path):
+    repository = tmp_path / "repo"
+    add_model(repository, "add_sub", config=ADD_SUB_CONFIG)
+    hidden = tmp_path / "hide" / "onnxruntime"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('onnxruntime is hidden by the test')\n")
+    script = textwrap.dedent(f"""
+        import asyncio
+        from pathlib import Path
+        from transerve.core.server import Server, ServerOptions
+
+        async def main():
+            server = Server(ServerOptions([Path({str(repository)!r})], strict_readiness=False))
+            await server.start()
+            print(server.repository_index()[0]["reason"])
+            await server.stop()
+
+        asyncio.run(main())
+    """)
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), str(src)]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "onnxruntime is not installed" in result.stdout and "pip install 'transerve[onnx]'" in result.stdout
+
+
+@pytest.mark.skipif(not visible_gpus(), reason="needs an NVIDIA GPU")
+def test_gpu_instances_run_on_the_cuda_provider(tmp_path: Path):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu")
+    add_model(tmp_path, "add_sub", config=ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]")
+
+    async def check(server: Server) -> None:
+        session = server.get_version("add_sub").backend_model.instances[0].engine.session
+        assert session.get_providers()[0] == "CUDAExecutionProvider"
+        assert outputs(await server.infer(request("add_sub", **pair())))["OUTPUT0"].tolist() == [[1, 2, 3, 4]]
+
+    with_server(tmp_path, check)

@@ -1,0 +1,152 @@
+"""The pytorch backend: Triton's naming conventions, batching, parameters, bad input and broken models."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.in_process import outputs, request, states, with_server
+from support.tiny_models import token_states_reference, write_torchscript
+
+from transerve.config.devices import visible_gpus
+from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.server import Server
+
+torch = pytest.importorskip("torch")
+
+CONFIG = """
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [ {{ name: "{a}" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "{b}" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "{sum}" data_type: {sum_type} dims: [ 4 ] }}, {{ name: "{diff}" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""
+
+
+def add_model(repository: Path, name: str, config: str | None, model: str = "add_sub") -> Path:
+    write_torchscript(model, repository / name / "1" / "model.pt")
+    if config is not None:
+        (repository / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    return repository / name
+
+
+def config(a: str = "INPUT__0", b: str = "INPUT__1", sum: str = "OUTPUT__0", diff: str = "OUTPUT__1",  # noqa: A002
+           sum_type: str = "TYPE_FP32", extra: str = "") -> str:
+    return CONFIG.format(a=a, b=b, sum=sum, diff=diff, sum_type=sum_type) + extra
+
+
+def inputs(a: str, b: str, rows: int = 1, dtype: str = "FP32") -> dict[str, tuple[str, np.ndarray]]:
+    first = np.arange(4 * rows, dtype=np.float32).reshape(rows, 4) * 10
+    second = np.arange(4 * rows, dtype=np.float32).reshape(rows, 4)
+    if dtype != "FP32":
+        first, second = first.astype(np.float64), second.astype(np.float64)
+    return {a: (dtype, first), b: (dtype, second)}
+
+
+def test_inputs_and_outputs_map_by_index_by_argument_name_or_in_config_order(tmp_path: Path):
+    # INPUT__1 listed first: the index, not the position in the config, decides.
+    add_model(tmp_path, "indexed", config(a="INPUT__1", b="INPUT__0", sum="OUTPUT__1", diff="OUTPUT__0"))
+    add_model(tmp_path, "by_argument", config(a="INPUT1", b="INPUT0", sum="SUM", diff="DIFF"))
+    add_model(tmp_path, "in_order", config(a="left", b="right", sum="SUM", diff="DIFF"))
+
+    async def check(server: Server) -> None:
+        got = outputs(await server.infer(request("indexed", **inputs("INPUT__1", "INPUT__0"))))
+        # forward(INPUT__0 = [0, 1, 2, 3], INPUT__1 = [0, 10, 20, 30]): output 0 is the sum, output 1 the difference
+        assert got["OUTPUT__0"].tolist() == [[0, 11, 22, 33]]
+        assert got["OUTPUT__1"].tolist() == [[0, -9, -18, -27]]
+        got = outputs(await server.infer(request("by_argument", **inputs("INPUT1", "INPUT0"))))
+        assert got["SUM"].tolist() == [[0, 11, 22, 33]] and got["DIFF"].tolist() == [[0, -9, -18, -27]]
+        got = outputs(await server.infer(request("in_order", **inputs("left", "right", rows=2))))
+        assert got["DIFF"].tolist() == [[0, 9, 18, 27], [36, 45, 54, 63]]  # left - right
+
+    with_server(tmp_path, check)
+
+
+def test_batches_of_different_lengths_are_padded_and_trimmed(tmp_path: Path):
+    add_model(tmp_path, "tokens", """
+        platform: "pytorch_libtorch"
+        max_batch_size: 8
+        input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] },
+                { name: "attention_mask" data_type: TYPE_INT64 dims: [ -1 ] } ]
+        output [ { name: "hidden" data_type: TYPE_FP32 dims: [ -1, 3 ] },
+                 { name: "length" data_type: TYPE_INT64 dims: [ 1 ] } ]
+        dynamic_batching { max_queue_delay_microseconds: 200000 }
+        parameters { key: "batching_strategy" value: { string_value: "bucketed" } }
+        parameters { key: "INFERENCE_MODE" value: { string_value: "false" } }
+        parameters { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "1" } }
+    """, model="token_states")
+
+    async def check(server: Server) -> None:
+        sent = [(np.arange(1, n + 1, dtype=np.int64)[None], np.ones((1, n), dtype=np.int64)) for n in (3, 7, 5)]
+        answers = await asyncio.gather(*(
+            server.infer(request("tokens", input_ids=("INT64", ids), attention_mask=("INT64", mask)))
+            for ids, mask in sent
+        ))
+        for (ids, mask), answer in zip(sent, answers, strict=True):
+            np.testing.assert_allclose(outputs(answer)["hidden"], token_states_reference(ids, mask), rtol=1e-6)
+        sizes = [entry["batch_size"] for entry in server.statistics("tokens")["model_stats"][0]["batch_stats"]]
+        assert sizes == [3]
+
+    with_server(tmp_path, check)
+
+
+def test_bad_requests_and_wrong_output_types_fail_with_reasons(tmp_path: Path):
+    add_model(tmp_path, "add_sub", config())
+    add_model(tmp_path, "says_fp64", config(sum_type="TYPE_FP64"))
+
+    async def check(server: Server) -> None:
+        with pytest.raises(ServerError) as caught:
+            await server.infer(request("add_sub", **inputs("INPUT__0", "INPUT__1", dtype="FP64")))
+        assert caught.value.code is ErrorCode.INVALID_ARG and "expects 'FP32'" in caught.value.message
+        with pytest.raises(ServerError) as caught:
+            await server.infer(request("says_fp64", **inputs("INPUT__0", "INPUT__1")))
+        assert caught.value.code is ErrorCode.INTERNAL
+        assert "produced output 'OUTPUT__0' as float32, but its config declares FP64" in caught.value.message
+        assert outputs(await server.infer(request("add_sub", **inputs("INPUT__0", "INPUT__1"))))["OUTPUT__0"].size == 4
+
+    with_server(tmp_path, check)
+
+
+def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_path: Path):
+    add_model(tmp_path, "good", config())
+    add_model(tmp_path, "no_config", None)
+    (tmp_path / "missing" / "1").mkdir(parents=True)
+    (tmp_path / "missing" / "config.pbtxt").write_text(config())
+    (tmp_path / "corrupt" / "1").mkdir(parents=True)
+    (tmp_path / "corrupt" / "1" / "model.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    (tmp_path / "corrupt" / "config.pbtxt").write_text(config())
+    (tmp_path / "not_torchscript" / "1").mkdir(parents=True)
+    torch.save({"weights": torch.ones(2)}, tmp_path / "not_torchscript" / "1" / "model.pt")
+    (tmp_path / "not_torchscript" / "config.pbtxt").write_text(config())
+    add_model(tmp_path, "bad_mode", config(extra='parameters { key: "INFERENCE_MODE" value: { string_value: "yes" } }'))
+    expected = {
+        "no_config": "a TorchScript model does not record its inputs and outputs",
+        "missing": "model file",
+        "corrupt": "torch cannot load model.pt",
+        "not_torchscript": "torch cannot load model.pt",
+        "bad_mode": "parameter INFERENCE_MODE must be 'true' or 'false', got 'yes'",
+    }
+
+    async def check(server: Server) -> None:
+        index = states(server)
+        for name, fragment in expected.items():
+            assert index[name]["state"] == "UNAVAILABLE", index[name]
+            assert fragment in index[name]["reason"], index[name]["reason"]
+            assert "\n" not in index[name]["reason"]
+        assert server.model_config("good")["backend"] == "pytorch"
+        assert outputs(await server.infer(request("good", **inputs("INPUT__0", "INPUT__1"))))["OUTPUT__1"].size == 4
+
+    with_server(tmp_path, check)
+
+
+@pytest.mark.skipif(not visible_gpus() or not torch.cuda.is_available(), reason="needs an NVIDIA GPU and CUDA torch")
+def test_gpu_instances_run_on_their_device(tmp_path: Path):
+    add_model(tmp_path, "add_sub", config(extra="instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]"))
+
+    async def check(server: Server) -> None:
+        got = outputs(await server.infer(request("add_sub", **inputs("INPUT__0", "INPUT__1"))))
+        assert got["OUTPUT__0"].tolist() == [[0, 11, 22, 33]]
+
+    with_server(tmp_path, check)
