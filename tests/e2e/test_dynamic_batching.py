@@ -82,6 +82,43 @@ model_warmup [ {
 } ]
 """
 
+LENGTHS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Answers each request with its own ids (cut to its mask) and the widths of every request in the batch."""
+
+    def execute(self, requests):
+        ids = [pb_utils.get_input_tensor_by_name(r, "IDS").as_numpy() for r in requests]
+        masks = [pb_utils.get_input_tensor_by_name(r, "MASK") for r in requests]
+        widths = np.array([[i.shape[1] for i in ids]], np.int32)
+        responses = []
+        for values, mask in zip(ids, masks):
+            real = int(mask.as_numpy()[0].sum()) if mask is not None else values.shape[1]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", values[:, :real]),
+                pb_utils.Tensor("WIDTHS", widths.repeat(values.shape[0], 0)),
+            ]))
+        return responses
+'''
+
+LENGTHS_CONFIG = """
+input [
+  { name: "IDS" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "MASK" data_type: TYPE_INT64 dims: [ -1 ] optional: true }
+]
+output [ { name: "OUT" data_type: TYPE_INT64 dims: [ -1 ] }, { name: "WIDTHS" data_type: TYPE_INT32 dims: [ -1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 300000 }
+parameters { key: "batching_strategy" value: { string_value: "bucketed" } }
+parameters { key: "bucket_boundaries" value: { string_value: "4,8" } }
+parameters { key: "pad_inputs" value: { string_value: "true" } }
+parameters { key: "padding_value" value: { string_value: "-1" } }
+parameters { key: "attention_mask_input" value: { string_value: "MASK" } }
+"""
+
+
 #: name -> (max_batch_size, the rest of config.pbtxt)
 MODELS: dict[str, tuple[int, str]] = {
     "recorder": (8, "dynamic_batching { max_queue_delay_microseconds: 50000 }\n" + sleep_s(0.02)),
@@ -100,6 +137,7 @@ MODELS: dict[str, tuple[int, str]] = {
     "warm_fails": (8, ZERO_WARMUP + 'parameters { key: "fail_on_zero" value: { string_value: "" } }'),
     "on_gpu": (8, 'instance_group [ { name: "accelerated" kind: KIND_GPU } ]'),
     "bad_preferred": (4, "dynamic_batching { preferred_batch_size: [ 8 ] }"),
+    "bucketed": (8, LENGTHS_CONFIG),
 }
 BROKEN = {"warm_fails", "on_gpu", "bad_preferred"}
 #: Triton 2.51 crashes (SIGSEGV) in about one start in five when a python model's warmup fails, so that model
@@ -110,10 +148,11 @@ CRASHES_TRITON = {"warm_fails"}
 def write_repository(root: Path, names: set[str]) -> Path:
     for name in names:
         max_batch_size, rest = MODELS[name]
+        code, io = (LENGTHS, "") if name == "bucketed" else (RECORDER, RECORDER_IO)
         (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(RECORDER)
+        (root / name / "1" / "model.py").write_text(code)
         (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n{RECORDER_IO}{rest}\n'
+            f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n{io}{rest}\n'
         )
     return root
 
@@ -312,6 +351,38 @@ async def grpc_calls(server: ServerProcess, model: str, options: list[dict]) -> 
     return statuses, errors, order
 
 
+def send_lengths(server: ServerProcess, lengths: list[int]) -> list[tuple[int, list[int], list[int]]]:
+    """Requests of ids [i*100 .. i*100+n) for each length n, at once: (status, OUT row, WIDTHS row) each."""
+
+    async def one(client: aioclient.InferenceServerClient, i: int, n: int) -> tuple[int, list[int], list[int]]:
+        tensor = aioclient.InferInput("IDS", [1, n], "INT64")
+        tensor.set_data_from_numpy(np.arange(i * 100, i * 100 + n, dtype=np.int64).reshape(1, n))
+        try:
+            result = await client.infer("bucketed", [tensor])
+        except InferenceServerException as exc:
+            return int(exc.status() or 0), [], []
+        return 200, result.as_numpy("OUT")[0].tolist(), result.as_numpy("WIDTHS")[0].tolist()
+
+    async def go() -> list:
+        async with aioclient.InferenceServerClient(server.http_url, conn_timeout=TIMEOUT_S) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i, n) for i, n in enumerate(lengths))),
+                                          TIMEOUT_S)
+
+    return asyncio.run(go())
+
+
+def test_bucketed_batches_hold_similar_lengths_padded_to_their_longest(transerve):
+    lengths = [2, 7, 12, 3, 6, 20, 1, 8, 4, 9]
+    answers = send_lengths(transerve, lengths)
+    for i, (n, (status, out, widths)) in enumerate(zip(lengths, answers, strict=True)):
+        assert status == 200 and out == list(range(i * 100, i * 100 + n))  # its own ids, padding cut off
+        assert len(set(widths)) == 1  # the batch was padded to one width...
+        bound = 4 if n <= 4 else 8 if n <= 8 else None
+        assert bound is None or widths[0] <= bound  # ...its bucket's longest, not the longest of all
+        assert widths[0] >= n
+    assert max(len(widths) for _, _, widths in answers) > 1  # buckets did batch
+
+
 def test_instances_of_a_group_execute_concurrently(transerve):
     started = time.monotonic()
     outcomes = run_concurrently(transerve, "pair", unique_requests([1, 1]))
@@ -344,6 +415,13 @@ def test_same_outputs_as_triton_for_concurrent_mixed_batches(servers):
     for ours, theirs in zip(answers["transerve"], answers["triton"], strict=True):
         assert ours.status == theirs.status == 200
         assert ours.row("OUT") == theirs.row("OUT")
+
+
+def test_same_outputs_as_triton_for_a_bucketed_model(servers):
+    """Triton ignores the bucketing parameters (and batches only equal lengths); the answers are the same."""
+    lengths = [2, 7, 12, 3, 6, 20, 1, 8]
+    answers = {name: send_lengths(server, lengths) for name, server in servers.items()}
+    assert [a[:2] for a in answers["transerve"]] == [a[:2] for a in answers["triton"]]
 
 
 def test_same_statuses_as_triton_for_queue_limits_and_timeouts(servers):
