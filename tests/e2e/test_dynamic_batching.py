@@ -139,7 +139,7 @@ MODELS: dict[str, tuple[int, str]] = {
     "bad_preferred": (4, "dynamic_batching { preferred_batch_size: [ 8 ] }"),
     "bucketed": (8, LENGTHS_CONFIG),
 }
-BROKEN = {"warm_fails", "on_gpu", "bad_preferred"}
+BROKEN = {"warm_fails", "bad_preferred"} | (set() if visible_gpus() else {"on_gpu"})
 #: Triton 2.51 crashes (SIGSEGV) in about one start in five when a python model's warmup fails, so that model
 #: is kept out of the repository Triton shares with the other tests.
 CRASHES_TRITON = {"warm_fails"}
@@ -252,6 +252,14 @@ def test_concurrent_requests_form_batches_and_each_gets_its_own_values(transerve
     assert executions < 32  # batches really formed
     assert executions == len({o.row("WHERE")[0] for o in outcomes})
     assert any(entry["batch_size"] > 1 for entry in after["batch_stats"])
+    metrics = requests.get(f"http://127.0.0.1:{transerve.metrics_port}/metrics", timeout=10).text
+    counted = {
+        line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(("nv_inference_count{", "nv_inference_exec_count{")) and 'model="recorder"' in line
+    }
+    assert counted["nv_inference_exec_count"] == after["execution_count"]
+    assert counted["nv_inference_count"] == after["inference_count"] > counted["nv_inference_exec_count"]
 
 
 def test_own_batch_requests_are_combined_up_to_max_batch_size_and_split_back(transerve):
@@ -393,6 +401,12 @@ def test_instances_of_a_group_execute_concurrently(transerve):
 def test_warmup_runs_before_the_model_is_ready(transerve):
     outcome = run_concurrently(transerve, "warm", unique_requests([1]))[0]
     assert outcome.row("WHERE") == [b"CPU:warm_0:4"]  # three warmup executions came first
+
+
+@pytest.mark.skipif(not visible_gpus(), reason="no GPU on this machine")
+def test_kind_gpu_instances_run_on_the_gpus(transerve):
+    outcome = run_concurrently(transerve, "on_gpu", unique_requests([1]))[0]
+    assert outcome.status == 200 and outcome.row("WHERE")[0].startswith(b"GPU:accelerated_0:")
 
 
 def test_broken_models_are_unavailable_with_their_reason(transerve):
