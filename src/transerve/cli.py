@@ -13,6 +13,7 @@ from typing import Any
 
 from transerve import __version__
 from transerve.core.server import ControlMode, Server, ServerOptions
+from transerve.export import command as export_command
 
 log = logging.getLogger("transerve")
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the older name of --disable-auto-complete-config")
     add("--backend-config", type=_backend_config, action="append", default=[], metavar="BACKEND,KEY=VALUE")
     add("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES")
+    export_command.add_parser(commands)
     return parser
 
 
@@ -145,6 +147,8 @@ async def _shutdown(server: Server, frontends: list[Any], grace: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return export_command.run(args)
     if args.log_verbose > 0:  # python-backend workers inherit it: pb_utils.Logger.log_verbose then prints
         os.environ["TRANSERVE_LOG_VERBOSE"] = str(args.log_verbose)
     logging.basicConfig(

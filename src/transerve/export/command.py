@@ -1,0 +1,83 @@
+"""`transerve export HF_MODEL_DIR --task ... --format ... --output REPO`: a Hugging Face model folder to a
+model repository that serves text in and the task's outputs out (see `repository` for what it writes)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from transerve.export import convert
+from transerve.export.hf import ExportError, read_folder
+from transerve.export.progress import Progress
+from transerve.export.repository import Options, model_names, write
+
+TASKS = ("seqcls", "qa", "encode", "embedding")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "export", help="export a Hugging Face model folder to a model repository", allow_abbrev=False,
+        description="Export a Hugging Face model folder (config.json, weights, tokenizer.json) to a model repository: "
+                    "a tokenizer, the model as ONNX or TorchScript, the task's post-processing, and an ensemble "
+                    "that takes text and returns the task's outputs.",
+    )
+    add = parser.add_argument
+    add("model_dir", type=Path, metavar="HF_MODEL_DIR")
+    add("--task", choices=TASKS, required=True,
+        help="seqcls: label and probabilities; qa: answer span; encode: token states; embedding: sentence vectors")
+    add("--format", dest="fmt", choices=("onnx", "torchscript"), required=True)
+    add("--output", type=Path, required=True, metavar="REPO", help="the model repository to write into")
+    add("--name", help="the ensemble's name, and the prefix of its models' names (default: the task)")
+    add("--max-batch-size", type=int, default=8, metavar="N")
+    add("--dynamic-batching", action="store_true", help="let every model batch concurrent requests")
+    add("--bucketed", action="store_true",
+        help="dynamic batching of the model by token count (transerve's length buckets): less padding")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        export(args.model_dir, args.task, args.fmt, args.output, args.name or args.task, args.max_batch_size,
+               args.dynamic_batching, args.bucketed)
+    except ExportError as exc:
+        print(f"transerve export: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def export(
+    model_dir: Path, task_name: str, fmt: str, output: Path, name: str, max_batch_size: int = 8,
+    dynamic_batching: bool = False, bucketed: bool = False,
+) -> list[str]:
+    """Write the repository; return the names of the models written, the ensemble last."""
+    folder = read_folder(model_dir)
+    if max_batch_size < 1:
+        raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
+    task = convert.TASKS[task_name]
+    names = model_names(name, task)
+    taken = [model for model in names if (output / model).exists()]
+    if taken:
+        raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
+    progress = Progress(4)
+    with progress.step("loading torch and transformers"):
+        convert.import_libraries(fmt)
+    with progress.step(f"loading the model from {model_dir}"):
+        module, inputs = convert.load_model(folder, task)
+    options = Options(name, fmt, max_batch_size, dynamic_batching, bucketed)
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        target = write(output, folder, task, inputs, options)
+        with progress.step(f"exporting to {'ONNX' if fmt == 'onnx' else 'TorchScript'}"):
+            example = convert.tokenize(folder, task, convert.TRACE_TEXTS, inputs)
+            convert.export(module, inputs, task, example, fmt, target)
+        with progress.step("checking the exported model against transformers"):
+            checked = convert.tokenize(folder, task, convert.CHECK_TEXTS, inputs)
+            difference = convert.check(module, inputs, checked, fmt, target)
+    except BaseException:
+        for model in names:
+            shutil.rmtree(output / model, ignore_errors=True)
+        raise
+    progress.note(f"largest difference {difference:.1e} (relative to the outputs' scale)")
+    progress.note(f"wrote {', '.join(names)} to {output}; serve with: transerve serve --model-repository {output}")
+    return names

@@ -1,0 +1,87 @@
+"""Tokenizer model written by `transerve export`: text in (BYTES), token ids out, from the model's tokenizer.json.
+
+Each request's texts are padded to that request's longest; the batch of requests is tokenized in one call.
+`parameters`: `max_length` (tokens, truncating longer texts), `pad_id`, and `pair: "true"` for question
+answering, where QUESTION and CONTEXT are tokenized as a pair (only the context is truncated) and `offsets`
+gives every token's character span in the context ([-1, -1] for tokens that are not context).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from tokenizers import Tokenizer
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        self.pair = parameters.get("pair", "false") == "true"
+        self.pad_id = int(parameters.get("pad_id", "0"))
+        self.outputs = [output["name"] for output in config["output"]]
+        path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.tokenizer.no_padding()
+        strategy = "only_second" if self.pair else "longest_first"
+        self.tokenizer.enable_truncation(int(parameters["max_length"]), strategy=strategy)
+
+    def execute(self, requests):
+        groups = [self._texts(request) for request in requests]
+        texts = [text for group in groups if isinstance(group, list) for text in group]
+        try:
+            encodings = iter(self.tokenizer.encode_batch(texts))
+        except Exception:  # some request's text cannot be tokenized: each request on its own finds out which
+            return [self._respond(group, None) for group in groups]
+        return [self._respond(group, [next(encodings) for _ in group] if isinstance(group, list) else None)
+                for group in groups]
+
+    def _respond(self, group, encodings):
+        """The request's response, from its encodings (None: tokenize it alone), or its error."""
+        if not isinstance(group, list):
+            return pb_utils.InferenceResponse(error=group)
+        if encodings is None:
+            try:
+                encodings = self.tokenizer.encode_batch(group)
+            except Exception as exc:  # e.g. a question so long that no context fits in max_length
+                return pb_utils.InferenceResponse(error=_invalid(f"cannot tokenize: {exc}"))
+        return self._response(encodings)
+
+    def _texts(self, request):
+        """The request's texts (question-context pairs for QA), or its error when one is not UTF-8."""
+        try:
+            if not self.pair:
+                return [_text(value) for value in pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().flat]
+            questions = pb_utils.get_input_tensor_by_name(request, "QUESTION").as_numpy().flat
+            contexts = pb_utils.get_input_tensor_by_name(request, "CONTEXT").as_numpy().flat
+            return [(_text(question), _text(context)) for question, context in zip(questions, contexts, strict=True)]
+        except UnicodeDecodeError:
+            return _invalid("the text is not UTF-8")
+
+    def _response(self, encodings):
+        length = max((len(encoding.ids) for encoding in encodings), default=0)
+        arrays = {
+            "input_ids": np.full((len(encodings), length), self.pad_id, dtype=np.int64),
+            "attention_mask": np.zeros((len(encodings), length), dtype=np.int64),
+            "token_type_ids": np.zeros((len(encodings), length), dtype=np.int64),
+            "offsets": np.full((len(encodings), length, 2), -1, dtype=np.int64),
+        }
+        for row, encoding in enumerate(encodings):
+            size = len(encoding.ids)
+            arrays["input_ids"][row, :size] = encoding.ids
+            arrays["attention_mask"][row, :size] = encoding.attention_mask
+            arrays["token_type_ids"][row, :size] = encoding.type_ids
+            if "offsets" in self.outputs:
+                context = np.array([sequence == 1 for sequence in encoding.sequence_ids], dtype=bool)
+                spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+                arrays["offsets"][row, :size][context] = spans[context]
+        return pb_utils.InferenceResponse([pb_utils.Tensor(name, arrays[name]) for name in self.outputs])
+
+
+def _text(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _invalid(message):
+    return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
