@@ -1,7 +1,10 @@
-"""`inference.GRPCInferenceService` and `grpc.health.v1.Health/Check` on grpc.aio, each RPC one core call.
+"""`inference.GRPCInferenceService` and `grpc.health.v1.Health/Check`, each RPC one core call.
 
-The servicer is Triton's generated `GRPCInferenceServiceServicer`, so method names, messages and
-routing come from tritonclient's `service_pb2_grpc` rather than a copy of the .proto.
+`InferenceService` holds the RPCs free of any transport: a unary RPC takes its request message and returns its
+response or raises ServerError, ModelStreamInfer maps requests to answers. Both transports call those same
+methods: grpc.aio here (through Triton's generated `GRPCInferenceServiceServicer`, so method names, messages and
+routing come from tritonclient's `service_pb2_grpc` rather than a copy of the .proto) and the native HTTP/2 one
+in `http2/`, which routes by the same service descriptor.
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
@@ -48,27 +51,24 @@ STREAM_WINDOW = 256
 
 _NOT_EXPLICIT = "explicit model load / unload is not allowed if polling is enabled"
 
-_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+#: The service as tritonclient's generated code describes it: method names, request types, streaming.
+SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+Unary = Callable[[Message], Awaitable[Message]]
+Streaming = Callable[[AsyncIterator[Message]], AsyncIterator[Message]]
 
 
-def _rpc(method: _Handler) -> _Handler:
-    """Turn a handler's ServerError into its gRPC status; anything else is a bug, reported as INTERNAL."""
+class Rpc(NamedTuple):
+    """One method of the service as a transport routes it."""
 
-    @functools.wraps(method)
-    async def handler(self: InferenceServicer, request: Message, context: grpc.aio.ServicerContext) -> Message:
-        try:
-            return await method(self, request)
-        except ServerError as exc:
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
-        except Exception:
-            log.exception("unhandled error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}")
-
-    return handler  # type: ignore[return-value]
+    name: str
+    request_type: type[Message]
+    handler: Unary | Streaming
+    streaming: bool
 
 
-class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Triton's inference service over the core `Server`."""
+class InferenceService:
+    """Triton's inference service over the core `Server`; unary methods raise ServerError for a failed RPC."""
 
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
         self._server = server
@@ -80,29 +80,23 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- health and metadata ---------------------------------------------------------------------
 
-    @_rpc
     async def ServerLive(self, request: service_pb2.ServerLiveRequest) -> service_pb2.ServerLiveResponse:
         return service_pb2.ServerLiveResponse(live=self._server.live)
 
-    @_rpc
     async def ServerReady(self, request: service_pb2.ServerReadyRequest) -> service_pb2.ServerReadyResponse:
         return service_pb2.ServerReadyResponse(ready=self._server.ready)
 
-    @_rpc
     async def ModelReady(self, request: service_pb2.ModelReadyRequest) -> service_pb2.ModelReadyResponse:
         return service_pb2.ModelReadyResponse(
             ready=self._server.model_ready(request.name, parse_version(request.version))
         )
 
-    @_rpc
     async def ServerMetadata(self, request: service_pb2.ServerMetadataRequest) -> service_pb2.ServerMetadataResponse:
         return service_pb2.ServerMetadataResponse(**self._server.metadata())
 
-    @_rpc
     async def ModelMetadata(self, request: service_pb2.ModelMetadataRequest) -> service_pb2.ModelMetadataResponse:
         return self._per_version("metadata", request.name, request.version, self._build_metadata)
 
-    @_rpc
     async def ModelConfig(self, request: service_pb2.ModelConfigRequest) -> service_pb2.ModelConfigResponse:
         return self._per_version(
             "config", request.name, request.version, lambda model: service_pb2.ModelConfigResponse(config=model.config)
@@ -129,7 +123,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(**spec) for spec in metadata["outputs"]],
         )
 
-    @_rpc
     async def ModelStatistics(
         self, request: service_pb2.ModelStatisticsRequest
     ) -> service_pb2.ModelStatisticsResponse:
@@ -139,12 +132,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- inference -------------------------------------------------------------------------------
 
-    @_rpc
     async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
         return encode_infer_response(await self._server.infer(decode_infer_request(request)))
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Requests of a stream run concurrently and are answered in order; an error is an answer, not the end."""
         answers: asyncio.Queue[asyncio.Task[service_pb2.ModelStreamInferResponse] | None] = asyncio.Queue()
@@ -192,7 +184,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # ---- model repository ------------------------------------------------------------------------
 
-    @_rpc
     async def RepositoryIndex(
         self, request: service_pb2.RepositoryIndexRequest
     ) -> service_pb2.RepositoryIndexResponse:
@@ -201,7 +192,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         entries = self._server.repository_index(ready_only=request.ready)
         return service_pb2.RepositoryIndexResponse(models=[index(**entry) for entry in entries])
 
-    @_rpc
     async def RepositoryModelLoad(
         self, request: service_pb2.RepositoryModelLoadRequest
     ) -> service_pb2.RepositoryModelLoadResponse:
@@ -221,7 +211,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._server.load_model(request.model_name, config, files)
         return service_pb2.RepositoryModelLoadResponse()
 
-    @_rpc
     async def RepositoryModelUnload(
         self, request: service_pb2.RepositoryModelUnloadRequest
     ) -> service_pb2.RepositoryModelUnloadResponse:
@@ -234,6 +223,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if self._server.options.control_mode is not ControlMode.EXPLICIT:
             raise unavailable(_NOT_EXPLICIT)
 
+    def rpcs(self) -> Iterator[Rpc]:
+        """Every method of the proto this class implements; the others (shared memory, trace and log settings)
+        are left to each transport's UNIMPLEMENTED."""
+        for method in SERVICE.methods:
+            handler = getattr(self, method.name, None)
+            if handler is not None:
+                request_type = getattr(service_pb2, method.input_type.name)
+                yield Rpc(method.name, request_type, handler, method.client_streaming)
+
 
 def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
     """An error answer on a stream carries an infer_response naming the request by id, as Triton's does."""
@@ -245,6 +243,43 @@ def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> servi
 def _no_repository_name(name: str) -> None:
     if name:
         raise unsupported("'repository_name' specification is not supported")
+
+
+# ---- grpc.aio's calling convention --------------------------------------------------------------
+
+
+def _grpcio_unary(name: str, method: Unary) -> Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]:
+    """A unary RPC for grpc.aio: ServerError becomes its gRPC status; anything else is a bug, reported as INTERNAL."""
+
+    @functools.wraps(method)
+    async def handler(request: Message, context: grpc.aio.ServicerContext) -> Message:  # type: ignore[return]
+        try:
+            return await method(request)
+        except ServerError as exc:
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
+        except Exception:
+            log.exception("unhandled error in %s", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}")
+
+    return handler
+
+
+def _grpcio_streaming(method: Streaming) -> Callable[[AsyncIterator[Message], grpc.aio.ServicerContext],
+                                                      AsyncIterator[Message]]:
+    async def handler(requests: AsyncIterator[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        async for answer in method(requests):
+            yield answer
+
+    return handler
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The service in grpc.aio's calling convention (request, context); methods it lacks stay UNIMPLEMENTED."""
+
+    def __init__(self, service: InferenceService) -> None:
+        for rpc in service.rpcs():
+            adapted = _grpcio_streaming(rpc.handler) if rpc.streaming else _grpcio_unary(rpc.name, rpc.handler)
+            setattr(self, rpc.name, adapted)
 
 
 # ---- grpc.health.v1 ------------------------------------------------------------------------------
@@ -281,15 +316,19 @@ SERVING = 1
 NOT_SERVING = 2
 
 
-def health_handler(server: Server) -> grpc.GenericRpcHandler:
+def health_check(server: Server) -> Unary:
     """Check answers SERVING while the server is ready, whatever service is named, as Triton does."""
 
-    async def check(request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def check(request: Message) -> Message:
         return HealthCheckResponse(status=SERVING if server.ready else NOT_SERVING)
 
+    return check
+
+
+def health_handler(server: Server) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
         "Check": grpc.unary_unary_rpc_method_handler(
-            check,
+            _grpcio_unary("Check", health_check(server)),
             request_deserializer=HealthCheckRequest.FromString,
             response_serializer=HealthCheckResponse.SerializeToString,
         ),
@@ -300,7 +339,7 @@ def health_handler(server: Server) -> grpc.GenericRpcHandler:
 
 
 class GrpcFrontend:
-    """Serves the inference and health services on one address, on the running event loop."""
+    """Serves the inference and health services with grpc.aio on one address, on the running event loop."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -318,7 +357,7 @@ class GrpcFrontend:
             ("grpc.so_reuseport", 0),
         ])
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(self.server, asyncio.get_running_loop()), self._grpc
+            InferenceServicer(InferenceService(self.server, asyncio.get_running_loop())), self._grpc
         )
         self._grpc.add_generic_rpc_handlers((health_handler(self.server),))
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
