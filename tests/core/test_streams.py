@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from transerve.core.errors import ServerError, internal
+from transerve.core.errors import ErrorCode, ServerError, internal
 from transerve.core.streams import ResponseStream
 from transerve.core.types import InferResponse, Tensor
 
@@ -63,3 +63,60 @@ def test_cancel_runs_callbacks_once_and_late_registrations_at_once():
         return calls
 
     assert asyncio.run(scenario()) == ["early", "late"]
+
+
+def test_an_error_response_does_not_end_the_stream_unless_final():
+    async def scenario() -> None:
+        stream = ResponseStream(asyncio.get_running_loop())
+        stream.send(response(1))
+        stream.send_error(ServerError(ErrorCode.INVALID_ARG, "mid"))
+        stream.send(response(2))
+        stream.send_error(internal("last"), final=True)
+        stream.send(response(3))  # after final: dropped
+        seen: list[object] = []
+        while True:
+            try:
+                async for item in stream:
+                    seen.append(int(item.outputs[0].data[0]))
+                break
+            except ServerError as exc:
+                seen.append(exc.message)  # iterating again goes on after the error
+        assert seen == [1, "mid", 2, "last"]
+        assert stream.final_sent
+
+    asyncio.run(scenario())
+
+
+def test_receive_tells_which_item_is_the_last():
+    async def scenario() -> None:
+        flags_alone = ResponseStream(asyncio.get_running_loop())
+        flags_alone.send(response(1))
+        flags_alone.close()
+        assert [(item is None, final) for item, final in [await flags_alone.receive(), await flags_alone.receive()]] \
+            == [(False, False), (True, True)]
+        with pytest.raises(StopAsyncIteration):
+            await flags_alone.receive()
+        with_response = ResponseStream(asyncio.get_running_loop())
+        with_response.send(response(1), final=True)
+        item, final = await with_response.receive()
+        assert final and int(item.outputs[0].data[0]) == 1
+        failed = ResponseStream(asyncio.get_running_loop())
+        failed.fail(internal("gone"))
+        item, final = await failed.receive()
+        assert isinstance(item, ServerError) and final and not failed.final_sent
+
+    asyncio.run(scenario())
+
+
+def test_cancel_ends_a_waiting_consumer_and_drops_later_responses():
+    async def scenario() -> None:
+        stream = ResponseStream(asyncio.get_running_loop())
+        consumer = asyncio.ensure_future(collect(stream))
+        await asyncio.sleep(0)
+        stream.cancel()
+        assert await asyncio.wait_for(consumer, 1) == []
+        stream.send(response(1))
+        with pytest.raises(StopAsyncIteration):
+            await stream.receive()
+
+    asyncio.run(scenario())

@@ -36,15 +36,18 @@ class ModelContext:
     #: False under `--disable-auto-complete-config`.
     auto_complete: bool = True
     #: The core, for backends whose models call other models (ensembles, BLS): it offers
-    #: `get_version(name, version)` and `await infer(request)`.
+    #: `get_version(name, version)`, `await infer(request)` and `infer_stream(request)`.
     runtime: Any = None
 
 
 @dataclass(slots=True)
 class ExecutionResult:
-    """One result per request (a response or that request's error), plus where the time went."""
+    """One result per request (a response or that request's error), plus where the time went.
 
-    results: list[InferResponse | ServerError]
+    A decoupled model's result is None: its responses went into the request's `response_stream`.
+    """
+
+    results: list[InferResponse | ServerError | None]
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0

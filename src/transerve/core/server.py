@@ -54,6 +54,10 @@ EXTENSIONS = [
 ]
 
 
+#: Triton's answer (UNSUPPORTED, HTTP 501) to a one-response inference on a decoupled model.
+DECOUPLED_INFER_MESSAGE = "HTTP end point doesn't support models with decoupled transaction policy"
+
+
 class ControlMode(enum.Enum):
     NONE = "none"
     POLL = "poll"
@@ -301,8 +305,7 @@ class Server:
             raise unavailable("the server is shutting down")
         model = self.get_version(request.model_name, request.model_version)
         if model.config.model_transaction_policy.decoupled:
-            raise unsupported(f"model '{model.name}' is decoupled (zero or many responses per request): "
-                              "use a streaming endpoint (gRPC ModelStreamInfer or HTTP generate_stream)")
+            raise unsupported(DECOUPLED_INFER_MESSAGE)
         model.signature.validate(request)
         return await self._infer_validated(model, request)
 
@@ -310,6 +313,8 @@ class Server:
         """Any model's responses as a stream: a decoupled model's zero or more, another model's one.
 
         Validation errors raise here, before anything is queued; later errors end the stream.
+        Cancelling the stream cancels the request: still queued, its scheduler skips it; running,
+        the backend hears of it through the stream (decoupled models).
         """
         if self._stopping:
             raise unavailable("the server is shutting down")
@@ -318,15 +323,17 @@ class Server:
         stream = ResponseStream(self._loop or asyncio.get_running_loop())
         if model.config.model_transaction_policy.decoupled:
             request.response_stream = stream
-            self._track(self._run_decoupled(model, request, stream))
+            task = self._track(self._run_decoupled(model, request, stream))
         else:
-            self._track(self._run_single(model, request, stream))
+            task = self._track(self._run_single(model, request, stream))
+        stream.on_cancel(task.cancel)
         return stream
 
-    def _track(self, coroutine: Any) -> None:
+    def _track(self, coroutine: Any) -> asyncio.Task:
         task = (self._loop or asyncio.get_running_loop()).create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _run_single(self, model: ModelVersion, request: InferRequest, stream: ResponseStream) -> None:
         try:
