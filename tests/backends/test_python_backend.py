@@ -594,16 +594,16 @@ def test_endpoint_spills_large_messages_and_frees_every_block():
         ("D", "UINT8", np.zeros((0, 3), np.uint8)),
     ]
     body = {"padding": "y" * 200_000}  # over one datagram: spilled into shared memory
-    data, fds = server.encode(ipc.OP_EXECUTE, body, server.place([tensors, tensors[:1]]))
+    data, fds = server.encode(ipc.OP_EXECUTE, 7, body, server.place([tensors, tensors[:1]]))
     assert len(data) < ipc.INLINE_LIMIT
-    op, got_body, groups = worker.decode(memoryview(data), fds)
-    assert (op, got_body) == (ipc.OP_EXECUTE, body)
+    op, call_id, got_body, groups = worker.decode(memoryview(data), fds)
+    assert (op, call_id, got_body) == (ipc.OP_EXECUTE, 7, body)
     for (name, datatype, array), (got_name, got_type, got) in zip(tensors, groups[0], strict=True):
         assert (got_name, got_type, got.shape, got.dtype) == (name, datatype, array.shape, array.dtype)
         np.testing.assert_array_equal(got, array)
     assert server.live_blocks == 3  # the copied block, C's block and the spilled message
     del groups, got
-    reply, fds = worker.encode(ipc.OP_EXECUTE, None)
+    reply, fds = worker.encode(ipc.OP_REPLY, 7, None)
     worker_live = worker.live_blocks
     server.decode(memoryview(reply), fds)
     assert server.live_blocks == 0 and worker_live == 0
@@ -657,9 +657,9 @@ def test_errors_responses_and_requests_behave_as_in_triton():
     request = pb_utils.InferenceRequest(
         model_name="other", inputs=[pb_utils.Tensor("x", np.zeros(1))], requested_output_names=["y"]
     )
-    with pytest.raises(pb_utils.TritonModelException, match="BLS .* not supported yet"):
+    with pytest.raises(pb_utils.TritonModelException, match="only inside a model served by transerve"):
         request.exec()
-    with pytest.raises(pb_utils.TritonModelException, match="not supported yet"):
+    with pytest.raises(pb_utils.TritonModelException, match="needs a decoupled model"):
         request.get_response_sender()
     assert request.parameters() == "{}" and not request.is_cancelled()
     assert pb_utils.Logger.LogLevel.WARNING is pb_utils.LogLevel.WARNING

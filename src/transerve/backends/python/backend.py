@@ -3,6 +3,8 @@
 The server side of an instance keeps one worker, talks to it through `ipc.AsyncConnection`
 (shared-memory tensors, a socket for control) and restarts it when it dies: requests in flight at
 that moment fail with an INTERNAL error naming the model, and later requests go to a fresh worker.
+A decoupled model's responses and the BLS calls a model makes travel on the same connection
+(`streams.WorkerStreams`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from transerve.backends.python.ipc import (
     Region,
     socket_pair,
 )
+from transerve.backends.python.streams import WorkerStreams
 from transerve.config import model_config
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -77,6 +80,8 @@ class WorkerProcess:
         self.instance = instance
         self.exit_code: asyncio.Future[int] = self._loop.create_future()
         self.connection = AsyncConnection(sock, endpoint, self._loop)
+        #: Decoupled requests and BLS calls, once an instance adopts the worker.
+        self.streams: WorkerStreams | None = None
         self._pidfd = os.pidfd_open(process.pid)
         self._loop.add_reader(self._pidfd, self._on_exit)
 
@@ -152,8 +157,8 @@ class WorkerProcess:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         try:
-            # Replies the worker sent before it died are still in the socket: deliver them first.
-            self.connection.read_ready()
+            # Messages the worker sent before it died are still in the socket: deliver them first.
+            self.connection.read_ready(drain=True)
         finally:
             self.connection.lose()
             self.exit_code.set_result(self.process.wait())
@@ -217,12 +222,16 @@ class PythonInstance(BackendInstance):
     costs the server a cross-CPU wake-up per request), with no cost in latency at low load.
     """
 
-    def __init__(self, spec: WorkerSpec, name: str, initialize_args: dict[str, str]) -> None:
+    def __init__(
+        self, spec: WorkerSpec, name: str, initialize_args: dict[str, str], decoupled: bool, runtime: Any
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
         self.max_inflight = spec.max_inflight
         self._spec = spec
         self._initialize_args = initialize_args
+        self._decoupled = decoupled
+        self._runtime = runtime
         self._worker: WorkerProcess | None = None
         self._starting: asyncio.Task[WorkerProcess] | None = None
         self._has_is_ready = False
@@ -237,6 +246,10 @@ class PythonInstance(BackendInstance):
     async def _launch(self, worker: WorkerProcess | None = None) -> WorkerProcess:
         if worker is None:
             worker = await WorkerProcess.start(self._spec, self.name)
+        streams = worker.streams = WorkerStreams(
+            worker.connection, self._runtime, self._spec.model_name, self._spec.model_version
+        )
+        worker.exit_code.add_done_callback(lambda done: streams.lost(self._exit_message(done.result())))
         try:
             self._has_is_ready = await worker.call(OP_INITIALIZE, self._initialize_args)
         except BaseException:
@@ -305,11 +318,12 @@ class PythonInstance(BackendInstance):
 
     def _send(self, worker: WorkerProcess, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
         try:
+            tokens = worker.streams.open(requests) if self._decoupled and worker.streams else None
             return worker.connection.request(
                 OP_EXECUTE,
-                _execute_body(requests),
+                _execute_body(requests, tokens),
                 _input_groups(requests),
-                on_reply=functools.partial(self._execution_result, requests),
+                on_reply=functools.partial(self._execution_result, worker, requests, tokens),
                 on_lost=functools.partial(self._worker_lost, worker, len(requests)),
             )
         except Exception as exc:  # an input the transport cannot carry
@@ -320,11 +334,18 @@ class PythonInstance(BackendInstance):
             return future
 
     def _execution_result(
-        self, requests: list[InferRequest], body: tuple[Any, Any], outputs: list[list[Entry]]
+        self,
+        worker: WorkerProcess,
+        requests: list[InferRequest],
+        tokens: list[int] | None,
+        body: tuple[Any, Any],
+        outputs: list[list[Entry]],
     ) -> ExecutionResult:
         results, (input_ns, infer_ns, output_ns) = body
+        if tokens is not None:
+            return ExecutionResult(self._decoupled_results(worker, tokens, results), input_ns, infer_ns, output_ns)
         model_name, model_version = self._spec.model_name, self._spec.model_version
-        responses: list[InferResponse | ServerError] = []
+        responses: list[InferResponse | ServerError | None] = []
         for request, (code, message, parameters), tensors in zip(requests, results, outputs, strict=True):
             if code is not None:
                 responses.append(ServerError(ErrorCode[code], message))
@@ -340,15 +361,32 @@ class PythonInstance(BackendInstance):
             )
         return ExecutionResult(responses, input_ns, infer_ns, output_ns)
 
+    @staticmethod
+    def _decoupled_results(
+        worker: WorkerProcess, tokens: list[int], results: list[Any]
+    ) -> list[InferResponse | ServerError | None]:
+        """None per request (its responses went through its stream), or the error that ends it."""
+        outcomes: list[InferResponse | ServerError | None] = []
+        for token, (code, message, _) in zip(tokens, results, strict=True):
+            if code is None:
+                outcomes.append(None)
+                continue
+            if worker.streams is not None:
+                worker.streams.drop(token)
+            outcomes.append(ServerError(ErrorCode[code], message))
+        return outcomes
+
+    def _exit_message(self, exit_code: int) -> str:
+        return (
+            f"Failed to process the request(s): model '{self._spec.model_name}' instance '{self.name}' "
+            f"process exited unexpectedly ({describe_exit(exit_code)})"
+        )
+
     def _worker_lost(self, worker: WorkerProcess, count: int, future: asyncio.Future[ExecutionResult]) -> None:
         """Fail an execution whose worker died, once the exit code can name the cause."""
 
         async def settle() -> None:
-            error = ServerError(
-                ErrorCode.INTERNAL,
-                f"Failed to process the request(s): model '{self._spec.model_name}' instance '{self.name}' "
-                f"process exited unexpectedly ({describe_exit(await worker.exited())})",
-            )
+            error = ServerError(ErrorCode.INTERNAL, self._exit_message(await worker.exited()))
             if not future.done():
                 future.set_result(ExecutionResult([error] * count))
 
@@ -382,8 +420,9 @@ class PythonInstance(BackendInstance):
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _execute_body(requests: list[InferRequest]) -> list[tuple[Any, ...]]:
-    """Per request, what the worker's InferenceRequest needs besides the tensors."""
+def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> list[tuple[Any, ...]]:
+    """Per request, what the worker's InferenceRequest needs besides the tensors (and, for a
+    decoupled model, the token its responses are sent under)."""
     return [
         (
             request.id,
@@ -391,8 +430,9 @@ def _execute_body(requests: list[InferRequest]) -> list[tuple[Any, ...]]:
             request.flags,
             request.parameters,
             None if request.outputs is None else [output.name for output in request.outputs],
+            None if tokens is None else tokens[index],
         )
-        for request in requests
+        for index, request in enumerate(requests)
     ]
 
 
@@ -446,8 +486,11 @@ class PythonBackend(Backend):
             except BaseException:
                 await first.abort()
                 raise
+        decoupled = config.model_transaction_policy.decoupled
         instances = [
-            PythonInstance(spec, name, _initialize_args(context, config, name, kind, device))
+            PythonInstance(
+                spec, name, _initialize_args(context, config, name, kind, device), decoupled, context.runtime
+            )
             for name, kind, device in names
         ]
         outcomes = await asyncio.gather(

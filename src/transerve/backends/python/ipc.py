@@ -20,6 +20,11 @@ When the arena has no room (or a tensor is bigger than the arena), the producer 
 the message into a one-off memfd and passes its descriptor with the datagram (SCM_RIGHTS); the
 consumer maps it, and it disappears when the last view of it does. A control message too big for
 one datagram is spilled into shared memory the same way.
+
+Calls go both ways and are matched by id, not by order: the server calls the worker (load, execute,
+...) and the worker answers with OP_REPLY under the same id; the worker calls the server for BLS
+(OP_BLS_CALL, answered by one or more OP_BLS_RESPONSE), and some messages expect no answer at all
+(a decoupled model's OP_RESPONSE, the server's OP_CANCEL).
 """
 
 from __future__ import annotations
@@ -57,12 +62,21 @@ _PICKLE = pickle.HIGHEST_PROTOCOL
 ARENA = -1
 #: Message ops. Lifecycle replies are (None, value), or ((error code name, one-line message), None).
 OP_SPILLED = 0  # an envelope whose real message was spilled into shared memory
+# server -> worker calls, each answered by an OP_REPLY with the call's id
 OP_LOAD = 1
 OP_AUTO_COMPLETE = 2
 OP_INITIALIZE = 3
 OP_EXECUTE = 4
 OP_IS_READY = 5
 OP_FINALIZE = 6
+OP_REPLY = 7
+# server -> worker: the request with this token was cancelled (no answer)
+OP_CANCEL = 8
+# worker -> server: one response of a decoupled request; the id is the request's token (no answer)
+OP_RESPONSE = 9
+# worker -> server: a BLS request; the server answers with OP_BLS_RESPONSE messages under the same id
+OP_BLS_CALL = 10
+OP_BLS_RESPONSE = 11
 
 #: A tensor in transit: (name, datatype, array).
 Entry = tuple[str, str, np.ndarray]
@@ -309,9 +323,10 @@ class Endpoint:
     """One side of a worker connection: encodes outgoing messages (tensors into our arena) and
     decodes incoming ones (tensors out of the peer's), carrying the releases between the two.
 
-    A message is (op, releases, frees, body, descriptors): `releases` are blocks of the receiver's
-    arena the sender is done with; `frees` are blocks of the sender's arena the receiver must give
-    back once it has read the message; `body` is the op's own metadata.
+    A message is (op, id, releases, frees, body, descriptors): `id` pairs a call with its answers;
+    `releases` are blocks of the receiver's arena the sender is done with; `frees` are blocks of the
+    sender's arena the receiver must give back once it has read the message; `body` is the op's own
+    metadata.
     """
 
     __slots__ = ("_writer", "_reader", "buffer")
@@ -331,26 +346,40 @@ class Endpoint:
         times this step and reports the time in the body)."""
         return self._writer.write(groups) if groups else _NOTHING_PLACED
 
-    def encode(self, op: int, body: Any, placed: Placed | None = None) -> tuple[bytes, list[int]]:
+    def encode(self, op: int, call_id: int, body: Any, placed: Placed | None = None) -> tuple[bytes, list[int]]:
         """The datagram for a message and the descriptors to pass with it (owned by the caller)."""
         descriptors, frees, fds = placed or _NOTHING_PLACED
-        data = pickle.dumps((op, self._reader.take_releases(), frees, body, descriptors), _PICKLE)
+        data = pickle.dumps((op, call_id, self._reader.take_releases(), frees, body, descriptors), _PICKLE)
         if len(data) <= INLINE_LIMIT:
             return data, fds
         spilled = [[("", "UINT8", np.frombuffer(data, np.uint8))]]
         spill_descriptors, spill_frees, spill_fds = self._writer.write(spilled, first_fd=len(fds))
-        envelope = pickle.dumps((OP_SPILLED, [], spill_frees, None, spill_descriptors), _PICKLE)
+        envelope = pickle.dumps((OP_SPILLED, 0, [], spill_frees, None, spill_descriptors), _PICKLE)
         return envelope, fds + spill_fds
 
-    def decode(self, data: memoryview, fds: Sequence[int]) -> tuple[int, Any, list[list[Entry]]]:
-        """(op, body, tensors per group) of a received datagram; maps and closes its descriptors."""
+    def decode(
+        self, data: memoryview, fds: Sequence[int], released: deque[Sequence[int]] | None = None
+    ) -> tuple[int, int, Any, list[list[Entry]]]:
+        """(op, id, body, tensors per group) of a received datagram; maps and closes its descriptors.
+
+        The blocks of our arena the peer released are freed at once, or, when a thread other than
+        the sender's decodes, queued on `released` for `release` under the sender's lock.
+        """
         regions = [Region.attach(fd) for fd in fds] if fds else ()
-        op, releases, frees, body, descriptors = pickle.loads(data)
+        op, call_id, releases, frees, body, descriptors = pickle.loads(data)
         if op == OP_SPILLED:
             (((_, _, spilled),),) = self._reader.read(descriptors, frees, regions)
-            op, releases, frees, body, descriptors = pickle.loads(spilled)
-        self._writer.release(releases)
-        return op, body, self._reader.read(descriptors, frees, regions)
+            op, call_id, releases, frees, body, descriptors = pickle.loads(spilled)
+        if released is None:
+            self._writer.release(releases)
+        elif releases:
+            released.append(releases)
+        return op, call_id, body, self._reader.read(descriptors, frees, regions)
+
+    def release(self, released: deque[Sequence[int]]) -> None:
+        """Free blocks `decode` queued (call it where tensors are placed, under the same lock)."""
+        while released:
+            self._writer.release(released.popleft())
 
 
 def socket_pair() -> tuple[socket.socket, socket.socket]:
@@ -372,16 +401,21 @@ def send_datagram(sock: socket.socket, data: bytes, fds: list[int]) -> None:
     _close_all(fds)
 
 
-def receive_datagram(sock: socket.socket, buffer: bytearray) -> tuple[memoryview, list[int]] | None:
-    """One message and the descriptors that came with it; None at end of stream."""
-    nbytes, ancillary, flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_BYTES)
+def receive_datagram(
+    sock: socket.socket, buffer: bytearray, flags: int = 0
+) -> tuple[memoryview, list[int]] | None:
+    """One message and the descriptors that came with it; None at end of stream.
+
+    With `flags=socket.MSG_DONTWAIT` it raises BlockingIOError when no message is waiting.
+    """
+    nbytes, ancillary, message_flags, _ = sock.recvmsg_into([buffer], _ANCILLARY_BYTES, flags)
     fds: list[int] = []
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             received = array.array("i")
             received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
             fds.extend(received)
-    if flags & _TRUNCATED:
+    if message_flags & _TRUNCATED:
         _close_all(fds)
         raise ConnectionLost("a message from the peer was truncated")
     if nbytes == 0:
@@ -399,16 +433,18 @@ def _close_all(fds: list[int]) -> None:
 ReplyHandler = Callable[[Any, list[list[Entry]]], Any]
 #: Settles the future of a request whose worker was lost (by default it raises ConnectionLost).
 LostHandler = Callable[["asyncio.Future[Any]"], None]
+#: Receives a message the worker sent unasked: (op, id, body, tensors per group).
+MessageHandler = Callable[[int, int, Any, list[list[Entry]]], None]
 
 
 class AsyncConnection:
     """The server's side of a worker socket, driven by the event loop without ever blocking it.
 
-    The worker answers messages in order, so each reply settles the oldest waiting request. A
-    reply is decoded in the reader callback (not by an awaiting coroutine), so its blocks are
-    released even when the caller gave up, and a request's `on_reply` handler can build the final
-    result there: the caller gets a plain future, with no task per request. Sends that meet a full
-    socket wait in an outbox.
+    Each reply settles the request with its id. A reply is decoded in the reader callback (not by
+    an awaiting coroutine), so its blocks are released even when the caller gave up, and a request's
+    `on_reply` handler can build the final result there: the caller gets a plain future, with no task
+    per request. Messages the worker sends unasked (decoupled responses, BLS calls) go to
+    `on_message`. Sends that meet a full socket wait in an outbox.
     """
 
     def __init__(self, sock: socket.socket, endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> None:
@@ -416,9 +452,14 @@ class AsyncConnection:
         self._sock = sock
         self._endpoint = endpoint
         self._loop = loop
-        self._waiting: deque[tuple[asyncio.Future[Any], ReplyHandler | None, LostHandler | None]] = deque()
+        self._waiting: dict[int, tuple[asyncio.Future[Any], ReplyHandler | None, LostHandler | None]] = {}
+        self._next_id = 0
         self._outbox: deque[tuple[bytes, list[int]]] = deque()
         self.closed = False
+        self.on_message: MessageHandler | None = None
+        #: Decoupled requests and BLS calls in progress: their messages arrive unasked, so while any
+        #: is open the reader empties the socket instead of stopping at the last awaited reply.
+        self.open_streams = 0
         loop.add_reader(sock.fileno(), self.read_ready)
 
     @property
@@ -433,17 +474,28 @@ class AsyncConnection:
         on_reply: ReplyHandler | None = None,
         on_lost: LostHandler | None = None,
     ) -> asyncio.Future[Any]:
-        """Send a message; the future resolves to `on_reply(body, groups)` of the reply, or to
+        """Send a call; the future resolves to `on_reply(body, groups)` of the reply, or to
         (body, groups) itself without a handler."""
         future = self._loop.create_future()
         if self.closed:
             _settle_lost(future, on_lost)
             return future
-        data, fds = self._endpoint.encode(op, body, self._endpoint.place(groups))
-        self._waiting.append((future, on_reply, on_lost))
+        self._next_id += 1
+        call_id = self._next_id
+        self._waiting[call_id] = (future, on_reply, on_lost)
+        self._send(op, call_id, body, groups)
+        return future
+
+    def notify(self, op: int, call_id: int, body: Any, groups: Sequence[Sequence[Entry]] = ()) -> None:
+        """Send a message that expects no reply (a cancellation, a BLS response); dropped once closed."""
+        if not self.closed:
+            self._send(op, call_id, body, groups)
+
+    def _send(self, op: int, call_id: int, body: Any, groups: Sequence[Sequence[Entry]]) -> None:
+        data, fds = self._endpoint.encode(op, call_id, body, self._endpoint.place(groups))
         if self._outbox:
             self._outbox.append((data, fds))
-            return future
+            return
         try:
             send_datagram(self._sock, data, fds)
         except BlockingIOError:
@@ -451,7 +503,6 @@ class AsyncConnection:
             self._loop.add_writer(self._sock.fileno(), self._flush)
         except OSError:
             self.lose()
-        return future
 
     def _flush(self) -> None:
         while self._outbox:
@@ -466,10 +517,11 @@ class AsyncConnection:
             self._outbox.popleft()
         self._loop.remove_writer(self._sock.fileno())
 
-    def read_ready(self) -> None:
-        """Handle the messages waiting on the socket (also called to drain it before closing).
+    def read_ready(self, drain: bool = False) -> None:
+        """Handle the messages waiting on the socket (`drain`: all of them, before closing).
 
-        Stops once no reply is outstanding rather than on EAGAIN, which saves a syscall per wake-up.
+        Stops once no reply is outstanding and no stream is open rather than on EAGAIN, which saves
+        a syscall per wake-up; a message left behind wakes the loop again.
         """
         endpoint = self._endpoint
         while not self.closed:
@@ -483,20 +535,23 @@ class AsyncConnection:
                 self.lose()
                 return
             try:
-                _, body, groups = endpoint.decode(*received)
+                op, call_id, body, groups = endpoint.decode(*received)
             except Exception:
                 self.lose()
                 raise
-            future, on_reply, _ = self._waiting.popleft()
-            if not future.done():
-                if on_reply is None:
-                    future.set_result((body, groups))
-                else:
-                    try:
-                        future.set_result(on_reply(body, groups))
-                    except Exception as exc:
-                        future.set_exception(exc)
-            if not self._waiting:
+            if op == OP_REPLY:
+                future, on_reply, _ = self._waiting.pop(call_id)
+                if not future.done():
+                    if on_reply is None:
+                        future.set_result((body, groups))
+                    else:
+                        try:
+                            future.set_result(on_reply(body, groups))
+                        except Exception as exc:
+                            future.set_exception(exc)
+            elif self.on_message is not None:
+                self.on_message(op, call_id, body, groups)
+            if not (drain or self._waiting or self.open_streams):
                 return
 
     def lose(self) -> None:
@@ -512,8 +567,9 @@ class AsyncConnection:
                 _close_all(fds)
             self._outbox.clear()
         self._sock.close()
-        while self._waiting:
-            future, _, on_lost = self._waiting.popleft()
+        waiting = list(self._waiting.values())
+        self._waiting.clear()
+        for future, _, on_lost in waiting:
             _settle_lost(future, on_lost)
 
 

@@ -4,10 +4,16 @@ Real Triton injects Tensor, InferenceRequest, InferenceResponse, TritonError and
 into this module; here they are plain Python classes with the same constructors, methods and
 errors, so an unmodified `model.py` runs in our worker. The worker installs this module as
 `sys.modules["triton_python_backend_utils"]` before it imports the model.
+
+Decoupled responses and BLS requests travel over the worker's channel to the server (`_channel`,
+set by the worker): a response sender sends each response as it is produced, and a BLS request is
+run by the server's core, in-process there, its answers coming back as responses (errors included,
+never raised, as in Triton).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import datetime
 import enum
@@ -19,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from transerve.backends.python.channel import BlsCall, Channel
+from transerve.backends.python.ipc import Entry
 from transerve.core.datatypes import BF16, NUMPY_DTYPES, TRITON_ENUM, deserialize_bytes, serialize_bytes
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -231,7 +239,7 @@ def _check_parameters(parameters: Any) -> dict[str, Any]:
 
 
 class InferenceRequest:
-    """A request handed to `execute`, or one a model builds for a BLS call (not supported yet)."""
+    """A request handed to `execute`, or one a model builds for a BLS call."""
 
     __slots__ = (
         "_request_id",
@@ -244,6 +252,8 @@ class InferenceRequest:
         "_timeout",
         "_parameters",
         "_parameters_json",
+        "_token",
+        "_sender",
     )
 
     def __init__(
@@ -275,6 +285,8 @@ class InferenceRequest:
         self._timeout = timeout
         self._parameters = _check_parameters(parameters)
         self._parameters_json: str | None = None
+        self._token: int | None = None
+        self._sender: InferenceResponseSender | None = None
 
     @classmethod
     def _received(
@@ -287,8 +299,12 @@ class InferenceRequest:
         inputs: list[Tensor],
         model_name: str,
         model_version: int,
+        token: int | None,
     ) -> InferenceRequest:
-        """A request as the worker receives it; its parameters become JSON only if the model asks."""
+        """A request as the worker receives it; its parameters become JSON only if the model asks.
+
+        `token` names a decoupled request's response stream on the server (None for other models).
+        """
         request = cls.__new__(cls)
         request._request_id = request_id
         request._correlation_id = correlation_id
@@ -301,6 +317,8 @@ class InferenceRequest:
         request._timeout = timeout if isinstance(timeout, int) else 0
         request._parameters = parameters
         request._parameters_json = None
+        request._token = token
+        request._sender = None
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -327,20 +345,206 @@ class InferenceRequest:
         return self._requested_output_names
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client went away (decoupled requests; the server tells the worker at once)."""
+        channel = _channel
+        if self._token is None or channel is None:
+            return False
+        channel.poll()
+        return self._token in channel.cancelled
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException("get_response_sender (decoupled models) is not supported yet")
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender of this request's responses (the same one on every call)."""
+        if self._token is None:
+            raise TritonModelException(
+                "get_response_sender() needs a decoupled model (model_transaction_policy { decoupled: true }); "
+                "other models return their responses from execute"
+            )
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self)
+        return self._sender
 
     def set_release_flags(self, flags: int) -> None:
         if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
             raise TritonModelException("rescheduling requests is not supported yet")
 
-    def exec(self, decoupled: bool = False) -> Any:
-        raise TritonModelException("BLS (InferenceRequest.exec) is not supported yet")
+    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """Run this request on its model and wait: one response, or with `decoupled` an iterator of
+        them ending after the final one. Errors come back as responses with `has_error()`."""
+        call_id, call = self._start(decoupled)
+        if decoupled:
+            return ResponseIterator(call_id, call)
+        _require_channel().wait_until(lambda: bool(call.items))
+        return _finish_single(call_id, call)
 
-    def async_exec(self, decoupled: bool = False) -> Any:
-        raise TritonModelException("BLS (InferenceRequest.async_exec) is not supported yet")
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+        """`exec` for `async def execute`: several may run at once (e.g. under `asyncio.gather`)."""
+        call_id, call = self._start(decoupled)
+        await _arrival(call)
+        if decoupled:
+            return ResponseIterator(call_id, call)
+        return _finish_single(call_id, call)
+
+    def _start(self, decoupled: bool) -> tuple[int, BlsCall]:
+        if self._model_name is None or self._token is not None:
+            raise TritonModelException("only a request built with pb_utils.InferenceRequest(...) can be executed")
+        inputs = []
+        for tensor in self._inputs:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException(f"inputs must hold pb_utils.Tensor objects, found type '{type(tensor)}'")
+            inputs.append((tensor._name, tensor._datatype, tensor._array))
+        body = (
+            self._model_name,
+            self._model_version,
+            self._request_id,
+            self._correlation_id,
+            self._flags,
+            self._timeout,
+            self._parameters,
+            self._requested_output_names,
+            bool(decoupled),
+        )
+        return _require_channel().start_bls(body, inputs)
+
+
+class InferenceResponseSender:
+    """Sends one decoupled request's responses to the server as they are produced, from any thread."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: InferenceRequest) -> None:
+        self._request = request
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Send a response; `flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL` marks the last one (with or
+        without a response). Sending after that raises, as in Triton."""
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if response is None and flags == 0:
+            raise TritonModelException(
+                "Inference Response object must be provided when the response flags is set to zero."
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(f"Expected an 'InferenceResponse' object, found type '{type(response)}'.")
+        final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        error = None
+        parameters = None
+        entries: list[Entry] = []
+        if response is not None:
+            if response._error is not None:
+                error = (response._error.code().name, response._error.message())
+            else:
+                parameters = response._parameters or None
+                entries = _response_entries(response, self._request._requested_output_names)
+        body = (final, response is not None, error, parameters)
+        if not _require_channel().send_response(self._request._token, final, body, entries):
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+
+    def is_cancelled(self) -> bool:
+        return self._request.is_cancelled()
+
+
+class ResponseIterator:
+    """The responses of a BLS request to a decoupled model, as they arrive; ends after the final one.
+
+    Iterate it with `for` (blocking) or `async for`; as in Triton, iterating it again once it has
+    ended starts over from the first response.
+    """
+
+    __slots__ = ("_call_id", "_call", "_responses", "_index", "_finished")
+
+    def __init__(self, call_id: int, call: BlsCall) -> None:
+        self._call_id = call_id
+        self._call = call
+        self._responses: list[InferenceResponse] = []
+        self._index = 0
+        self._finished = False
+
+    def __iter__(self) -> ResponseIterator:
+        if self._finished and self._index >= len(self._responses):
+            self._index = 0
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._index < len(self._responses):
+            self._index += 1
+            return self._responses[self._index - 1]
+        if self._finished:
+            raise StopIteration
+        call = self._call
+        _require_channel().wait_until(lambda: bool(call.items))
+        return self._take()
+
+    def __aiter__(self) -> ResponseIterator:
+        return self.__iter__()
+
+    async def __anext__(self) -> InferenceResponse:
+        if self._index < len(self._responses):
+            self._index += 1
+            return self._responses[self._index - 1]
+        if self._finished:
+            raise StopAsyncIteration
+        await _arrival(self._call)
+        return self._take()
+
+    def _take(self) -> InferenceResponse:
+        body, tensors = self._call.items.popleft()
+        response = _bls_response(body, tensors)
+        self._responses.append(response)
+        self._index += 1
+        if body[0]:
+            self._finished = True
+            _require_channel().finish_bls(self._call_id)
+        return response
+
+    def __del__(self) -> None:
+        if not self._finished:
+            self._call.abandoned = True  # no lock here: a finalizer may run while this thread holds one
+
+
+def _require_channel() -> Channel:
+    if _channel is None:
+        raise TritonModelException("BLS and response senders work only inside a model served by transerve")
+    return _channel
+
+
+async def _arrival(call: BlsCall) -> None:
+    """Wait for a BLS call's next answer: on the loop that reads the worker's socket, await it; on any
+    other loop, let a thread wait (and read the socket itself if nobody is)."""
+    if call.items:
+        return
+    channel = _require_channel()
+    loop = asyncio.get_running_loop()
+    if channel.loop is loop:
+        await call.wait()
+    else:
+        await loop.run_in_executor(None, channel.wait_until, lambda: bool(call.items))
+
+
+def _finish_single(call_id: int, call: BlsCall) -> InferenceResponse:
+    _require_channel().finish_bls(call_id)
+    return _bls_response(*call.items.popleft())
+
+
+def _bls_response(body: tuple[bool, tuple[str, str] | None, dict[str, Any] | None], tensors: list[Entry]
+                  ) -> InferenceResponse:
+    """A BLS answer as the model sees it: outputs, or an error with its code."""
+    _, error, parameters = body
+    response = InferenceResponse.__new__(InferenceResponse)
+    response._output_tensors = [Tensor._wrap(name, datatype, data) for name, datatype, data in tensors]
+    response._error = None if error is None else TritonError(error[1], TritonError.Code[error[0]])
+    response._parameters = parameters or {}
+    return response
+
+
+def _response_entries(response: InferenceResponse, wanted: list[str]) -> list[Entry]:
+    """A response's output tensors, pruned to the requested outputs as Triton does."""
+    entries = []
+    for tensor in response._output_tensors:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"output_tensors must hold pb_utils.Tensor objects, found type '{type(tensor)}'")
+        if not wanted or tensor._name in wanted:
+            entries.append((tensor._name, tensor._datatype, tensor._array))
+    return entries
 
 
 class InferenceResponse:
@@ -424,6 +628,8 @@ LogLevel = Logger.LogLevel
 
 #: Set by the worker: the folder holding the model file, as Triton's `get_model_dir()` returns.
 _model_dir = ""
+#: Set by the worker: its channel to the server.
+_channel: Channel | None = None
 
 
 def get_model_dir() -> str:

@@ -1,16 +1,23 @@
 """The worker process of one python-backend model instance, as Triton's stub is.
 
 Run by the backend as `python -m transerve.backends.python.worker --socket-fd N --input-fd A
---output-fd B`: it installs our `triton_python_backend_utils`, then serves the server's messages
-in order on the socket (load, auto-complete, initialize, execute, is_ready, finalize) until
-finalize or until the server's end of the socket closes.
+--output-fd B`: it installs our `triton_python_backend_utils`, then serves the server's calls
+(load, auto-complete, initialize, execute, is_ready, finalize) until finalize or until the server's
+end of the socket closes.
+
+A model with a plain `execute` runs on the main thread, one call at a time, in the order the calls
+came. A model whose `execute` is a coroutine runs on an event loop: calls of a decoupled model run
+concurrently, as in Triton, those of other models one at a time. Either way the model may call other
+models (BLS) and a decoupled model may send responses from any thread (see channel.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
+import inspect
 import json
 import os
 import signal
@@ -22,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from transerve.backends.python import triton_python_backend_utils as pb_utils
+from transerve.backends.python.channel import Call, Channel
 from transerve.backends.python.ipc import (
     OP_AUTO_COMPLETE,
     OP_EXECUTE,
@@ -29,11 +37,10 @@ from transerve.backends.python.ipc import (
     OP_INITIALIZE,
     OP_IS_READY,
     OP_LOAD,
+    OP_REPLY,
     Endpoint,
     Entry,
     Region,
-    receive_datagram,
-    send_datagram,
 )
 
 #: A control reply: (None, value) on success, else ((error code name, one-line message), None).
@@ -58,12 +65,14 @@ def describe(exc: BaseException) -> str:
 class ModelRunner:
     """Owns the user's TritonPythonModel and runs its lifecycle as the server asks."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self.model_class: type | None = None
         self.model: Any = None
         self.model_name = ""
         self.instance_name = ""
         self.model_version = 0
+        self.decoupled = False
         self._all_outputs: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -109,10 +118,21 @@ class ModelRunner:
         assert self.model_class is not None
         config = json.loads(args["model_config"])
         self._all_outputs = [output["name"] for output in config.get("output", ())]
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.model = self._call_model(self.model_class)
         if hasattr(self.model, "initialize"):
             self._call_model(self.model.initialize, args)
         return hasattr(self.model, "is_ready")
+
+    @property
+    def async_execute(self) -> bool:
+        return self.model is not None and inspect.iscoroutinefunction(self.model.execute)
+
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The worker's own loop, for `async def` methods."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
 
     def _call_model(self, function: Any, *args: Any) -> Any:
         """Run model code, turning any exception into a one-line ModelError (traceback to stderr)."""
@@ -128,16 +148,14 @@ class ModelRunner:
         """Run a coroutine to completion on the worker's own event loop (`async def` methods)."""
         if not asyncio.iscoroutine(result):
             return result
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(result)
+        return self.event_loop().run_until_complete(result)
 
     def requests(self, body: list[tuple[Any, ...]], groups: list[list[Entry]]) -> list[pb_utils.InferenceRequest]:
         """The pb_utils requests of an execute message: its metadata and its decoded input tensors."""
         received = pb_utils.InferenceRequest._received
         wrap = pb_utils.Tensor._wrap
         requests = []
-        for (request_id, correlation_id, flags, parameters, requested), inputs in zip(body, groups, strict=True):
+        for (request_id, correlation_id, flags, parameters, requested, token), inputs in zip(body, groups, strict=True):
             requests.append(
                 received(
                     request_id,
@@ -148,9 +166,20 @@ class ModelRunner:
                     [wrap(name, datatype, data) for name, datatype, data in inputs],
                     self.model_name,
                     self.model_version,
+                    token,
                 )
             )
+        if self.decoupled:
+            self.channel.open_tokens([request._token for request in requests])
         return requests
+
+    def _live(self, requests: list[pb_utils.InferenceRequest]) -> list[pb_utils.InferenceRequest]:
+        """The requests to compute: a decoupled request cancelled while it waited here is not."""
+        channel = self.channel
+        channel.poll()
+        if not channel.cancelled:
+            return requests
+        return [request for request in requests if request._token not in channel.cancelled]
 
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> tuple[list[Any], list[list[Entry]]]:
         """Run one `execute` call: per request, its result and its output tensors.
@@ -159,18 +188,63 @@ class ModelRunner:
         (or a malformed return value) fails every request of the call, as in Triton.
         """
         try:
-            returned = self._settle(self.model.execute(requests))
-            return self._results(requests, self._check_responses(requests, returned))
+            live = self._live(requests) if self.decoupled else requests
+            returned = self._settle(self.model.execute(live)) if live else None
+            return self._results(requests, live, returned)
         except BaseException as exc:
             traceback.print_exc()
-            return self.failed(len(requests), describe(exc))
+            return self.failed(requests, describe(exc))
 
-    def failed(self, count: int, reason: str) -> tuple[list[Any], list[list[Entry]]]:
+    async def execute_async(self, requests: list[pb_utils.InferenceRequest]) -> tuple[list[Any], list[list[Entry]]]:
+        """`execute` for a model whose `execute` is a coroutine, on the running loop."""
+        try:
+            live = self._live(requests) if self.decoupled else requests
+            returned = await self.model.execute(live) if live else None
+            return self._results(requests, live, returned)
+        except BaseException as exc:
+            traceback.print_exc()
+            return self.failed(requests, describe(exc))
+
+    def failed(self, requests: list[pb_utils.InferenceRequest], reason: str) -> tuple[list[Any], list[list[Entry]]]:
+        """Every request of the call fails; a decoupled request's sender can send no more."""
+        if self.decoupled:
+            self.channel.close_tokens([request._token for request in requests])
+        return self.failure(len(requests), reason)
+
+    def failure(self, count: int, reason: str) -> tuple[list[Any], list[list[Entry]]]:
         message = (
             f"Failed to process the request(s) for model '{self.model_name}' "
             f"instance '{self.instance_name}', message: {reason}"
         )
         return [("INTERNAL", message, None)] * count, [[] for _ in range(count)]
+
+    def _results(
+        self, requests: list[pb_utils.InferenceRequest], live: list[pb_utils.InferenceRequest], returned: Any
+    ) -> tuple[list[Any], list[list[Entry]]]:
+        if self.decoupled:
+            return self._decoupled_results(requests, live, returned)
+        return self._responses(requests, self._check_responses(requests, returned))
+
+    def _decoupled_results(
+        self, requests: list[pb_utils.InferenceRequest], live: list[pb_utils.InferenceRequest], returned: Any
+    ) -> tuple[list[Any], list[list[Entry]]]:
+        """A decoupled model answers through its senders: `execute` must return None, as in Triton.
+        A request cancelled before it started ends with a CANCELLED error."""
+        if returned is not None:
+            raise TypeError(
+                f"Python model '{self.instance_name}' is using the decoupled mode and the execute function "
+                "must return None."
+            )
+        results: list[Any] = [(None, None, None)] * len(requests)
+        if len(live) != len(requests):
+            started = {id(request) for request in live}
+            skipped = []
+            for index, request in enumerate(requests):
+                if id(request) not in started:
+                    results[index] = ("CANCELLED", "the request was cancelled before the model started it", None)
+                    skipped.append(request._token)
+            self.channel.close_tokens(skipped)
+        return results, [[] for _ in requests]
 
     @staticmethod
     def _check_responses(requests: list[Any], returned: Any) -> list[Any]:
@@ -190,7 +264,7 @@ class ModelRunner:
                 )
         return returned
 
-    def _results(
+    def _responses(
         self, requests: list[pb_utils.InferenceRequest], responses: list[Any]
     ) -> tuple[list[Any], list[list[Entry]]]:
         """Per request: its result and its output tensors, pruned to the requested outputs as Triton does."""
@@ -206,23 +280,20 @@ class ModelRunner:
                 outputs.append([])
             else:
                 results.append((None, None, response._parameters or None))
-                outputs.append(self._outputs(request, response))
+                outputs.append(pb_utils._response_entries(response, request._requested_output_names))
         return results, outputs
-
-    @staticmethod
-    def _outputs(request: pb_utils.InferenceRequest, response: pb_utils.InferenceResponse) -> list[Entry]:
-        wanted = request._requested_output_names
-        entries = []
-        for tensor in response._output_tensors:
-            if not isinstance(tensor, pb_utils.Tensor):
-                raise TypeError(f"output_tensors must hold pb_utils.Tensor objects, found type '{type(tensor)}'")
-            if not wanted or tensor._name in wanted:
-                entries.append((tensor._name, tensor._datatype, tensor._array))
-        return entries
 
     def is_ready(self) -> bool:
         try:
             return bool(self._settle(self.model.is_ready()))
+        except Exception:
+            traceback.print_exc()
+            return False
+
+    async def is_ready_async(self) -> bool:
+        try:
+            ready = self.model.is_ready()
+            return bool(await ready if inspect.isawaitable(ready) else ready)
         except Exception:
             traceback.print_exc()
             return False
@@ -235,6 +306,15 @@ class ModelRunner:
                 traceback.print_exc()
         if self._loop is not None:
             self._loop.close()
+
+    async def finalize_async(self) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            try:
+                finished = self.model.finalize()
+                if inspect.isawaitable(finished):
+                    await finished
+            except Exception:
+                traceback.print_exc()
 
 
 def control(runner: ModelRunner, op: int, body: Any) -> Reply:
@@ -255,42 +335,122 @@ def control(runner: ModelRunner, op: int, body: Any) -> Reply:
     return ("INTERNAL", f"unknown message {op}"), None
 
 
-def execute(
-    runner: ModelRunner, endpoint: Endpoint, body: Any, groups: list[list[Entry]], received_ns: int
-) -> tuple[bytes, list[int]]:
-    """Answer an execute message: ((results, (input, infer, output) ns), outputs) as a datagram."""
-    requests = runner.requests(body, groups)
-    del groups
-    built_ns = time.perf_counter_ns()
-    results, outputs = runner.execute(requests)
-    del requests
+def reply_execute(
+    runner: ModelRunner,
+    call_id: int,
+    requests: list[pb_utils.InferenceRequest],
+    results: list[Any],
+    outputs: list[list[Entry]],
+    timings: tuple[int, int],
+) -> None:
+    """Send an execute's reply: ((results, (input, infer, output) ns), outputs), timing the output step."""
+    received_ns, built_ns = timings
     executed_ns = time.perf_counter_ns()
-    try:
-        placed = endpoint.place(outputs)
-    except Exception as exc:  # e.g. no memory for a one-off region
-        traceback.print_exc()
-        results, _ = runner.failed(len(results), f"cannot return the outputs: {describe(exc)}")
-        placed = endpoint.place(())
-    timings = (built_ns - received_ns, executed_ns - built_ns, time.perf_counter_ns() - executed_ns)
-    return endpoint.encode(OP_EXECUTE, (results, timings), placed)
+
+    def build(endpoint: Endpoint) -> tuple[bytes, list[int]]:
+        nonlocal results
+        try:
+            placed = endpoint.place(outputs)
+        except Exception as exc:  # e.g. no memory for a one-off region
+            traceback.print_exc()
+            results, _ = runner.failure(len(requests), f"cannot return the outputs: {describe(exc)}")
+            placed = endpoint.place(())
+        spent = (built_ns - received_ns, executed_ns - built_ns, time.perf_counter_ns() - executed_ns)
+        return endpoint.encode(OP_REPLY, call_id, (results, spent), placed)
+
+    runner.channel.send_encoded(build)
 
 
-def serve(sock: socket.socket, endpoint: Endpoint, runner: ModelRunner) -> None:
-    """Answer messages in order until finalize or until the server goes away."""
+def serve(channel: Channel, runner: ModelRunner) -> None:
+    """Answer the server's calls until finalize or until the server goes away; a model whose
+    `execute` is a coroutine continues on its event loop once initialized."""
     while True:
-        received = receive_datagram(sock, endpoint.buffer)
-        if received is None:
+        call = channel.next_call()
+        if call is None:
             runner.finalize()
             return
         received_ns = time.perf_counter_ns()
-        op, body, groups = endpoint.decode(*received)
+        op, call_id, body, groups = call
         if op == OP_EXECUTE:
-            reply, fds = execute(runner, endpoint, body, groups, received_ns)
-        else:
-            reply, fds = endpoint.encode(op, control(runner, op, body))
-        send_datagram(sock, reply, fds)
+            requests = runner.requests(body, groups)
+            del groups
+            built_ns = time.perf_counter_ns()
+            results, outputs = runner.execute(requests)
+            reply_execute(runner, call_id, requests, results, outputs, (received_ns, built_ns))
+            continue
+        reply = control(runner, op, body)
+        channel.send(OP_REPLY, call_id, reply)
         if op == OP_FINALIZE:
             return
+        if op == OP_INITIALIZE and reply[0] is None and runner.async_execute:
+            serve_on_loop(channel, runner)
+            return
+
+
+def serve_on_loop(channel: Channel, runner: ModelRunner) -> None:
+    """Serve an `async def execute` model on its event loop, which reads the socket whenever it is
+    readable: a decoupled model's executes run concurrently (Triton 24.04+), others one at a time."""
+    loop = runner.event_loop()
+    asyncio.set_event_loop(loop)
+    one_at_a_time = contextlib.nullcontext() if runner.decoupled else asyncio.Lock()
+    tasks: set[asyncio.Task[None]] = set()
+    scheduled = False
+
+    async def execute(call_id: int, body: Any, groups: list[list[Entry]]) -> None:
+        async with one_at_a_time:
+            received_ns = time.perf_counter_ns()
+            requests = runner.requests(body, groups)
+            built_ns = time.perf_counter_ns()
+            results, outputs = await runner.execute_async(requests)
+            reply_execute(runner, call_id, requests, results, outputs, (received_ns, built_ns))
+
+    async def is_ready(call_id: int) -> None:
+        channel.send(OP_REPLY, call_id, (None, await runner.is_ready_async()))
+
+    async def finalize(call_id: int | None) -> None:
+        await runner.finalize_async()
+        if call_id is not None:
+            channel.send(OP_REPLY, call_id, (None, None))
+        loop.stop()
+
+    def start(call: Call) -> None:
+        if call is None:
+            coroutine = finalize(None)
+        else:
+            op, call_id, body, groups = call
+            if op == OP_EXECUTE:
+                coroutine = execute(call_id, body, groups)
+            elif op == OP_IS_READY:
+                coroutine = is_ready(call_id)
+            elif op == OP_FINALIZE:
+                coroutine = finalize(call_id)
+            else:
+                channel.send(OP_REPLY, call_id, (("INTERNAL", f"unexpected message {op}"), None))
+                return
+        task = loop.create_task(coroutine)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def start_calls() -> None:
+        nonlocal scheduled
+        scheduled = False
+        for call in channel.take_calls():
+            start(call)
+
+    def on_call() -> None:
+        nonlocal scheduled
+        if not scheduled:
+            scheduled = True
+            loop.call_soon(start_calls)
+
+    channel.hold_for_loop(loop, on_call)
+    loop.add_reader(channel.fileno(), channel.poll)
+    start_calls()
+    try:
+        loop.run_forever()
+    finally:
+        loop.remove_reader(channel.fileno())
+        loop.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -307,7 +467,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.modules["triton_python_backend_utils"] = pb_utils
     sock = socket.socket(fileno=args.socket_fd)
     endpoint = Endpoint(outgoing=Region.attach(args.output_fd), incoming=Region.attach(args.input_fd))
-    serve(sock, endpoint, ModelRunner())
+    channel = Channel(sock, endpoint)
+    pb_utils._channel = channel
+    serve(channel, ModelRunner(channel))
 
 
 if __name__ == "__main__":

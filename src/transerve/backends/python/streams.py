@@ -1,0 +1,172 @@
+"""The server side of what a worker has open besides its executes.
+
+* Decoupled requests: each gets a token, sent with the execute; the worker sends the request's
+  responses under that token as the model produces them (from `execute` or later, from any of its
+  threads), and they go into the request's ResponseStream. Cancelling the stream tells the worker.
+* BLS calls: the worker asks for an inference on another model; it runs through the core
+  (`ModelContext.runtime`), in-process, and every answer goes back under the call's id. As in
+  Triton, errors are answers, never exceptions: a request the core refuses before running it comes
+  back as INTERNAL "Model <name> - Error when running inference: ...", and an error of the model it
+  ran keeps its own code (Triton 2.51 turns those into INTERNAL too; later versions keep the code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from transerve.backends.python.ipc import OP_BLS_CALL, OP_BLS_RESPONSE, OP_CANCEL, OP_RESPONSE, AsyncConnection, Entry
+from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.streams import ResponseStream
+from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+
+
+class WorkerStreams:
+    """Decoupled requests and BLS calls of one worker process."""
+
+    def __init__(self, connection: AsyncConnection, runtime: Any, model_name: str, model_version: str) -> None:
+        self._connection = connection
+        self._runtime = runtime
+        self._model_name = model_name
+        self._model_version = model_version
+        self._tokens = itertools.count(1)
+        #: Open decoupled requests by token; warm-up requests have no stream and are not kept.
+        self._requests: dict[int, tuple[InferRequest, ResponseStream]] = {}
+        self._calls: dict[int, asyncio.Task[None]] = {}
+        connection.on_message = self._on_message
+
+    # ---- decoupled requests -----------------------------------------------------------------------
+
+    def open(self, requests: list[InferRequest]) -> list[int]:
+        """Tokens for a decoupled execute's requests; their streams now hear from the worker."""
+        tokens = []
+        for request in requests:
+            token = next(self._tokens)
+            tokens.append(token)
+            stream = request.response_stream
+            if stream is not None:
+                self._requests[token] = (request, stream)
+                self._connection.open_streams += 1
+                stream.on_cancel(lambda token=token: self._cancel(token))
+        return tokens
+
+    def drop(self, token: int) -> None:
+        """The request ended without a final response from the model (its execute failed)."""
+        if self._requests.pop(token, None) is not None:
+            self._connection.open_streams -= 1
+
+    def _cancel(self, token: int) -> None:
+        if token in self._requests:
+            self._connection.notify(OP_CANCEL, token, None)
+
+    def _respond(self, token: int, body: tuple[bool, bool, Any, Any], tensors: list[Entry]) -> None:
+        entry = self._requests.get(token)
+        if entry is None:
+            return
+        request, stream = entry
+        final, has_response, error, parameters = body
+        if final:
+            self.drop(token)
+        if error is not None:
+            stream.send_error(ServerError(ErrorCode[error[0]], error[1]), final)
+        elif has_response:
+            outputs = [Tensor(name, datatype, data) for name, datatype, data in tensors]
+            response = InferResponse(self._model_name, self._model_version, outputs, request.id, parameters or {})
+            stream.send(response, final)
+        else:
+            stream.close()
+
+    # ---- BLS ------------------------------------------------------------------------------------------
+
+    def _on_message(self, op: int, call_id: int, body: Any, groups: list[list[Entry]]) -> None:
+        if op == OP_RESPONSE:
+            self._respond(call_id, body, groups[0] if groups else [])
+        elif op == OP_BLS_CALL:
+            task = asyncio.get_running_loop().create_task(self._run_call(call_id, body, groups[0]))
+            self._calls[call_id] = task
+            self._connection.open_streams += 1
+            task.add_done_callback(lambda _: self._call_done(call_id))
+
+    def _call_done(self, call_id: int) -> None:
+        del self._calls[call_id]
+        self._connection.open_streams -= 1
+
+    async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry]) -> None:
+        """Run one BLS request through the core and send every answer back."""
+        name, version, request_id, correlation_id, flags, timeout, parameters, requested, decoupled = body
+        request = InferRequest(
+            model_name=name,
+            inputs=[Tensor(tensor_name, datatype, data) for tensor_name, datatype, data in inputs],
+            model_version="" if version < 0 else str(version),
+            id=request_id,
+            outputs=[RequestedOutput(output) for output in requested] if requested else None,
+            parameters=parameters,
+            correlation_id=correlation_id,
+            flags=flags,
+            timeout_us=timeout,
+        )
+        try:
+            stream = self._open(request, decoupled)
+        except ServerError as exc:
+            self._answer(call_id, True, ("INTERNAL", f"Model {name} - Error when running inference: {exc.message}"))
+            return
+        try:
+            while True:
+                try:
+                    item, final = await stream.receive()
+                except StopAsyncIteration:
+                    self._answer(call_id, True, ("INTERNAL", "the BLS request ended without a response"))
+                    return
+                if isinstance(item, ServerError):
+                    self._answer(call_id, final, (item.code.name, item.message))
+                elif item is None:
+                    self._answer(call_id, True)
+                else:
+                    groups = [[(tensor.name, tensor.datatype, tensor.data) for tensor in item.outputs]]
+                    self._answer(call_id, final, None, item.parameters or None, groups)
+                if final:
+                    return
+        finally:
+            if not stream.closed:
+                stream.cancel()  # the worker went away: stop the model we called
+
+    def _open(self, request: InferRequest, decoupled: bool) -> ResponseStream:
+        """The called model's responses, or the error Triton gives before running anything."""
+        name = request.model_name
+        try:
+            model = self._runtime.get_version(name, request.model_version)
+        except ServerError:
+            raise ServerError(
+                ErrorCode.INTERNAL, f"Failed for execute the inference request. Model '{name}' is not ready."
+            ) from None
+        if model.config.model_transaction_policy.decoupled and not decoupled:
+            raise ServerError(
+                ErrorCode.INTERNAL,
+                f"Model {name} is using the decoupled. The current BLS request call doesn't support models using "
+                "the decoupled transaction policy. Please use 'decoupled=True' argument to the 'exec' or "
+                "'async_exec' calls for decoupled models.'",
+            )
+        return self._runtime.infer_stream(request)
+
+    def _answer(
+        self,
+        call_id: int,
+        final: bool,
+        error: tuple[str, str] | None = None,
+        parameters: dict[str, Any] | None = None,
+        groups: list[list[Entry]] | None = None,
+    ) -> None:
+        self._connection.notify(OP_BLS_RESPONSE, call_id, (final, error, parameters), groups or ())
+
+    # ---- the worker is gone -------------------------------------------------------------------------
+
+    def lost(self, reason: str) -> None:
+        """Fail every open stream and stop every BLS call of a worker that died."""
+        error = ServerError(ErrorCode.INTERNAL, reason)
+        for token in list(self._requests):
+            _, stream = self._requests[token]
+            self.drop(token)
+            stream.fail(error)
+        for task in self._calls.values():
+            task.cancel()
