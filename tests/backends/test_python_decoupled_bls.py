@@ -470,3 +470,35 @@ def test_bls_outside_a_worker_is_refused(decoupled: bool):
     request = pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[])
     with pytest.raises(pb_utils.TritonModelException, match="only inside a model served by transerve"):
         request.exec(decoupled=decoupled)
+
+
+ABANDONING_MODEL = """
+import gc
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        data = requests[0].inputs()[0].as_numpy()
+        stream = pb_utils.InferenceRequest(model_name="stream_three", inputs=[pb_utils.Tensor("INPUT0", data)],
+                                           requested_output_names=["OUTPUT0"]).exec(decoupled=True)
+        first = next(stream).output_tensors()[0].as_numpy()
+        del stream  # the rest of its answers are dropped as they come
+        gc.collect()
+        again = pb_utils.InferenceRequest(model_name="double", inputs=[pb_utils.Tensor("INPUT0", first)],
+                                          requested_output_names=["OUTPUT0"]).exec()
+        return [pb_utils.InferenceResponse(again.output_tensors())]
+"""
+
+
+def test_a_bls_iterator_dropped_early_does_not_disturb_later_calls(tmp_path: Path):
+    write_model(tmp_path, "abandoning", ABANDONING_MODEL)
+
+    async def check(model: PythonModel) -> None:
+        for _ in range(20):
+            result = await model.instances[0].execute([fp32_request([5.0])])
+            assert values(result.results[0]) == [10.0]
+        # Answers that came after the last reply are released with the worker's next message: no growth.
+        assert model.instances[0]._worker.connection.live_blocks <= 2
+
+    with_model(context(tmp_path, "abandoning", runtime=FakeCore(double=double, stream_three=stream_three)), check)

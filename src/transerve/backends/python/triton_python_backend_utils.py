@@ -498,7 +498,10 @@ class ResponseIterator:
 
     def __del__(self) -> None:
         if not self._finished:
-            self._call.abandoned = True  # no lock here: a finalizer may run while this thread holds one
+            # No lock here (a finalizer may run while this thread holds one): the flag and deque.clear()
+            # are atomic, and dropping the answers frees the shared memory their tensors hold.
+            self._call.abandoned = True
+            self._call.items.clear()
 
 
 def _require_channel() -> Channel:
