@@ -85,7 +85,7 @@ def _model(name: str, folder: ModelFolder, task: Task, inputs: list[str], option
     for output in task.outputs:
         _tensor(config.output, output, "TYPE_FP32", dims[output])
     if options.fmt == "torchscript":
-        # TorchScript's profiling executor re-specializes for every new sequence length: 5-10x slower here.
+        # TorchScript's profiling executor re-specializes for new sequence lengths: measured 2-17x slower here.
         _parameters(config, DISABLE_OPTIMIZED_EXECUTION="true")
     if options.bucketed:
         bounds = [b for b in BUCKET_BOUNDARIES if b < folder.max_length] + [folder.max_length]
