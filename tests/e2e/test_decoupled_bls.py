@@ -9,7 +9,8 @@ Deliberate divergences from Triton 2.51, each a Triton bug that transerve does n
 * an error from the model a BLS call ran keeps its code (Triton 2.51 makes it INTERNAL, fixed in
   later Tritons: triton-inference-server/server#7804);
 * an error response a decoupled model sends mid-stream reaches a BLS caller (Triton 2.51's BLS
-  iterator drops it, while its gRPC and SSE streams deliver it);
+  iterator drops it, while its gRPC and SSE streams deliver it; the calling instance then never
+  unloads, so shutting Triton down hangs: that case is not sent to Triton here);
 * a decoupled `execute` that raises after sending a response ends a BLS caller's iterator with the
   error (Triton 2.51's iterator waits forever; its streams deliver the error).
 """
@@ -115,12 +116,9 @@ def test_bls_divergences_from_triton_are_the_documented_ones(transerve, triton):
     # The called model's own error code survives (2.51: always INTERNAL).
     assert probe(transerve, "model_error") == {"error": [INVALID_ARG, "bad"]}
     assert probe(triton, "model_error") == {"error": [INTERNAL, "bad"]}
-    # A mid-stream error response reaches the BLS caller (2.51's iterator drops it).
-    ours = probe(transerve, "dec:error_midstream")["responses"]
-    theirs = probe(triton, "dec:error_midstream")["responses"]
-    assert ours == [{"outputs": {"OUT": [1]}}, {"error": [INVALID_ARG, "mid"]}, {"outputs": {"OUT": [2]}},
-                    {"outputs": {}}]
-    assert theirs == [response for response in ours if "error" not in response]
+    # A mid-stream error response reaches the BLS caller (2.51's iterator drops it: see the docstring).
+    assert probe(transerve, "dec:error_midstream")["responses"] == [
+        {"outputs": {"OUT": [1]}}, {"error": [INVALID_ARG, "mid"]}, {"outputs": {"OUT": [2]}}, {"outputs": {}}]
     # Returning responses from a decoupled execute: both fail the request with the same explanation.
     for server in (transerve, triton):
         (error,) = probe(server, "dec:return_list")["responses"]
