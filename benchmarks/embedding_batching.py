@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +221,27 @@ def decode_embedding(body: bytes, header_length: int) -> np.ndarray:
     return np.frombuffer(body[header_length:], dtype=np.float32).reshape(shape)
 
 
+def busy_cores(seconds: float = 1.0) -> float:
+    """Cores' worth of CPU the machine spent over `seconds` (from /proc/stat): between runs, other work."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(total1 - total0, 1))
+
+
+def wait_for_quiet(limit: float, patience_s: float) -> float:
+    """Wait (up to `patience_s`) until other work uses at most `limit` cores; returns what it used."""
+    deadline = time.monotonic() + patience_s
+    while (busy := busy_cores()) > limit and time.monotonic() < deadline:
+        pass
+    return busy
+
+
 @dataclass
 class Run:
     variant: str
@@ -227,12 +249,19 @@ class Run:
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
-    #: The machine's 1-minute load average after the run: other work on the machine shows here.
-    load: float = 0.0
+    #: Cores' worth of CPU other work used just before the run (the highest of merged rounds).
+    background: float = 0.0
 
     @property
     def throughput(self) -> float:
         return len(self.latencies_ms) / self.seconds if self.seconds else 0.0
+
+    def merge(self, other: Run) -> None:
+        """Add another round of the same variant and concurrency: latencies pooled, time summed."""
+        self.latencies_ms.extend(other.latencies_ms)
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.background = max(self.background, other.background)
 
     def percentile(self, q: float) -> float:
         if not self.latencies_ms:
@@ -293,7 +322,7 @@ async def check_answers(base_url: str, model: str, sentences: list[str], expecte
 def table(runs: list[Run]) -> str:
     triton = {run.concurrency: run for run in runs if run.variant == "triton"}
     lines = [
-        "| variant | concurrency | req/s | p50 ms | p99 ms | vs Triton req/s | errors | load avg |",
+        "| variant | concurrency | req/s | p50 ms | p99 ms | vs Triton req/s | errors | other work (cores) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in sorted(runs, key=lambda r: (VARIANTS.index(r.variant), r.concurrency)):
@@ -301,7 +330,8 @@ def table(runs: list[Run]) -> str:
         ratio = f"{run.throughput / reference.throughput:.2f}x" if reference and reference.throughput else ""
         lines.append(
             f"| {run.variant} | {run.concurrency} | {run.throughput:.1f} | {run.percentile(50):.1f} | "
-            f"{run.percentile(99):.1f} | {ratio if run.variant != 'triton' else ''} | {run.errors} | {run.load:.1f} |"
+            f"{run.percentile(99):.1f} | {ratio if run.variant != 'triton' else ''} | {run.errors} | "
+            f"{run.background:.2f} |"
         )
     return "\n".join(lines)
 
@@ -322,8 +352,10 @@ def plot(runs: list[Run], path: Path, title: str) -> None:
         xs = [r.concurrency for r in chosen]
         left.plot(xs, [r.throughput for r in chosen], style, marker="o", label=label)
         right.plot(xs, [r.percentile(99) for r in chosen], style, marker="o", label=label)
+    levels = sorted({r.concurrency for r in runs})
     for axis, ylabel in ((left, "sentences / s"), (right, "p99 latency (ms)")):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(level) for level in levels])
         axis.set_xlabel("concurrency (requests in flight)")
         axis.set_ylabel(ylabel)
         axis.grid(True, alpha=0.3)
@@ -343,6 +375,10 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=3.0, help="uncounted seconds before each run")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per variant and concurrency, pooled in the table")
+    parser.add_argument("--quiet", type=float, default=0.3,
+                        help="before each run, wait until other processes use at most this many cores...")
+    parser.add_argument("--patience", type=float, default=60.0, help="...but no longer than this many seconds")
     parser.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds of the batchers")
     parser.add_argument("--boundaries", default="100,200,300,400,500,600,700",
                         help="bucket_boundaries of the bucketed variant, in bytes of text")
@@ -385,30 +421,34 @@ def main() -> None:
         for variant in variants:
             base, model = servers[variant].split("/v2/models/")
             asyncio.run(check_answers(base, model.split("/")[0], checked, expected))
-        runs: list[Run] = []
-        for concurrency in levels:
-            order = variants if concurrency % 2 else list(reversed(variants))  # alternate who goes first
-            for variant in order:
-                run = Run(variant, concurrency)
-                print(f"{variant} at concurrency {concurrency}...", file=sys.stderr)
-                asyncio.run(drive(servers[variant], bodies, concurrency, args.warmup, args.duration, run))
-                run.load = os.getloadavg()[0]
-                print(f"  {run.throughput:.1f} req/s, p50 {run.percentile(50):.1f} ms, "
-                      f"p99 {run.percentile(99):.1f} ms, errors {run.errors}, load {run.load:.1f}", file=sys.stderr)
-                runs.append(run)
+        runs: dict[tuple[str, int], Run] = {}
+        for round_number in range(args.rounds):
+            for concurrency in levels:
+                order = variants if (concurrency + round_number) % 2 else variants[::-1]  # alternate who goes first
+                for variant in order:
+                    run = Run(variant, concurrency)
+                    run.background = wait_for_quiet(args.quiet, args.patience)
+                    print(f"{variant} at concurrency {concurrency} (round {round_number + 1}), other work using "
+                          f"{run.background:.2f} cores...", file=sys.stderr)
+                    asyncio.run(drive(servers[variant], bodies, concurrency, args.warmup, args.duration, run))
+                    print(f"  {run.throughput:.1f} req/s, p50 {run.percentile(50):.1f} ms, p99 "
+                          f"{run.percentile(99):.1f} ms, errors {run.errors}", file=sys.stderr)
+                    runs.setdefault((variant, concurrency), Run(variant, concurrency)).merge(run)
     tokens = [len(s.split()) for s in sentences]
     print(f"\n{len(sentences)} sentences of 5-120 tokens ({statistics.mean(tokens):.0f} words on average), "
-          f"{args.duration:.0f} s per run after {args.warmup:.0f} s warm-up, max_queue_delay {args.delay_us} us, "
-          f"buckets (bytes) {args.boundaries}\n")
-    print(table(runs))
+          f"{args.rounds} x {args.duration:.0f} s per row after {args.warmup:.0f} s warm-ups, max_queue_delay "
+          f"{args.delay_us} us, buckets (bytes) {args.boundaries}; other work: cores busy with other processes "
+          "just before a run (the most over the row's rounds)\n")
+    merged = list(runs.values())
+    print(table(merged))
     if args.plot:
-        plot(runs, args.plot, f"all-MiniLM-L6-v2, python backend, 2-core CPU; {args.duration:.0f} s per point")
+        plot(merged, args.plot, f"all-MiniLM-L6-v2, python backend, 2-core CPU; {args.duration:.0f} s per point")
         print(f"\nplot saved to {args.plot}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([
             {"variant": r.variant, "concurrency": r.concurrency, "req_per_s": r.throughput,
-             "p50_ms": r.percentile(50), "p99_ms": r.percentile(99), "errors": r.errors, "load": r.load}
-            for r in runs
+             "p50_ms": r.percentile(50), "p99_ms": r.percentile(99), "errors": r.errors, "background": r.background}
+            for r in merged
         ], indent=1))
 
 
