@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--http-port", type=int, default=8000)
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=int, default=8001)
-    add("--grpc-transport", choices=["native", "grpcio"], default="grpcio",
-        help="gRPC server: grpcio's grpc.aio, or transerve's own HTTP/2 (native, cheaper per call)")
+    add("--grpc-transport", choices=["native", "grpcio"], default="native",
+        help="gRPC server: transerve's own HTTP/2 (native, cheaper per call) or grpcio's grpc.aio")
     add("--metrics-address", default="0.0.0.0")
     add("--metrics-port", type=int, default=8002)
     add("--allow-metrics", type=_bool, default=True, metavar="BOOL", help="serve Prometheus metrics on /metrics")

@@ -44,6 +44,8 @@ QUEUED_MESSAGES = 64
 OUTBOX_HIGH = 1 << 20
 
 _HEADERS_END = h2.END_HEADERS | h2.END_STREAM
+#: Messages shorter than this are copied behind their prefix; longer ones go out as they are.
+_JOIN_BELOW = 1 << 16
 
 
 class CallHandler(Protocol):
@@ -439,8 +441,12 @@ class Http2Connection(asyncio.Protocol):
         if not stream.headers_sent:
             stream.headers_sent = True
             self._write(self._headers(stream.id, RESPONSE_HEADERS, 0))
-        stream.outbox.append(memoryview(b"\x00" + len(message).to_bytes(4, "big")))
-        stream.outbox.append(memoryview(message))
+        prefix = b"\x00" + len(message).to_bytes(4, "big")
+        if len(message) < _JOIN_BELOW:  # one DATA frame rather than a 5-byte one and the rest
+            stream.outbox.append(memoryview(prefix + message))
+        else:
+            stream.outbox.append(memoryview(prefix))
+            stream.outbox.append(memoryview(message))
         stream.outbox_bytes += len(message) + 5
         self._pump(stream)
         return stream.outbox_bytes < OUTBOX_HIGH
