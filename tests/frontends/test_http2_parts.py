@@ -1,12 +1,26 @@
-"""The native gRPC transport's pure parts: request heads from HPACK blocks (and their reuse while the dynamic table
-stays the same), grpc-timeout, grpc-message encoding, and gRPC message framing across DATA frames."""
+"""The native gRPC transport's parts in process: request heads from HPACK blocks (and their reuse while the dynamic
+table stays the same), grpc-timeout, grpc-message encoding, gRPC message framing across DATA frames, and when a
+connection gives a stream's window back."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from hpack import Decoder, Encoder
 
-from transerve.frontends.grpc.http2.frames import COMPRESSION_ERROR, H2ConnectionError, H2StreamError
+from transerve.frontends.grpc.http2.connection import MAX_FRAME, QUEUED_MESSAGES, STREAM_WINDOW, Http2Connection
+from transerve.frontends.grpc.http2.frames import (
+    COMPRESSION_ERROR,
+    DATA,
+    HEADERS,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    H2ConnectionError,
+    H2StreamError,
+    frame,
+)
 from transerve.frontends.grpc.http2.headers import (
     INTERNAL,
     RESOURCE_EXHAUSTED,
@@ -122,3 +136,84 @@ def test_refused_messages(wire: bytes, status: int) -> None:
     with pytest.raises(CallRefused) as caught:
         _stream().feed(memoryview(wire), 100)
     assert caught.value.status == status
+
+
+# ---- flow control of a connection, driven in process -----------------------------------------------------------
+
+
+class _Transport:
+    """Collects what the connection writes."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def writelines(self, parts: list[bytes]) -> None:
+        for part in parts:
+            self.out += part
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class _Calls:
+    """A handler that starts nothing, so that messages stay queued as if their reader were busy."""
+
+    def __init__(self) -> None:
+        self.streams: list[Stream] = []
+
+    def call_opened(self, connection: Http2Connection, stream: Stream) -> None:
+        self.streams.append(stream)
+
+    def call_ended(self, connection: Http2Connection, stream: Stream) -> None:
+        pass
+
+
+def _stream_window_updates(out: bytes) -> list[int]:
+    updates, offset = [], 0
+    while offset < len(out):
+        length, kind = int.from_bytes(out[offset:offset + 3], "big"), out[offset + 3]
+        if kind == WINDOW_UPDATE and int.from_bytes(out[offset + 5:offset + 9], "big"):
+            updates.append(int.from_bytes(out[offset + 9:offset + 13], "big"))
+        offset += 9 + length
+    return updates
+
+
+def test_a_streaming_call_whose_reader_is_behind_gets_no_window_until_it_reads() -> None:
+    async def run() -> None:
+        calls, transport = _Calls(), _Transport()
+        connection = Http2Connection(calls, 1 << 31, lambda _: None)
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        message = _framed(b"m" * (128 * 1024 - 5))  # 128 KiB on the wire
+        count = QUEUED_MESSAGES + 6  # more than the queue limit, and more than half a window in bytes
+        assert count * len(message) > STREAM_WINDOW // 2
+        connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0x4, 1, Encoder().encode(request()))
+                                 + b"".join(frame(DATA, 0, 1, message) for _ in range(count)))
+        await asyncio.sleep(0)
+        stream = calls.streams[0]
+        assert len(stream.messages) == count
+        assert _stream_window_updates(bytes(transport.out)) == []  # the client is held back
+        while len(stream.messages) >= QUEUED_MESSAGES:
+            stream.messages.popleft()
+            connection.consumed(stream)
+        await asyncio.sleep(0)
+        assert _stream_window_updates(bytes(transport.out)) == [count * len(message)]
+
+    asyncio.run(run())
+
+
+def test_a_message_larger_than_half_a_window_gets_window_as_it_arrives() -> None:
+    async def run() -> None:
+        calls, transport = _Calls(), _Transport()
+        connection = Http2Connection(calls, 1 << 31, lambda _: None)
+        connection.connection_made(transport)  # type: ignore[arg-type]
+        body = _framed(b"x" * (STREAM_WINDOW - 5))  # needs the whole window: the rest of it must be given back
+        frames = [frame(DATA, 0, 1, body[i:i + MAX_FRAME]) for i in range(0, len(body), MAX_FRAME)]
+        connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0x4, 1, Encoder().encode(request()))
+                                 + b"".join(frames))
+        await asyncio.sleep(0)
+        assert calls.streams[0].messages and sum(_stream_window_updates(bytes(transport.out))) >= STREAM_WINDOW // 2
+
+    asyncio.run(run())

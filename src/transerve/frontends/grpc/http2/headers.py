@@ -17,8 +17,7 @@ from hpack.table import HeaderTable
 from transerve.frontends.grpc.http2.frames import COMPRESSION_ERROR, PROTOCOL_ERROR, H2ConnectionError, H2StreamError
 
 #: gRPC status codes this transport sets itself.
-OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = (
-    0, 1, 2, 4, 8, 12, 13, 14)
+OK, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 0, 4, 8, 12, 13, 14
 
 _PSEUDO = {b":method", b":scheme", b":path", b":authority"}
 _CONNECTION_SPECIFIC = {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
