@@ -190,7 +190,10 @@ class Channel:
                     if self._calls:
                         return self._calls.popleft()
         finally:
-            self._release()
+            with self._lock:
+                self._reader = None
+                if self._waiters:
+                    self._state.notify_all()
 
     def take_calls(self) -> list[Call]:
         """Calls that have arrived (the reader loop starts them)."""

@@ -188,9 +188,12 @@ class ModelRunner:
         (or a malformed return value) fails every request of the call, as in Triton.
         """
         try:
-            live = self._live(requests) if self.decoupled else requests
+            if not self.decoupled:
+                returned = self._settle(self.model.execute(requests))
+                return self._responses(requests, self._check_responses(requests, returned))
+            live = self._live(requests)
             returned = self._settle(self.model.execute(live)) if live else None
-            return self._results(requests, live, returned)
+            return self._decoupled_results(requests, live, returned)
         except BaseException as exc:
             traceback.print_exc()
             return self.failed(requests, describe(exc))
