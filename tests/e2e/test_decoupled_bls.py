@@ -206,3 +206,91 @@ def test_a_client_that_goes_away_stops_the_decoupled_model(transerve, tmp_path: 
     assert outcome.startswith("cancelled after "), outcome
     assert 3 <= int(outcome.rsplit(" ", 1)[1]) < 250, outcome
     assert transerve.alive()
+
+
+def grpc_stream_answers(server: ServerProcess, requests_: list, expected: int, timeout: float = TIMEOUT_S) -> list:
+    """Send requests on one tritonclient gRPC stream and collect `expected` answers: (id, outputs, final)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for request_id, model, inputs, extra in requests_:
+            client.async_stream_infer(model, inputs, request_id=request_id, **extra)
+        collected: list = []
+        while len(collected) < expected:
+            result, error = answers.get(timeout=timeout)
+            if error is not None:
+                collected.append(("error", str(error), True))
+                continue
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            outputs = {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}
+            collected.append((response.id, outputs, final))
+        assert answers.empty()
+        return collected
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def repeat_inputs(values: list[int]):
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+    tensor.set_data_from_numpy(np.array(values, np.int32))
+    return [tensor]
+
+
+def test_decoupled_responses_stream_over_grpc_as_triton_sends_them(transerve, triton):
+    """N responses then the final flag alone, which Triton sends as an empty final response only on request."""
+    enable_empty = {"enable_empty_final_response": True}
+    requests_ = [("a", "repeat_int32", repeat_inputs([5, 6, 7]), enable_empty)]
+    ours, theirs = grpc_stream_answers(transerve, requests_, 4), grpc_stream_answers(triton, requests_, 4)
+    assert ours == theirs
+    assert [outputs for _, outputs, _ in ours[:3]] == [{"OUT": [v], "IDX": [i]} for i, v in enumerate([5, 6, 7])]
+    assert [final for *_, final in ours] == [False, False, False, True]
+
+
+def test_decoupled_and_ordinary_requests_share_one_grpc_stream(transerve):
+    import tritonclient.grpc as grpcclient
+
+    add = [grpcclient.InferInput(name, [1, 4], "FP32") for name in ("INPUT0", "INPUT1")]
+    for tensor in add:
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    answers = grpc_stream_answers(transerve, [("r1", "repeat_int32", repeat_inputs([1, 2]), {}),
+                                              ("s1", "add_sub", add, {})], expected=3)
+    by_id: dict[str, list] = {}
+    for request_id, outputs, final in answers:
+        by_id.setdefault(request_id, []).append((outputs, final))
+    assert [final for _, final in by_id["r1"]] == [False, False]  # no empty final response unless asked
+    assert by_id["s1"] == [({"OUTPUT0": [[2.0] * 4], "OUTPUT1": [[0.0] * 4]}, True)]
+
+
+def test_cancelling_a_grpc_stream_stops_the_decoupled_model(transerve, tmp_path: Path):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    log = tmp_path / "grpc.log"
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(transerve.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    count = grpcclient.InferInput("N", [1], "INT32")
+    count.set_data_from_numpy(np.array([500], np.int32))
+    client.async_stream_infer("counter", [count], parameters={"style": "thread", "log": str(log)})
+    for _ in range(3):
+        result, error = answers.get(timeout=TIMEOUT_S)
+        assert error is None, error
+    client.stop_stream(cancel_requests=True)  # 500 responses would take 10 s
+    client.close()
+    deadline = time.monotonic() + 5.0
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outcome = log.read_text().strip()
+    assert outcome.startswith("cancelled after "), outcome
+    assert 3 <= int(outcome.rsplit(" ", 1)[1]) < 250, outcome
+    assert transerve.alive()

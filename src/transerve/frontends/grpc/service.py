@@ -138,48 +138,108 @@ class InferenceService:
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
-        """Requests of a stream run concurrently and are answered in order; an error is an answer, not the end."""
-        answers: asyncio.Queue[asyncio.Task[service_pb2.ModelStreamInferResponse] | None] = asyncio.Queue()
+        """Requests of a stream run concurrently. Ordinary models' answers come in request order; a decoupled
+        model's responses go out as it produces them, each marked with `triton_final_response`. An error is
+        an answer, not the end of the stream; closing the stream cancels what is still running."""
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
-        reader = self._loop.create_task(self._read_stream(request_iterator, answers, window))
+        tasks: set[asyncio.Task[None]] = set()
+        reader = self._loop.create_task(self._read_stream(request_iterator, outbox, window, tasks))
         try:
-            while (answer := await answers.get()) is not None:
-                yield await answer
+            while (message := await outbox.get()) is not None:
+                yield message
             reader.result()  # a failure to read the stream ends it with that failure
         finally:
             reader.cancel()
-            while not answers.empty():
-                pending = answers.get_nowait()
-                if pending is not None:
-                    pending.cancel()
+            for task in tasks:
+                task.cancel()
 
     async def _read_stream(
         self,
         requests: AsyncIterator[service_pb2.ModelInferRequest],
-        answers: asyncio.Queue[asyncio.Task[service_pb2.ModelStreamInferResponse] | None],
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
         window: asyncio.Semaphore,
+        tasks: set[asyncio.Task[None]],
     ) -> None:
+        in_order = _InOrder(outbox)
         try:
             async for request in requests:
                 await window.acquire()
-                answers.put_nowait(self._loop.create_task(self._stream_answer(request, window)))
+                if self._is_decoupled(request):
+                    answer = self._stream_decoupled(request, outbox, window)
+                else:
+                    answer = self._stream_answer(request, window, in_order, in_order.ticket())
+                task = self._loop.create_task(answer)
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.wait(list(tasks))
         finally:
-            answers.put_nowait(None)
+            outbox.put_nowait(None)
+
+    def _is_decoupled(self, request: service_pb2.ModelInferRequest) -> bool:
+        try:
+            model = self._server.get_version(request.model_name, request.model_version)
+        except ServerError:
+            return False  # the ordinary path reports the error, in order
+        return model.config.model_transaction_policy.decoupled
 
     async def _stream_answer(
-        self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore
-    ) -> service_pb2.ModelStreamInferResponse:
+        self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore, in_order: _InOrder, ticket: int
+    ) -> None:
         try:
             response = encode_infer_response(await self._server.infer(decode_infer_request(request)))
             # As Triton marks it, so that clients of decoupled models can tell the last answer to a request.
             response.parameters["triton_final_response"].bool_param = True
-            return service_pb2.ModelStreamInferResponse(infer_response=response)
+            message = service_pb2.ModelStreamInferResponse(infer_response=response)
         except ServerError as exc:
-            return _stream_error(request, exc.message)
+            message = _stream_error(request, exc.message)
         except Exception:
             log.exception("unhandled error in ModelStreamInfer")
-            return _stream_error(request, "internal error in ModelStreamInfer")
+            message = _stream_error(request, "internal error in ModelStreamInfer")
         finally:
+            window.release()
+        in_order.deliver(ticket, message)
+
+    async def _stream_decoupled(
+        self,
+        request: service_pb2.ModelInferRequest,
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
+        window: asyncio.Semaphore,
+    ) -> None:
+        """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
+        stream = None
+        try:
+            infer_request = decode_infer_request(request)
+            stream = self._server.infer_stream(infer_request)
+            empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
+                if "triton_enable_empty_final_response" in request.parameters else False
+            while True:
+                try:
+                    item, final = await stream.receive()
+                except StopAsyncIteration:
+                    return
+                if item is None:
+                    if empty_final:
+                        response = service_pb2.ModelInferResponse(
+                            model_name=infer_request.model_name, model_version=request.model_version, id=request.id)
+                        response.parameters["triton_final_response"].bool_param = True
+                        outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                elif isinstance(item, ServerError):
+                    outbox.put_nowait(_stream_error(request, item.message))
+                else:
+                    item.id = item.id or request.id
+                    response = encode_infer_response(item)
+                    response.parameters["triton_final_response"].bool_param = final
+                    outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        except ServerError as exc:
+            outbox.put_nowait(_stream_error(request, exc.message))
+        except Exception:
+            log.exception("unhandled error in ModelStreamInfer")
+            outbox.put_nowait(_stream_error(request, "internal error in ModelStreamInfer"))
+        finally:
+            if stream is not None and not stream.closed:
+                stream.cancel()  # the client closed the stream: stop the model
             window.release()
 
     # ---- model repository ------------------------------------------------------------------------
@@ -231,6 +291,26 @@ class InferenceService:
             if handler is not None:
                 request_type = getattr(service_pb2, method.input_type.name)
                 yield Rpc(method.name, request_type, handler, method.client_streaming)
+
+
+class _InOrder:
+    """Releases ordinary models' answers in the order their requests came, whatever order they finish in."""
+
+    def __init__(self, outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None]) -> None:
+        self._outbox = outbox
+        self._issued = 0
+        self._next = 0
+        self._ready: dict[int, service_pb2.ModelStreamInferResponse] = {}
+
+    def ticket(self) -> int:
+        ticket, self._issued = self._issued, self._issued + 1
+        return ticket
+
+    def deliver(self, ticket: int, message: service_pb2.ModelStreamInferResponse) -> None:
+        self._ready[ticket] = message
+        while self._next in self._ready:
+            self._outbox.put_nowait(self._ready.pop(self._next))
+            self._next += 1
 
 
 def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
