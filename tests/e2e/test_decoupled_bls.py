@@ -294,3 +294,27 @@ def test_cancelling_a_grpc_stream_stops_the_decoupled_model(transerve, tmp_path:
     assert outcome.startswith("cancelled after "), outcome
     assert 3 <= int(outcome.rsplit(" ", 1)[1]) < 250, outcome
     assert transerve.alive()
+
+
+def test_an_error_response_midstream_is_an_event_and_the_stream_goes_on(transerve, triton):
+    """Both servers send the error as a `data:` event and keep streaming to the model's final flag."""
+    body = {"MODE": "error_midstream"}
+    ours = requests.post(f"{transerve.base_url}/v2/models/dec_probe/generate_stream", json=body, timeout=TIMEOUT_S)
+    theirs = requests.post(f"{triton.base_url}/v2/models/dec_probe/generate_stream", json=body, timeout=TIMEOUT_S)
+    assert ours.status_code == theirs.status_code == 200
+    ours_events, theirs_events = events(ours.content), events(theirs.content)
+    assert ["error" in event for event in ours_events] == ["error" in event for event in theirs_events]
+    assert any("error" in event for event in ours_events) and "error" not in ours_events[-1]
+
+
+def test_grpc_model_infer_on_a_decoupled_model_answers_as_triton(transerve, triton):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    messages = []
+    for server in (transerve, triton):
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("repeat_int32", repeat_inputs([1]))
+        messages.append((info.value.status(), info.value.message()))
+    assert messages[0] == messages[1]

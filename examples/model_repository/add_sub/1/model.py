@@ -1,7 +1,6 @@
 """Element-wise sum and difference of two FP32 tensors: the classic Triton python-backend example."""
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 

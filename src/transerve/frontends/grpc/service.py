@@ -133,6 +133,8 @@ class InferenceService:
     # ---- inference -------------------------------------------------------------------------------
 
     async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
+        if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
+            raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
         return encode_infer_response(await self._server.infer(decode_infer_request(request)))
 
     async def ModelStreamInfer(

@@ -108,12 +108,18 @@ async def single_response(stream: ResponseStream) -> dict[str, Any]:
 
 
 async def event_stream(stream: ResponseStream) -> AsyncIterator[bytes]:
-    """`/generate_stream`: one `data:` event per response; an error after the first event is an error event."""
+    """`/generate_stream`: one `data:` event per response; an error response is an error event, and, as in
+    Triton, the stream goes on after it until the model's final flag."""
     try:
-        async for response in stream:
-            yield b"data: " + orjson.dumps(encode_generate_response(response)) + b"\n\n"
-    except ServerError as exc:
-        yield b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n"
+        while True:
+            try:
+                item, _ = await stream.receive()
+            except StopAsyncIteration:
+                return
+            if isinstance(item, ServerError):
+                yield b"data: " + orjson.dumps({"error": item.message}) + b"\n\n"
+            elif item is not None:
+                yield b"data: " + orjson.dumps(encode_generate_response(item)) + b"\n\n"
     finally:
         if not stream.closed:
             stream.cancel()  # the client went away mid-stream: stop the model
