@@ -181,6 +181,7 @@ def test_parameters_and_instance_groups_shape_the_sessions(tmp_path: Path):
         optimization { graph { level: -1 } }
         parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
         parameters { key: "inter_op_thread_count" value: { string_value: "1" } }
+        parameters { key: "session.intra_op.allow_spinning" value: { string_value: "0" } }
     """)
 
     async def check(server: Server) -> None:
@@ -192,6 +193,7 @@ def test_parameters_and_instance_groups_shape_the_sessions(tmp_path: Path):
         assert sessions[0] is not sessions[1]
         options = sessions[0].get_session_options()
         assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
         assert options.graph_optimization_level == onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
         assert sessions[0].get_providers() == ["CPUExecutionProvider"]
         answers = await asyncio.gather(*(server.infer(request("tuned", **pair())) for _ in range(8)))

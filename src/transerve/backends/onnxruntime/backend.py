@@ -1,7 +1,8 @@
 """The `onnxruntime` backend (`platform: "onnxruntime_onnx"`, `model.onnx`): one InferenceSession per instance.
 
 Settings follow Triton's onnxruntime backend: `parameters` `intra_op_thread_count`, `inter_op_thread_count`
-and `execution_mode` (0 sequential, 1 parallel); `optimization { graph { level } }` (-1 basic, 1 extended,
+and `execution_mode` (0 sequential, 1 parallel), plus onnxruntime's session config entries as parameters
+whose keys start with `session.`; `optimization { graph { level } }` (-1 basic, 1 extended,
 otherwise all); KIND_GPU instances run on the CUDA execution provider of their GPU, with TensorRT's in front
 when `optimization.execution_accelerators` asks for `tensorrt` (both need `onnxruntime-gpu`); KIND_CPU
 instances on the CPU provider.
@@ -142,6 +143,9 @@ def _session_options(ort: ModuleType, config: model_config_pb2.ModelConfig) -> A
         options.inter_op_num_threads = values["inter_op_thread_count"]
     if values.get("execution_mode") == 1:
         options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    for key, value in config.parameters.items():
+        if key.startswith("session."):  # onnxruntime's own session settings, e.g. session.intra_op.allow_spinning
+            options.add_session_config_entry(key, value.string_value)
     level = config.optimization.graph.level
     levels = ort.GraphOptimizationLevel
     options.graph_optimization_level = {-1: levels.ORT_ENABLE_BASIC, 1: levels.ORT_ENABLE_EXTENDED}.get(
