@@ -113,6 +113,27 @@ def test_requests_of_different_lengths_batch_padded_and_come_back_trimmed(tmp_pa
     with_server(tmp_path, check)
 
 
+def test_text_tensors_cross_as_bytes(tmp_path: Path):
+    onnx = pytest.importorskip("onnx")
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["TEXT"], ["SAME"])], "echo",
+        [helper.make_tensor_value_info("TEXT", onnx.TensorProto.STRING, ["batch", 1])],
+        [helper.make_tensor_value_info("SAME", onnx.TensorProto.STRING, ["batch", 1])],
+    )
+    (tmp_path / "echo" / "1").mkdir(parents=True)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, tmp_path / "echo" / "1" / "model.onnx")
+
+    async def check(server: Server) -> None:
+        assert server.model_config("echo")["input"][0]["data_type"] == "TYPE_STRING"
+        text = np.array([["héllo".encode()], [b"world"]], dtype=object)
+        got = outputs(await server.infer(request("echo", TEXT=("BYTES", text))))["SAME"]
+        assert got.tolist() == [["héllo".encode()], [b"world"]]
+
+    with_server(tmp_path, check)
+
+
 def test_bad_requests_are_refused_before_the_engine(tmp_path: Path):
     add_model(tmp_path, "add_sub", config=ADD_SUB_CONFIG)
 

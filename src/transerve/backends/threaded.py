@@ -62,7 +62,14 @@ def output_specs(config: model_config_pb2.ModelConfig) -> list[OutputSpec]:
 
 
 class ThreadedInstance(BackendInstance):
-    """One instance: its engine lives in, and is only ever called from, a single thread of its own."""
+    """One instance: its engine lives in, and is only ever called from, a single thread of its own.
+
+    Two executions may be handed over at once: the second waits in the thread's queue, so the engine starts it
+    as soon as the first ends instead of idling while the event loop answers and dispatches (the dynamic
+    batcher hands batches to idle instances only, so this matters for the direct scheduler).
+    """
+
+    max_inflight = 2
 
     def __init__(
         self,
@@ -95,14 +102,14 @@ class ThreadedInstance(BackendInstance):
         try:
             if self._batching:
                 return self._run_merged(requests)
-            results: list[InferResponse | ServerError] = []
-            timings = [0, 0, 0]
-            for request in requests:
+            total = ExecutionResult([])
+            for request in requests:  # a model without a batch axis runs each request alone
                 one = self._run_merged([request], merge=False)
-                results.extend(one.results)
-                timings = [timings[0] + one.compute_input_ns, timings[1] + one.compute_infer_ns,
-                           timings[2] + one.compute_output_ns]
-            return ExecutionResult(results, *timings)
+                total.results.extend(one.results)
+                total.compute_input_ns += one.compute_input_ns
+                total.compute_infer_ns += one.compute_infer_ns
+                total.compute_output_ns += one.compute_output_ns
+            return total
         except ServerError as exc:
             return ExecutionResult([exc] * len(requests))
         except Exception as exc:  # the engine's own error: the requests fail, the instance keeps serving
@@ -114,7 +121,7 @@ class ThreadedInstance(BackendInstance):
         if merge:
             inputs, sizes = merge_inputs(requests)
         else:
-            inputs, sizes = {tensor.name: tensor.data for tensor in requests[0].inputs}, [1]
+            inputs, sizes = {tensor.name: tensor.data for tensor in requests[0].inputs}, []
         wanted = self._wanted(requests)
         merged_at = time.monotonic_ns()
         produced = self.engine.run(inputs, [spec.name for spec in wanted])
