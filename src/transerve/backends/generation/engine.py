@@ -1,0 +1,102 @@
+"""The contract between the generation backend and its engines (CTranslate2, PyTorch).
+
+The backend turns each row of a request into one `GenerationRequest` (token ids in, decoding options) and hands it
+to the instance's engine with `submit`. An engine owns its thread: it schedules the sequences it holds as it sees fit
+(the torch engine joins new sequences into the running batch at the next decoding step; CTranslate2 batches whole
+requests) and reports back through the two callbacks, which it calls from its own thread. The backend moves those
+reports onto the event loop; an engine never touches the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class DecodingOptions:
+    """How one sequence is decoded. Defaults decode greedily up to `max_new_tokens`."""
+
+    max_new_tokens: int = 64
+    #: Fewest new tokens before an end token may be chosen.
+    min_new_tokens: int = 0
+    beam_width: int = 1
+    #: Hypotheses returned (at most `beam_width`; 1 when sampling).
+    num_return_sequences: int = 1
+    #: Beam scores are divided by length ** length_penalty, as transformers does.
+    length_penalty: float = 1.0
+    #: Sampling is on when `top_k` != 1 or `top_p` < 1 or `temperature` != 1 is asked for with beam width 1;
+    #: `sampling` says so explicitly. 0 for top_k means no top-k cut.
+    sampling: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    #: Seeds the sequence's own generator: the same seed gives the same tokens, whatever else runs alongside.
+    random_seed: int | None = None
+    #: End tokens; None means the model's own end-of-sequence token(s).
+    end_ids: list[int] | None = None
+    #: Token sequences that end generation when produced (the sequence is kept, the stop tokens included).
+    stop_sequences: list[list[int]] = field(default_factory=list)
+    #: Token sequences never produced.
+    bad_words: list[list[int]] = field(default_factory=list)
+    return_log_probs: bool = False
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One sequence to generate: the encoder's input (encoder-decoder) or the prompt (decoder-only)."""
+
+    input_ids: list[int]
+    options: DecodingOptions
+    #: Whether `on_tokens` should be called as tokens are produced (streaming, beam width 1 only).
+    stream: bool = False
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    #: The new tokens only (no prompt, no decoder start token); ends with the end token when one was produced.
+    token_ids: list[int]
+    #: Cumulative log-probability (beam search: the length-penalised score transformers reports).
+    score: float = 0.0
+    #: Log-probability of each token of `token_ids`, when `return_log_probs` was asked for.
+    log_probs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    #: Best first, `num_return_sequences` of them.
+    hypotheses: list[Hypothesis]
+    #: "length" (max_new_tokens reached), "end" (an end token or stop sequence), "cancelled".
+    finish_reason: str = "end"
+
+
+#: Called from the engine thread with the token(s) a streaming sequence produced since the last call.
+TokenCallback = Callable[[list[int]], None]
+#: Called exactly once from the engine thread: the result, or the error that ended the sequence.
+DoneCallback = Callable[[GenerationResult | Exception], None]
+
+
+class SequenceHandle(Protocol):
+    def cancel(self) -> None:
+        """Stop decoding this sequence at the engine's next step; `done` then gets finish_reason "cancelled"."""
+
+
+class GenerationEngine(Protocol):
+    """One loaded model on one device. `submit` and `close` are thread-safe and return at once."""
+
+    #: True for encoder-decoder models (T5, BART, Marian), False for decoder-only ones.
+    is_encoder_decoder: bool
+    #: The model's own end-of-sequence token ids.
+    eos_token_ids: list[int]
+    #: Longest input (prompt) the model accepts, in tokens.
+    max_input_length: int
+    vocab_size: int
+
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> SequenceHandle:
+        """Queue one sequence. A request the engine can never serve (too long for its memory budget, an option it
+        does not support) gets `done(ServerError(INVALID_ARG ...))`, never a silent truncation."""
+
+    def close(self) -> None:
+        """Finish nothing more: pending sequences get `done(ServerError(UNAVAILABLE ...))`; the thread ends."""
