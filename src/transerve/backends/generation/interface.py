@@ -1,0 +1,211 @@
+"""The tensors a generation model speaks: FasterTransformer's names, in either of its two generations.
+
+- FasterTransformer (the later names): `input_ids` `[batch, L]` and `sequence_length` `[batch, 1]` in;
+  `output_ids` `[batch, beams, T]`, `sequence_length` `[batch, beams]`, and optionally `cum_log_probs`,
+  `output_log_probs` and `prefix_length` out.
+- Its first names, which the seed client uses: `INPUT_ID` and `REQUEST_INPUT_LEN` in; `OUTPUT0` (ids) and
+  `OUTPUT1` (lengths) out.
+
+Both take the optional decoding tensors of `options.BY_TENSOR` (`beam_width`, `runtime_top_k`, ...). Each row of
+the batch axis is one sequence to generate; a response stacks the rows back, zero-padded to the longest.
+Decoder-only models' output ids start with the prompt, as FasterTransformer's GPT returns them, and
+`prefix_length` says how many leading ids the client already has (the prompt, and in a stream what earlier
+responses carried), so a detokenizer turns only the rest into text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2
+
+from transerve.backends.generation.options import BY_TENSOR
+from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
+from transerve.core.errors import invalid_arg
+from transerve.core.types import InferRequest, Tensor
+
+INTEGERS = frozenset({"UINT32", "INT32", "INT64", "UINT64"})
+FLOATS = frozenset({"FP32", "FP64"})
+_OPTION_RULES = {
+    "int": (INTEGERS, (1,)),
+    "float": (FLOATS, (1,)),
+    "bool": (frozenset({"BOOL"}), (1,)),
+    "words": (frozenset({"INT32", "INT64"}), (2, -1)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """One generation of FasterTransformer's tensor names."""
+
+    title: str
+    ids: str
+    lengths: str
+    output_ids: str
+    output_lengths: str
+    cum_log_probs: str | None = None
+    output_log_probs: str | None = None
+    prefix_length: str | None = None
+
+    def outputs(self) -> dict[str, tuple[frozenset[str], tuple[int, ...]]]:
+        rules = {self.output_ids: (INTEGERS, (-1, -1)), self.output_lengths: (INTEGERS, (-1,))}
+        if self.cum_log_probs:
+            rules[self.cum_log_probs] = (frozenset({"FP32"}), (-1,))
+        if self.output_log_probs:
+            rules[self.output_log_probs] = (frozenset({"FP32"}), (-1, -1))
+        if self.prefix_length:
+            rules[self.prefix_length] = (INTEGERS, (-1,))
+        return rules
+
+
+FASTERTRANSFORMER = Names("FasterTransformer", "input_ids", "sequence_length", "output_ids", "sequence_length",
+                          "cum_log_probs", "output_log_probs", "prefix_length")
+FASTERTRANSFORMER_V1 = Names("FasterTransformer (first names)", "INPUT_ID", "REQUEST_INPUT_LEN", "OUTPUT0", "OUTPUT1")
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence of a request: its token ids (trimmed to its length) and its decoding tensors' values."""
+
+    input_ids: list[int]
+    index: int
+
+
+@dataclass(slots=True)
+class RowResult:
+    """What one row produced so far: per returned sequence its output ids (prompt first for decoder-only models)."""
+
+    sequences: list[list[int]]
+    #: Per sequence: how many leading ids of it the client already has.
+    prefix: list[int]
+    scores: list[float] | None = None
+    #: Per sequence: log-probabilities of its generated tokens.
+    log_probs: list[list[float]] | None = None
+
+
+def _datatype(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> str:
+    return config_to_protocol(model_config_pb2.DataType.Name(tensor.data_type))
+
+
+def _dims(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> tuple[int, ...]:
+    return tuple(tensor.reshape.shape) if tensor.HasField("reshape") else tuple(tensor.dims)
+
+
+class TensorInterface:
+    """A config's inputs and outputs, checked once at load, and the conversions of requests and responses."""
+
+    def __init__(self, config: model_config_pb2.ModelConfig) -> None:
+        inputs = {tensor.name: tensor for tensor in config.input}
+        if FASTERTRANSFORMER.ids in inputs:
+            self.names = FASTERTRANSFORMER
+        elif FASTERTRANSFORMER_V1.ids in inputs:
+            self.names = FASTERTRANSFORMER_V1
+        else:
+            raise invalid_arg(
+                "a generation model's inputs are FasterTransformer's: 'input_ids' and 'sequence_length', or "
+                f"'INPUT_ID' and 'REQUEST_INPUT_LEN'; this config has {sorted(inputs) or 'none'}"
+            )
+        if config.max_batch_size < 1:
+            raise invalid_arg("a generation model needs max_batch_size >= 1: each row of the batch axis is a sequence")
+        names = self.names
+        rules = {names.ids: (INTEGERS, (-1,)), names.lengths: (INTEGERS, (1,))}
+        rules.update({name: _OPTION_RULES[option.kind] for name, option in BY_TENSOR.items()})
+        for name, tensor in inputs.items():
+            if name not in rules:
+                raise invalid_arg(f"input '{name}' is not one the generation backend knows; with {names.title} "
+                                  f"names it takes: {', '.join(rules)}")
+            _check(f"input '{name}'", tensor, *rules[name])
+        #: The decoding options' input tensors this config declares.
+        self.option_inputs = frozenset(name for name in inputs if name in BY_TENSOR)
+        outputs = {tensor.name: tensor for tensor in config.output}
+        output_rules = names.outputs()
+        if names.output_ids not in outputs:
+            raise invalid_arg(f"a generation model with {names.title} names must declare output '{names.output_ids}'")
+        for name, tensor in outputs.items():
+            if name not in output_rules:
+                raise invalid_arg(f"output '{name}' is not one the generation backend produces; with {names.title} "
+                                  f"names it produces: {', '.join(output_rules)}")
+            _check(f"output '{name}'", tensor, *output_rules[name])
+        #: Declared outputs in config order: name -> (datatype, numpy dtype).
+        self.outputs = {name: (_datatype(t), NUMPY_DTYPES[_datatype(t)]) for name, t in outputs.items()}
+        self.log_prob_outputs = frozenset(n for n in (names.cum_log_probs, names.output_log_probs) if n in outputs)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def rows(self, request: InferRequest) -> tuple[list[Row], dict[str, np.ndarray]]:
+        """The request's rows, and its decoding tensors by name (one value per row)."""
+        tensors = {tensor.name: tensor.data for tensor in request.inputs}
+        ids = tensors[self.names.ids]
+        lengths = tensors.get(self.names.lengths)
+        if ids.ndim != 2:
+            raise invalid_arg(f"input '{self.names.ids}' must be [batch, length], got shape {list(ids.shape)}")
+        if ids.size and ids.dtype.kind == "i" and ids.min() < 0:
+            raise invalid_arg(f"input '{self.names.ids}' holds a negative token id")
+        rows = []
+        for index in range(ids.shape[0]):
+            length = ids.shape[1] if lengths is None else int(lengths[index].reshape(-1)[0])
+            if not 0 <= length <= ids.shape[1]:
+                raise invalid_arg(f"row {index}: '{self.names.lengths}' is {length}, but '{self.names.ids}' holds "
+                                  f"{ids.shape[1]} ids per row")
+            rows.append(Row(ids[index, :length].tolist(), index))
+        options = {name: array for name, array in tensors.items() if name in self.option_inputs}
+        return rows, options
+
+    def wanted(self, request: InferRequest, log_probs: bool) -> list[str]:
+        """The outputs to produce, in config order: those asked for, else all but log-probabilities unless asked."""
+        if request.outputs is not None:
+            asked = {output.name for output in request.outputs}
+            return [name for name in self.outputs if name in asked]
+        return [name for name in self.outputs if log_probs or name not in self.log_prob_outputs]
+
+    def asks_log_probs(self, request: InferRequest) -> bool:
+        """Whether the client named a log-probability output (which turns `return_log_probs` on)."""
+        return request.outputs is not None and any(o.name in self.log_prob_outputs for o in request.outputs)
+
+    # ---- responses ------------------------------------------------------------------------------------------
+
+    def response_tensors(self, results: list[RowResult], wanted: Iterable[str]) -> list[Tensor]:
+        """The rows stacked: `[batch, beams, T]` ids zero-padded, `[batch, beams]` lengths, and so on."""
+        names = self.names
+        beams = max((len(result.sequences) for result in results), default=0)
+        tensors = []
+        for name in wanted:
+            datatype, dtype = self.outputs[name]
+            if name == names.output_ids:
+                width = max((len(s) for result in results for s in result.sequences), default=0)
+                array = np.zeros((len(results), beams, width), dtype)
+                for row, result in enumerate(results):
+                    for beam, sequence in enumerate(result.sequences):
+                        array[row, beam, :len(sequence)] = sequence
+            elif name == names.output_lengths:
+                array = _per_beam(results, beams, dtype, lambda result: [len(s) for s in result.sequences])
+            elif name == names.prefix_length:
+                array = _per_beam(results, beams, dtype, lambda result: result.prefix)
+            elif name == names.cum_log_probs:
+                array = _per_beam(results, beams, dtype, lambda result: result.scores or [])
+            else:  # output_log_probs
+                width = max((len(p) for result in results for p in result.log_probs or ()), default=0)
+                array = np.zeros((len(results), beams, width), dtype)
+                for row, result in enumerate(results):
+                    for beam, probs in enumerate(result.log_probs or ()):
+                        array[row, beam, :len(probs)] = probs
+            tensors.append(Tensor(name, datatype, array))
+        return tensors
+
+
+def _per_beam(results: list[RowResult], beams: int, dtype: np.dtype, values) -> np.ndarray:
+    array = np.zeros((len(results), beams), dtype)
+    for row, result in enumerate(results):
+        row_values = values(result)
+        array[row, :len(row_values)] = row_values
+    return array
+
+
+def _check(where: str, tensor, datatypes: frozenset[str], dims: tuple[int, ...]) -> None:
+    datatype = _datatype(tensor)
+    if datatype not in datatypes:
+        raise invalid_arg(f"{where} is {datatype}; the generation backend takes {' or '.join(sorted(datatypes))}")
+    if _dims(tensor) != dims:
+        raise invalid_arg(f"{where} has dims {list(_dims(tensor))}; the generation backend takes {list(dims)}")
