@@ -25,6 +25,8 @@ DEFAULT_MODEL_FILENAMES = {
     "onnxruntime": "model.onnx",
     "pytorch": "model.pt",
     "tensorrt": "model.plan",
+    # A folder: the CTranslate2 model or Hugging Face checkpoint (the `model_dir` parameter names another).
+    "generation": "model",
 }
 
 #: Triton's platform names and the backend that serves each.

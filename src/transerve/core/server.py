@@ -119,6 +119,7 @@ class ModelRecord:
 
 def _backend_registry() -> dict[str, type[Backend]]:
     from transerve.backends.ensemble.backend import EnsembleBackend
+    from transerve.backends.generation.backend import GenerationBackend
     from transerve.backends.onnxruntime.backend import OnnxRuntimeBackend
     from transerve.backends.python.backend import PythonBackend
     from transerve.backends.pytorch.backend import PyTorchBackend
@@ -130,6 +131,7 @@ def _backend_registry() -> dict[str, type[Backend]]:
         "onnxruntime": OnnxRuntimeBackend,
         "pytorch": PyTorchBackend,
         "tensorrt": TensorRTBackend,
+        "generation": GenerationBackend,
     }
 
 

@@ -1,0 +1,92 @@
+"""The `generation` backend: text generation (T5, BART, Marian, GPT-2, ...) behind FasterTransformer's tensors.
+
+Each instance owns one engine on its device: CTranslate2 (the default when the model folder holds a converted
+`model.bin`) or PyTorch + transformers. Engines are optional extras, imported when a model needs one; a model
+whose engine, folder or weights are missing is UNAVAILABLE with the reason, and the rest of the repository
+serves. See docs/generation.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.generation.engine import GenerationEngine
+from transerve.backends.generation.instance import GenerationInstance
+from transerve.backends.generation.interface import TensorInterface
+from transerve.backends.generation.options import Limits
+from transerve.backends.generation.settings import GenerationSettings, read_settings
+from transerve.core.errors import ServerError, unavailable
+
+
+class GenerationModel(BackendModel):
+    def __init__(self, config: Any, instances: list[GenerationInstance]) -> None:
+        self.config = config
+        self.instances = list(instances)
+
+
+class GenerationBackend(Backend):
+    name = "generation"
+
+    async def load(self, context: ModelContext) -> GenerationModel:
+        where = f"failed to load '{context.name}' version {context.version}"
+        config = context.config
+        loop = asyncio.get_running_loop()
+        placements = instance_placements(config)
+        try:
+            interface = TensorInterface(config)
+            settings = read_settings(config, context.version_path)
+            # Loading takes seconds: every instance's engine loads at once, off the event loop.
+            engines = await asyncio.gather(
+                *(loop.run_in_executor(None, open_engine, settings, placement) for placement in placements),
+                return_exceptions=True,
+            )
+        except ServerError as exc:
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
+        failures = [engine for engine in engines if isinstance(engine, BaseException)]
+        if failures:
+            for engine in engines:
+                if not isinstance(engine, BaseException):
+                    engine.close()
+            failure = failures[0]
+            if isinstance(failure, ServerError):
+                raise ServerError(failure.code, f"{where}: {failure.message}") from None
+            raise unavailable(f"{where}: the {settings.engine} engine cannot load {settings.model_dir}: "
+                              f"{_one_line(failure)}") from None
+        limits = Limits(
+            max_new_tokens=settings.max_new_tokens,
+            max_batch_rows=settings.max_batch_rows,
+            decoupled=config.model_transaction_policy.decoupled,
+        )
+        instances = [
+            GenerationInstance(context.name, context.version, placement.name, engine, interface, limits, loop)
+            for placement, engine in zip(placements, engines, strict=True)
+        ]
+        return GenerationModel(config, instances)
+
+
+def open_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
+    """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU), loaded in the calling thread."""
+    on_gpu = placement.kind == "GPU"
+    if settings.engine == "ctranslate2":
+        from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine
+
+        return CTranslate2Engine(
+            settings.model_dir, device="cuda" if on_gpu else "cpu", device_index=placement.device_id if on_gpu else 0,
+            compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
+            max_batch_rows=settings.max_batch_rows,
+        )
+    from transerve.backends.generation.torch_engine import TorchEngine
+
+    extra = {"scheduling": settings.scheduling} if settings.scheduling else {}
+    return TorchEngine(
+        settings.model_dir, device=f"cuda:{placement.device_id}" if on_gpu else "cpu",
+        compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
+        max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens, **extra,
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"

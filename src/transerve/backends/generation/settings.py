@@ -1,0 +1,73 @@
+"""A generation model's config `parameters`, read and checked once at load, and the engine they pick."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve.core.errors import invalid_arg, unavailable
+
+ENGINES = ("ctranslate2", "torch")
+COMPUTE_TYPES = {
+    "ctranslate2": ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
+                    "bfloat16", "auto", "default"),
+    "torch": ("float32", "float16", "bfloat16"),
+}
+DEFAULT_MODEL_DIR = "model"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    engine: str
+    #: The CTranslate2 model or Hugging Face folder.
+    model_dir: Path
+    compute_type: str
+    intra_op_threads: int
+    max_batch_rows: int
+    kv_cache_tokens: int
+    #: The default when a request says nothing.
+    max_new_tokens: int
+    #: The torch engine's scheduling ("inflight" unless the config says otherwise), None when not set.
+    scheduling: str | None
+
+
+def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
+    """The settings, or INVALID_ARG for a bad value and UNAVAILABLE for a missing model folder."""
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    name = parameters.get("model_dir") or config.default_model_filename or DEFAULT_MODEL_DIR
+    model_dir = version_path / name
+    if not model_dir.is_dir():
+        raise unavailable(f"model directory '{model_dir}' not found (config parameter 'model_dir', relative to the "
+                          "version folder)")
+    engine = parameters.get("engine") or ("ctranslate2" if (model_dir / "model.bin").is_file() else "torch")
+    if engine not in ENGINES:
+        raise invalid_arg(f"parameter 'engine' is '{engine}'; it must be one of {', '.join(ENGINES)}")
+    compute_type = parameters.get("compute_type") or "float32"
+    if compute_type not in COMPUTE_TYPES[engine]:
+        raise invalid_arg(f"parameter 'compute_type' is '{compute_type}'; the {engine} engine takes "
+                          f"{', '.join(COMPUTE_TYPES[engine])}")
+    return GenerationSettings(
+        engine=engine,
+        model_dir=model_dir,
+        compute_type=compute_type,
+        intra_op_threads=_integer(parameters, "intra_op_threads", 0, minimum=0),
+        max_batch_rows=_integer(parameters, "max_batch_rows", 16, minimum=1),
+        kv_cache_tokens=_integer(parameters, "kv_cache_tokens", 65536, minimum=1),
+        max_new_tokens=_integer(parameters, "max_new_tokens", 64, minimum=1),
+        scheduling=parameters.get("scheduling") or None,
+    )
+
+
+def _integer(parameters: dict[str, str], key: str, default: int, minimum: int) -> int:
+    text = parameters.get(key, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise invalid_arg(f"parameter '{key}' must be an integer, got '{text}'") from None
+    if value < minimum:
+        raise invalid_arg(f"parameter '{key}' must be at least {minimum}, got {value}")
+    return value
