@@ -1,0 +1,363 @@
+"""The CTranslate2 engine: `Translator` for encoder-decoder models, `Generator` for decoder-only ones.
+
+CTranslate2 has no step-level API, so this engine batches whole requests: its thread takes the waiting sequences
+whose options CTranslate2 can run in one call (beam width, sampling settings, penalties, end tokens and
+suppressed words are per call there), sorts them by input length, and decodes up to `max_batch_rows` rows
+(beams count each) in one `translate_batch`/`generate_batch`. Rows leave the batch inside CTranslate2 as they
+finish, but a sequence that arrives meanwhile waits for the next call; joining the running batch at the next
+step (in-flight batching) is the torch engine's.
+
+With beam width 1, CTranslate2 calls back per produced token; that callback streams tokens, stops a row at its
+own `max_new_tokens` (so requests asking for different lengths share a call), at a stop sequence, or when it is
+cancelled. Beam search has no callback there: its rows run to the end of the call, so `max_new_tokens` is part of
+the call's options and single-token stop sequences are added to the end tokens (longer ones are refused).
+
+Seeds: CTranslate2 samples from one random generator per worker thread, seeded from the global seed
+(`ctranslate2.set_random_seed`) when that thread first samples and never again. A seeded sampling request
+therefore runs alone, in its own call, on a fresh replica of the model (a new worker thread) loaded after the
+seed is set: the same seed gives the same tokens whatever else is running, at the cost of loading the model
+once more for that request. Seeds are taken modulo 2**32 - 1 (CTranslate2 seeds are 32-bit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transerve.backends.generation.ctranslate2_model import Ct2ModelInfo, read_model_info
+from transerve.backends.generation.engine import (
+    DoneCallback,
+    GenerationRequest,
+    GenerationResult,
+    Hypothesis,
+    TokenCallback,
+)
+from transerve.backends.threaded import import_engine
+from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
+
+logger = logging.getLogger(__name__)
+
+#: `set_random_seed` is process-wide: a seed holds from setting it until the seeded replica has sampled.
+_SEED_LOCK = threading.Lock()
+#: CTranslate2's "no seed" value: worker threads that start later draw a seed from std::random_device.
+_UNSEEDED = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class _CallKey:
+    """The options CTranslate2 takes per call: sequences with equal keys decode together."""
+
+    beam_width: int
+    num_hypotheses: int
+    length_penalty: float
+    sampling: tuple[int, float, float]  # top_k, top_p, temperature; (1, 1.0, 1.0) is greedy
+    repetition_penalty: float
+    min_new_tokens: int
+    end_ids: tuple[int, ...]
+    bad_words: tuple[tuple[int, ...], ...]
+    #: Beam search only: beam-1 rows stop at their own length in the callback.
+    max_new_tokens: int | None
+    #: Seeded sampling: the seed; such a sequence runs alone.
+    seed: int | None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: GenerationRequest
+    on_tokens: TokenCallback | None
+    done: DoneCallback
+    key: _CallKey | None
+    #: Set when the request can never be served; reported from the engine thread.
+    error: ServerError | None = None
+    cancelled: bool = False
+    #: What the callback saw this call (beam width 1).
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    stopped: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def finish(self, outcome: GenerationResult | Exception) -> None:
+        try:
+            self.done(outcome)
+        except Exception:  # noqa: BLE001 - a failing callback must not stop the engine
+            logger.exception("generation done callback failed")
+
+
+class CTranslate2Engine:
+    """One CTranslate2 model on one device, driven by a thread of its own."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        device_index: int = 0,
+        compute_type: str = "float32",
+        intra_op_threads: int = 0,
+        max_batch_rows: int = 16,
+    ) -> None:
+        self._ct2 = import_engine("ctranslate2", "generation")
+        self._info: Ct2ModelInfo = read_model_info(Path(model_dir))
+        self._load_args = (str(model_dir), device, device_index, compute_type, intra_op_threads)
+        try:
+            self._model = self._load()
+        except (RuntimeError, ValueError) as exc:
+            raise unavailable(f"CTranslate2 could not load {model_dir}: {exc}") from None
+        self._max_batch_rows = max(1, max_batch_rows)
+        self._target_index = {token: i for i, token in reversed(list(enumerate(self._info.target_vocabulary)))}
+        self.is_encoder_decoder = self._info.is_encoder_decoder
+        self.eos_token_ids = list(self._info.eos_token_ids)
+        self.vocab_size = len(self._info.target_vocabulary)
+        if self.is_encoder_decoder:
+            self.max_input_length = self._info.encoder_positions or self._info.default_max_input
+        else:
+            positions = self._info.decoder_positions
+            self.max_input_length = positions - 1 if positions else self._info.default_max_input
+        self._pending: list[_Sequence] = []
+        self._closed = False
+        self._wakeup = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, name="ctranslate2-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> Any:
+        path, device, device_index, compute_type, threads = self._load_args
+        kind = self._ct2.Translator if self._info.is_encoder_decoder else self._ct2.Generator
+        return kind(path, device=device, device_index=device_index, compute_type=compute_type, intra_threads=threads)
+
+    # -- the protocol -------------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> _Sequence:
+        try:
+            sequence = _Sequence(request, on_tokens, done, self._call_key(request))
+        except ServerError as error:
+            sequence = _Sequence(request, on_tokens, done, None, error=error)
+        with self._wakeup:
+            if self._closed:
+                sequence.finish(unavailable("the generation engine is closed"))
+                return sequence
+            self._pending.append(sequence)
+            self._wakeup.notify()
+        return sequence
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            self._wakeup.notify()
+        for sequence in pending:
+            sequence.finish(unavailable("the generation engine was closed before this sequence ran"))
+
+    # -- validation ---------------------------------------------------------------------------------------------
+
+    def _call_key(self, request: GenerationRequest) -> _CallKey:
+        """The call options of a request, or INVALID_ARG for one this engine can never serve."""
+        options, ids = request.options, request.input_ids
+        if not ids:
+            raise invalid_arg("the input has no tokens")
+        if len(ids) > self.max_input_length:
+            raise invalid_arg(f"the input has {len(ids)} tokens; this model takes at most {self.max_input_length}")
+        vocabulary = len(self._info.source_vocabulary)
+        if any(not 0 <= token < vocabulary for token in ids):
+            raise invalid_arg(f"input token ids must lie in [0, {vocabulary})")
+        if options.max_new_tokens < 1:
+            raise invalid_arg("max_new_tokens must be at least 1")
+        positions = self._info.decoder_positions
+        used = options.max_new_tokens + (1 if self.is_encoder_decoder else len(ids))
+        if positions is not None and used > positions:
+            raise invalid_arg(
+                f"{'the decoder start token' if self.is_encoder_decoder else f'{len(ids)} input tokens'} plus "
+                f"max_new_tokens {options.max_new_tokens} exceed the model's {positions} positions"
+            )
+        if options.beam_width < 1:
+            raise invalid_arg("beam_width must be at least 1")
+        if options.num_return_sequences < 1:
+            raise invalid_arg("num_return_sequences must be at least 1")
+        for name, words in (("bad_words", options.bad_words), ("stop_sequences", options.stop_sequences)):
+            if any(not word or any(not 0 <= t < self.vocab_size for t in word) for word in words):
+                raise invalid_arg(f"{name} must be non-empty token sequences with ids in [0, {self.vocab_size})")
+        end_ids = tuple(options.end_ids) if options.end_ids else tuple(self.eos_token_ids)
+        if any(not 0 <= t < self.vocab_size for t in end_ids):
+            raise invalid_arg(f"end ids must lie in [0, {self.vocab_size})")
+        beam = options.beam_width
+        if beam > 1:
+            if any(len(stop) > 1 for stop in options.stop_sequences):
+                raise invalid_arg("stop sequences of several tokens need beam_width 1 with the CTranslate2 engine")
+            end_ids += tuple(stop[0] for stop in options.stop_sequences if stop[0] not in end_ids)
+        sampling = (max(options.top_k, 0), options.top_p, options.temperature) if options.sampling else (1, 1.0, 1.0)
+        seed = options.random_seed % _UNSEEDED if options.sampling and options.random_seed is not None else None
+        return _CallKey(
+            beam_width=beam,
+            num_hypotheses=min(options.num_return_sequences, beam),
+            # Beam width 1: no effect on the tokens, and 0 makes CTranslate2's score the cumulative log-probability.
+            length_penalty=options.length_penalty if beam > 1 else 0.0,
+            sampling=sampling,
+            repetition_penalty=options.repetition_penalty,
+            min_new_tokens=options.min_new_tokens,
+            end_ids=end_ids,
+            bad_words=tuple(tuple(word) for word in options.bad_words),
+            max_new_tokens=options.max_new_tokens if beam > 1 else None,
+            seed=seed,
+        )
+
+    # -- the engine thread --------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._pending and not self._closed:
+                    self._wakeup.wait()
+                if self._closed:
+                    break
+                batch = self._take_batch()
+            if batch:
+                self._decode(batch)
+        self._model = None
+
+    def _take_batch(self) -> list[_Sequence]:
+        """The oldest waiting sequence with those like it, at most `max_batch_rows` rows, similar in length."""
+        ready = []
+        for sequence in self._pending:
+            if sequence.error is not None:
+                sequence.finish(sequence.error)
+            elif sequence.cancelled:
+                sequence.finish(GenerationResult([Hypothesis([])], finish_reason="cancelled"))
+            else:
+                ready.append(sequence)
+        if not ready:
+            self._pending = []
+            return []
+        oldest = ready[0]
+        group = [s for s in ready if s.key == oldest.key] if oldest.key.seed is None else [oldest]
+        group.sort(key=lambda s: len(s.request.input_ids))
+        rows = max(1, self._max_batch_rows // oldest.key.beam_width)
+        start = min(group.index(oldest) // rows * rows, len(group))
+        batch = group[start : start + rows]
+        chosen = set(map(id, batch))
+        self._pending = [s for s in ready if id(s) not in chosen]
+        return batch
+
+    def _decode(self, batch: list[_Sequence]) -> None:
+        key = batch[0].key
+        try:
+            if key.seed is None:
+                results = self._call(self._model, batch)
+            else:
+                with _SEED_LOCK:
+                    self._ct2.set_random_seed(key.seed)
+                    try:
+                        results = self._call(self._load(), batch)
+                    finally:
+                        self._ct2.set_random_seed(_UNSEEDED)
+        except Exception as exc:  # noqa: BLE001 - a failed call fails its sequences, not the engine
+            logger.exception("CTranslate2 call failed")
+            error = exc if isinstance(exc, ServerError) else internal(f"CTranslate2 failed: {exc}")
+            for sequence in batch:
+                sequence.finish(error)
+            return
+        for sequence, result in zip(batch, results, strict=True):
+            if self._closed:
+                sequence.finish(unavailable("the generation engine was closed while this sequence ran"))
+            else:
+                sequence.finish(self._result(sequence, result, batch[0].key))
+
+    def _call(self, model: Any, batch: list[_Sequence]) -> list[Any]:
+        key = batch[0].key
+        vocabulary = self._info.source_vocabulary
+        target = self._info.target_vocabulary
+        inputs = [[vocabulary[t] for t in s.request.input_ids] for s in batch]
+        top_k, top_p, temperature = key.sampling
+        options: dict[str, Any] = {
+            "beam_size": key.beam_width,
+            "num_hypotheses": key.num_hypotheses,
+            "length_penalty": key.length_penalty,
+            "repetition_penalty": key.repetition_penalty,
+            "sampling_topk": top_k,
+            "sampling_topp": top_p,
+            "sampling_temperature": temperature,
+            "end_token": list(key.end_ids),
+            "return_end_token": True,
+            "return_scores": True,
+        }
+        if key.bad_words:
+            options["suppress_sequences"] = [[target[t] for t in word] for word in key.bad_words]
+        if key.beam_width == 1:
+            for sequence in batch:
+                sequence.tokens, sequence.log_probs, sequence.stopped = [], [], False
+            options["callback"] = self._step_callback(batch)
+        max_new = key.max_new_tokens or max(s.request.options.max_new_tokens for s in batch)
+        if self.is_encoder_decoder:
+            return model.translate_batch(
+                inputs, max_decoding_length=max_new, min_decoding_length=key.min_new_tokens, max_input_length=0,
+                **options,
+            )
+        return model.generate_batch(
+            inputs, max_length=max_new, min_length=key.min_new_tokens, include_prompt_in_result=False, **options
+        )
+
+    def _step_callback(self, batch: list[_Sequence]):
+        """Per produced token (beam width 1): stream it, and stop the row at its length, a stop sequence or cancel."""
+
+        def on_step(step: Any) -> bool:
+            sequence = batch[step.batch_id]
+            if sequence.stopped:
+                return True
+            sequence.tokens.append(step.token_id)
+            sequence.log_probs.append(step.log_prob)
+            if sequence.on_tokens is not None and sequence.request.stream:
+                try:
+                    sequence.on_tokens([step.token_id])
+                except Exception:  # noqa: BLE001
+                    logger.exception("generation token callback failed")
+            options = sequence.request.options
+            tokens = sequence.tokens
+            sequence.stopped = (
+                self._closed
+                or sequence.cancelled
+                or len(tokens) >= options.max_new_tokens
+                or any(tokens[-len(stop) :] == stop for stop in options.stop_sequences)
+            )
+            return sequence.stopped
+
+        return on_step
+
+    def _result(self, sequence: _Sequence, result: Any, key: _CallKey) -> GenerationResult:
+        if self.is_encoder_decoder:
+            hypotheses = [[self._target_index[token] for token in tokens] for tokens in result.hypotheses]
+        else:
+            hypotheses = [list(ids) for ids in result.sequences_ids]
+        scores = list(result.scores) if result.scores else [0.0] * len(hypotheses)
+        options = sequence.request.options
+        log_probs: list[list[float] | None] = [None] * len(hypotheses)
+        if options.return_log_probs:
+            log_probs = [sequence.log_probs[: len(ids)] for ids in hypotheses] if key.beam_width == 1 else (
+                self._score(sequence, hypotheses)
+            )
+        best = hypotheses[0]
+        if sequence.cancelled:
+            reason = "cancelled"
+        elif (best and best[-1] in key.end_ids) or any(best[-len(s) :] == s for s in options.stop_sequences):
+            reason = "end"
+        else:
+            reason = "length" if len(best) >= options.max_new_tokens else "end"
+        return GenerationResult(
+            [Hypothesis(ids, score, lp) for ids, score, lp in zip(hypotheses, scores, log_probs, strict=True)],
+            finish_reason=reason,
+        )
+
+    def _score(self, sequence: _Sequence, hypotheses: list[list[int]]) -> list[list[float] | None]:
+        """Each token's log-probability under the model, from a scoring pass (beam search has no step callback)."""
+        target = self._info.target_vocabulary
+        tokens = [[target[t] for t in ids] for ids in hypotheses]
+        source = [self._info.source_vocabulary[t] for t in sequence.request.input_ids]
+        if self.is_encoder_decoder:
+            # score_batch appends the end token to each target: its log-probabilities come after ours.
+            scored = self._model.score_batch([source] * len(tokens), tokens)
+            return [list(s.log_probs[: len(ids)]) for s, ids in zip(scored, hypotheses, strict=True)]
+        scored = self._model.score_batch([source + t for t in tokens])
+        return [list(s.log_probs[len(s.log_probs) - len(ids) :]) if ids else [] for s, ids in
+                zip(scored, hypotheses, strict=True)]
+

@@ -1,0 +1,269 @@
+"""The CTranslate2 engine against transformers' `generate` on the same random weights, token for token."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from tests.support.generation_models import ARCHITECTURES, build_generation_model
+from transerve.backends.generation.engine import DecodingOptions, GenerationRequest, GenerationResult
+from transerve.core.errors import ErrorCode, ServerError
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine  # noqa: E402
+
+TEXTS = ["translate English to German: The house is wonderful.", "Hello world", "The quick brown fox jumps"]
+
+
+class Model:
+    def __init__(self, arch: str, hf_dir: Path, ct2_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.arch = arch
+        self.hf_dir = hf_dir
+        self.ct2_dir = ct2_dir
+        self.tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        self.hf = transformers.AutoModelForSeq2SeqLM if arch != "gpt2" else transformers.AutoModelForCausalLM
+        self.hf = self.hf.from_pretrained(hf_dir).eval()
+        self.engine = CTranslate2Engine(ct2_dir, intra_op_threads=1)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def reference(self, ids: list[int], **kwargs) -> list[list[int]]:
+        """transformers' new tokens per returned sequence, cut after the first end token."""
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([ids]), do_sample=False, **kwargs)
+        skip = 1 if self.hf.config.is_encoder_decoder else len(ids)
+        eos = self.hf.generation_config.eos_token_id
+        sequences = []
+        for row in out.tolist():
+            new = row[skip:]
+            if eos in new:
+                new = new[: new.index(eos) + 1]
+            sequences.append(new)
+        return sequences
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Model]:
+    root = tmp_path_factory.mktemp("ct2_engine")
+    built = {}
+    for arch in ARCHITECTURES:
+        hf_dir = build_generation_model(arch, root / arch)
+        ct2_dir = root / f"{arch}_ct2"
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(ct2_dir), quantization="float32")
+        built[arch] = Model(arch, hf_dir, ct2_dir)
+    yield built
+    for model in built.values():
+        model.engine.close()
+
+
+def generate(engine, ids: list[int], stream: bool = False, **options) -> tuple[GenerationResult, list[int]]:
+    future: Future = Future()
+    streamed: list[int] = []
+    engine.submit(GenerationRequest(ids, DecodingOptions(**options), stream=stream), streamed.extend,
+                  future.set_result)
+    outcome = future.result(timeout=60)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome, streamed
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_equals_transformers(models, arch):
+    model = models[arch]
+    for text in TEXTS:
+        ids = model.ids(text)
+        result, _ = generate(model.engine, ids, max_new_tokens=20)
+        assert [h.token_ids for h in result.hypotheses] == model.reference(ids, max_new_tokens=20)
+        assert result.finish_reason == ("end" if result.hypotheses[0].token_ids[-1] in model.engine.eos_token_ids
+                                        else "length")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("length_penalty", [0.6, 2.0])
+def test_beam_search_equals_transformers(models, arch, length_penalty):
+    model = models[arch]
+    for text in TEXTS:
+        ids = model.ids(text)
+        result, _ = generate(model.engine, ids, max_new_tokens=16, beam_width=4, num_return_sequences=2,
+                             length_penalty=length_penalty)
+        expected = model.reference(ids, max_new_tokens=16, num_beams=4, num_return_sequences=2,
+                                   length_penalty=length_penalty)
+        assert [h.token_ids for h in result.hypotheses] == expected
+
+
+def test_batched_rows_equal_single_rows(models):
+    """Sequences of different lengths and max_new_tokens decoded in one call get what each gets alone."""
+    model = models["t5"]
+    requests = [(model.ids(text), n) for text, n in zip(TEXTS * 2, [3, 20, 7, 12, 1, 9], strict=True)]
+    alone = [generate(model.engine, ids, max_new_tokens=n)[0].hypotheses[0].token_ids for ids, n in requests]
+    futures = []
+    for ids, n in requests:
+        future: Future = Future()
+        model.engine.submit(GenerationRequest(ids, DecodingOptions(max_new_tokens=n)), None, future.set_result)
+        futures.append(future)
+    together = [f.result(timeout=60).hypotheses[0].token_ids for f in futures]
+    assert together == alone
+    assert all(len(tokens) <= n for tokens, (_, n) in zip(together, requests, strict=True))
+
+
+def test_scores_and_log_probs(models):
+    model = models["gpt2"]
+    ids = model.ids(TEXTS[1])
+    greedy, _ = generate(model.engine, ids, max_new_tokens=8, return_log_probs=True)
+    best = greedy.hypotheses[0]
+    assert len(best.log_probs) == len(best.token_ids)
+    assert best.score == pytest.approx(sum(best.log_probs), abs=1e-4)
+    with torch.no_grad():
+        logits = model.hf(torch.tensor([ids + best.token_ids])).logits[0].log_softmax(-1)
+    expected = [logits[len(ids) - 1 + i, t].item() for i, t in enumerate(best.token_ids)]
+    assert best.log_probs == pytest.approx(expected, abs=1e-3)
+    beam, _ = generate(model.engine, ids, max_new_tokens=8, beam_width=3, num_return_sequences=3,
+                       return_log_probs=True)
+    for hypothesis in beam.hypotheses:
+        assert len(hypothesis.log_probs) == len(hypothesis.token_ids)
+        assert all(lp <= 0 for lp in hypothesis.log_probs)
+    assert beam.hypotheses[0].score >= beam.hypotheses[-1].score
+
+
+def test_min_new_tokens_and_end_ids(models):
+    model = models["bart"]
+    ids = model.ids(TEXTS[0])
+    result, _ = generate(model.engine, ids, max_new_tokens=20, min_new_tokens=15)
+    assert [h.token_ids for h in result.hypotheses] == model.reference(ids, max_new_tokens=20, min_new_tokens=15)
+    free = generate(model.engine, ids, max_new_tokens=20)[0].hypotheses[0].token_ids
+    end = free[2]
+    stopped = generate(model.engine, ids, max_new_tokens=20, end_ids=[end])[0]
+    assert stopped.hypotheses[0].token_ids == free[: free.index(end) + 1]
+    assert stopped.finish_reason == "end"
+
+
+def test_stop_sequences_and_bad_words(models):
+    model = models["gpt2"]
+    ids = model.ids(TEXTS[2])
+    free = generate(model.engine, ids, max_new_tokens=12)[0].hypotheses[0].token_ids
+    stop = free[3:5]
+    stopped = generate(model.engine, ids, max_new_tokens=12, stop_sequences=[stop])[0]
+    end = next(i for i in range(2, len(free) + 1) if free[i - 2 : i] == stop)
+    assert stopped.hypotheses[0].token_ids == free[:end]
+    assert stopped.finish_reason == "end"
+    banned = generate(model.engine, ids, max_new_tokens=12, bad_words=[[free[0]]])[0].hypotheses[0].token_ids
+    assert free[0] not in banned
+    beam = generate(model.engine, ids, max_new_tokens=12, beam_width=2, stop_sequences=[[free[1]]])[0]
+    assert beam.hypotheses[0].token_ids[-1] == free[1] or free[1] not in beam.hypotheses[0].token_ids
+
+
+def test_sampling_with_a_seed_is_reproducible(models):
+    model = models["t5"]
+    ids = model.ids(TEXTS[0])
+    options = {"max_new_tokens": 16, "sampling": True, "top_k": 0, "temperature": 1.5, "random_seed": 1234}
+    first = generate(model.engine, ids, **options)[0].hypotheses[0].token_ids
+    # Unseeded sampling in between moves CTranslate2's generators on; the seeded result must not change.
+    generate(model.engine, ids, max_new_tokens=16, sampling=True, temperature=1.5)
+    again = generate(model.engine, ids, **options)[0].hypotheses[0].token_ids
+    other = generate(model.engine, ids, **{**options, "random_seed": 99})[0].hypotheses[0].token_ids
+    assert first == again
+    assert first != other
+    assert first != generate(model.engine, ids, max_new_tokens=16)[0].hypotheses[0].token_ids
+
+
+def test_int8(models, tmp_path):
+    model = models["marian"]
+    ct2_dir = tmp_path / "marian_int8"
+    ctranslate2.converters.TransformersConverter(str(model.hf_dir)).convert(str(ct2_dir), quantization="int8")
+    engine = CTranslate2Engine(ct2_dir, compute_type="int8", intra_op_threads=1)
+    try:
+        result, _ = generate(engine, model.ids(TEXTS[0]), max_new_tokens=10)
+        tokens = result.hypotheses[0].token_ids
+        assert 1 <= len(tokens) <= 10
+        assert all(0 <= t < engine.vocab_size for t in tokens)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_streamed_tokens_equal_the_result(models, arch):
+    model = models[arch]
+    result, streamed = generate(model.engine, model.ids(TEXTS[0]), stream=True, max_new_tokens=20)
+    assert streamed == result.hypotheses[0].token_ids
+    assert len(streamed) > 1
+
+
+def test_cancel_stops_early(models):
+    model = models["gpt2"]
+    engine = model.engine
+    ids = model.ids(TEXTS[1])
+    future: Future = Future()
+    seen = threading.Event()
+    handle = None
+
+    def on_tokens(tokens: list[int]) -> None:
+        seen.set()
+        handle.cancel()
+
+    # No end token: the sequence would run its whole length.
+    options = DecodingOptions(max_new_tokens=200, end_ids=[engine.vocab_size - 1], bad_words=[[engine.vocab_size - 1]])
+    handle = engine.submit(GenerationRequest(ids, options, stream=True), on_tokens, future.set_result)
+    result = future.result(timeout=60)
+    assert seen.is_set()
+    assert result.finish_reason == "cancelled"
+    assert len(result.hypotheses[0].token_ids) < 5
+
+
+def test_requests_it_can_never_serve_are_refused(models):
+    gpt2 = models["gpt2"].engine
+    cases = [
+        ([], {}, "no tokens"),
+        ([1] * 300, {}, "at most"),
+        ([1] * 200, {"max_new_tokens": 100}, "positions"),
+        ([1, 2], {"beam_width": 0}, "beam_width"),
+        ([gpt2.vocab_size], {}, "token ids"),
+        ([1, 2], {"beam_width": 2, "stop_sequences": [[1, 2]]}, "stop sequences"),
+        ([1, 2], {"bad_words": [[]]}, "bad_words"),
+    ]
+    for ids, options, words in cases:
+        with pytest.raises(ServerError) as caught:
+            generate(gpt2, ids, **options)
+        assert caught.value.code is ErrorCode.INVALID_ARG
+        assert words in caught.value.message
+    assert generate(gpt2, [1, 2], max_new_tokens=3)[0].hypotheses[0].token_ids
+
+
+def test_close_fails_pending_sequences(models):
+    """The running sequence stops at its next token and, like those still waiting, gets UNAVAILABLE."""
+    model = models["gpt2"]
+    engine = CTranslate2Engine(model.ct2_dir, intra_op_threads=1)
+    ids = model.ids(TEXTS[0])
+    running = threading.Event()
+    futures = []
+    for beam_width in (1, 2, 3):  # each beam width is a call of its own: two are still waiting at close()
+        future: Future = Future()
+        options = DecodingOptions(max_new_tokens=150, beam_width=beam_width, end_ids=[engine.vocab_size - 1],
+                                  bad_words=[[engine.vocab_size - 1]])
+        engine.submit(GenerationRequest(ids, options, stream=True), lambda tokens: running.set(), future.set_result)
+        futures.append(future)
+    assert running.wait(30)
+    engine.close()
+    outcomes = [f.result(timeout=60) for f in futures]
+    assert all(isinstance(o, ServerError) and o.code is ErrorCode.UNAVAILABLE for o in outcomes)
+    late: Future = Future()
+    engine.submit(GenerationRequest(ids, DecodingOptions()), None, late.set_result)
+    assert late.result(timeout=5).code is ErrorCode.UNAVAILABLE
+
+
+def test_engine_describes_the_model(models):
+    assert models["t5"].engine.is_encoder_decoder
+    assert not models["gpt2"].engine.is_encoder_decoder
+    assert models["bart"].engine.eos_token_ids == [2]
+    assert models["gpt2"].engine.max_input_length == 255
+    assert models["t5"].engine.vocab_size == models["t5"].hf.config.vocab_size
+    # CTranslate2's Marian converter drops the trailing <pad>, which is only ever the decoder's start token.
+    assert models["marian"].engine.vocab_size == models["marian"].hf.config.vocab_size - 1
