@@ -1,0 +1,244 @@
+"""The torch engine's running batch: rows at different decoding steps in one KV cache, and the model calls on it.
+
+Rows join the batch at any step, so their histories differ in length. The self-attention keys/values of all rows
+are kept left-padded to the longest history, with a mask that hides the padding; each row carries its own next
+position, passed to the model as `position_ids` (decoder-only models) or through `RowPositions` (encoder-decoder
+decoders with absolute position embeddings, which take no position ids: BART, Marian). Relative positions (T5) are
+unaffected by left padding. Encoder-decoder rows also carry their encoder output and its mask, and their
+cross-attention keys/values, right-padded to the longest source. Rows leave by index selection, after which
+padding no remaining row needs is trimmed away.
+
+The cache tensors are our own; each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`)
+whose layers the model extends by one step, and the grown tensors are read back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+KV = list[tuple["torch.Tensor", "torch.Tensor"]]
+
+
+@dataclass(slots=True)
+class DecoderBatch:
+    #: Per decoder layer, self-attention keys and values [rows, heads, time, dim], left-padded.
+    self_kv: KV
+    #: [rows, time]: 1 where `self_kv` holds a real token.
+    mask: torch.Tensor
+    #: [rows]: the position of each row's next token.
+    positions: torch.Tensor
+    #: Encoder-decoder only: per layer, cross-attention keys and values [rows, heads, source, dim], right-padded.
+    cross_kv: KV | None = None
+    #: Encoder-decoder only: encoder output [rows, source, d_model] and its mask [rows, source].
+    encoder_hidden: torch.Tensor | None = None
+    encoder_mask: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.positions.shape[0]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding."""
+        self.self_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.self_kv]
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        if self.cross_kv is not None:
+            self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
+            self.encoder_hidden = self.encoder_hidden.index_select(0, index)
+            self.encoder_mask = self.encoder_mask.index_select(0, index)
+        self._trim()
+
+    def _trim(self) -> None:
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else self.mask.shape[1]
+        if start > 0:
+            self.self_kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self.self_kv]
+            self.mask = self.mask[:, start:]
+        if self.cross_kv is not None:
+            used = self.encoder_mask.any(dim=0).nonzero()
+            end = int(used[-1]) + 1 if used.numel() else 0
+            if end < self.encoder_mask.shape[1]:
+                self.cross_kv = [(k[:, :, :end], v[:, :, :end]) for k, v in self.cross_kv]
+                self.encoder_hidden = self.encoder_hidden[:, :end]
+                self.encoder_mask = self.encoder_mask[:, :end]
+
+    def extend(self, other: DecoderBatch) -> None:
+        """Append `other`'s rows after ours, padding both to common lengths."""
+        import torch
+        from torch.nn.functional import pad
+
+        time = max(self.mask.shape[1], other.mask.shape[1])
+
+        def left(batch: DecoderBatch) -> tuple[KV, torch.Tensor]:
+            missing = time - batch.mask.shape[1]
+            if missing == 0:
+                return batch.self_kv, batch.mask
+            return [(pad(k, (0, 0, missing, 0)), pad(v, (0, 0, missing, 0))) for k, v in batch.self_kv], pad(
+                batch.mask, (missing, 0)
+            )
+
+        (mine, my_mask), (theirs, their_mask) = left(self), left(other)
+        self.self_kv = [(torch.cat((a[0], b[0])), torch.cat((a[1], b[1]))) for a, b in zip(mine, theirs, strict=True)]
+        self.mask = torch.cat((my_mask, their_mask))
+        self.positions = torch.cat((self.positions, other.positions))
+        if self.cross_kv is None:
+            return
+        source = max(self.encoder_mask.shape[1], other.encoder_mask.shape[1])
+
+        def right(batch: DecoderBatch) -> tuple[KV, torch.Tensor, torch.Tensor]:
+            missing = source - batch.encoder_mask.shape[1]
+            if missing == 0:
+                return batch.cross_kv, batch.encoder_hidden, batch.encoder_mask
+            return (
+                [(pad(k, (0, 0, 0, missing)), pad(v, (0, 0, 0, missing))) for k, v in batch.cross_kv],
+                pad(batch.encoder_hidden, (0, 0, 0, missing)),
+                pad(batch.encoder_mask, (0, missing)),
+            )
+
+        (mine, my_hidden, my_mask), (theirs, their_hidden, their_mask) = right(self), right(other)
+        self.cross_kv = [(torch.cat((a[0], b[0])), torch.cat((a[1], b[1]))) for a, b in zip(mine, theirs, strict=True)]
+        self.encoder_hidden = torch.cat((my_hidden, their_hidden))
+        self.encoder_mask = torch.cat((my_mask, their_mask))
+
+
+def _row_positions_class():
+    import torch
+
+    class RowPositions(torch.nn.Module):
+        """Stands in for a decoder's absolute position embedding table, looking up each row's own position."""
+
+        def __init__(self, table: torch.nn.Embedding) -> None:
+            super().__init__()
+            self.table = table
+            self.offset = getattr(table, "offset", 0)
+            self.position_ids: torch.Tensor | None = None
+
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return torch.nn.functional.embedding(self.position_ids + self.offset, self.table.weight)
+
+    return RowPositions
+
+
+class ModelRunner:
+    """Prefill and decoding steps of one transformers model on `DecoderBatch`es."""
+
+    def __init__(self, model: Any, decoder_start_id: int | None, pad_id: int) -> None:
+        import torch
+
+        self.model = model
+        self.device = model.device
+        self.encoder_decoder = bool(model.config.is_encoder_decoder)
+        self.decoder_start_id = decoder_start_id
+        self.pad_id = pad_id
+        self.positions = None
+        if self.encoder_decoder:
+            decoder = model.get_decoder()
+            table = getattr(decoder, "embed_positions", None)
+            if isinstance(table, torch.nn.Embedding):
+                self.positions = _row_positions_class()(table)
+                decoder.embed_positions = self.positions
+        self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _tensor(self, values: Any) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prefill(self, inputs: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
+        """Run new sequences' prompts (decoder-only) or sources and first decoder step (encoder-decoder) together;
+        sequence i gets `repeats[i]` identical rows (its beams). Returns their batch and next-token logits."""
+        longest = max(len(ids) for ids in inputs)
+        # Decoder-only prompts are left-padded (the next token follows each row's last one); sources right-padded.
+        if self.encoder_decoder:
+            ids = self._tensor([list(x) + [self.pad_id] * (longest - len(x)) for x in inputs])
+            mask = self._tensor([[1] * len(x) + [0] * (longest - len(x)) for x in inputs])
+        else:
+            ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in inputs])
+            mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in inputs])
+        index = self._tensor([i for i, count in enumerate(repeats) for _ in range(count)])
+        if self.encoder_decoder:
+            batch, logits = self._prefill_encoder_decoder(ids, mask)
+        else:
+            batch, logits = self._prefill_decoder(ids, mask)
+        if len(index) != len(inputs):
+            batch.select(index)
+            logits = logits.index_select(0, index)
+        return batch, logits
+
+    def _prefill_decoder(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[DecoderBatch, torch.Tensor]:
+        from transformers import DynamicCache
+
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        cache = DynamicCache()
+        extra = {"logits_to_keep": 1} if self.keep_last else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return DecoderBatch(kv, mask, mask.sum(-1)), out.logits[:, -1, :]
+
+    def _prefill_encoder_decoder(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[DecoderBatch, torch.Tensor]:
+        import torch
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        rows = ids.shape[0]
+        start = torch.full((rows,), self.decoder_start_id, dtype=torch.long, device=self.device)
+        empty = self._tensor([[]] * rows)
+        batch = DecoderBatch([], empty, torch.zeros(rows, dtype=torch.long, device=self.device), [], hidden, mask)
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        logits = self._decode(batch, start, cache)
+        batch.cross_kv = [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
+        return batch, logits
+
+    def step(self, batch: DecoderBatch, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed each row's next token ([rows]); grow `batch` by one step; return next-token logits [rows, vocab]."""
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        cache = DynamicCache()
+        cache.layers = [_layer(k, v) for k, v in batch.self_kv]
+        if not self.encoder_decoder:
+            return self._decode(batch, tokens, cache)
+        cross = DynamicCache()
+        cross.layers = [_layer(k, v) for k, v in batch.cross_kv]
+        return self._decode(batch, tokens, EncoderDecoderCache(cache, cross))
+
+    def _decode(self, batch: DecoderBatch, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        import torch
+        from transformers.modeling_outputs import BaseModelOutput
+
+        mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
+        positions = batch.positions[:, None]
+        if self.encoder_decoder:
+            if self.positions is not None:
+                self.positions.position_ids = positions
+            out = self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
+                attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None], decoder_attention_mask=mask,
+                past_key_values=cache, use_cache=True,
+            )
+            self_cache = cache.self_attention_cache
+        else:
+            out = self.model(
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True,
+            )
+            self_cache = cache
+        batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
+        batch.mask = mask
+        batch.positions = batch.positions + 1
+        return out.logits[:, -1, :]
+
+
+def _layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
+    from transformers.cache_utils import DynamicLayer
+
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer

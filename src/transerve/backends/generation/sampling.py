@@ -1,0 +1,88 @@
+"""Logits processing and token choice for one sequence of the torch engine, as transformers' `generate` does it.
+
+The engine calls these on the rows of one sequence (one row, or one per beam) of the batch's logits, so sequences
+with different options share a forward pass. Order and arithmetic follow transformers' processors so that outputs
+match `generate` token for token: repetition penalty, bad words, min new tokens; then, when sampling, temperature,
+top-k, top-p (transformers' warpers) and a draw from the sequence's own `torch.Generator`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from transerve.backends.generation.engine import DecodingOptions
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class TokenRules:
+    """The processors one sequence asks for, prepared once at submit."""
+
+    end_ids: list[int]
+    repetition_penalty: float
+    min_new_tokens: int
+    #: Single-token bad words (masked always).
+    banned: list[int]
+    #: Multi-token bad words as (prefix, last token): the last token is masked right after the prefix.
+    banned_after: list[tuple[tuple[int, ...], int]]
+
+    @property
+    def active(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.min_new_tokens > 0 or bool(self.banned or self.banned_after)
+
+
+def token_rules(options: DecodingOptions, end_ids: list[int]) -> TokenRules:
+    """Rules for `options`; a bad word that is exactly an end token is ignored, as transformers ignores it."""
+    single = [word[0] for word in options.bad_words if len(word) == 1 and word[0] not in end_ids]
+    multi = [(tuple(word[:-1]), word[-1]) for word in options.bad_words if len(word) > 1]
+    return TokenRules(end_ids, options.repetition_penalty, options.min_new_tokens, single, multi)
+
+
+def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int, rules: TokenRules) -> None:
+    """Process `scores` ([rows, vocab], in place): row i continues `contexts[i]` (the decoder's tokens so far:
+    the prompt or the decoder start token, then the new tokens); `generated` new tokens exist so far."""
+    import torch
+
+    if rules.repetition_penalty != 1.0:
+        index = torch.tensor(contexts, dtype=torch.long, device=scores.device)
+        picked = torch.gather(scores, 1, index)
+        penalty = rules.repetition_penalty
+        scores.scatter_(1, index, torch.where(picked < 0, picked * penalty, picked / penalty))
+    if rules.banned:
+        scores[:, rules.banned] = -math.inf
+    for row, context in enumerate(contexts):
+        for prefix, last in rules.banned_after:
+            if len(context) >= len(prefix) and tuple(context[len(context) - len(prefix):]) == prefix:
+                scores[row, last] = -math.inf
+    if generated < rules.min_new_tokens:
+        scores[:, rules.end_ids] = -math.inf
+
+
+def warp(scores: torch.Tensor, options: DecodingOptions) -> None:
+    """Temperature, top-k and top-p on `scores` ([1, vocab], in place), as transformers' logits warpers."""
+    import torch
+
+    if options.temperature != 1.0:
+        scores.div_(options.temperature)
+    if options.top_k > 0:
+        top_k = min(options.top_k, scores.size(-1))
+        threshold = torch.topk(scores, top_k)[0][..., -1, None]
+        scores.masked_fill_(scores < threshold, -math.inf)
+    if options.top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = cumulative <= (1 - options.top_p)
+        sorted_remove[..., -1:] = False
+        scores.masked_fill_(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf)
+
+
+def sample(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id ([1]) drawn from softmax(`scores`) ([1, vocab]) with the sequence's own generator."""
+    import torch
+
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).view(1)

@@ -1,0 +1,478 @@
+"""The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
+
+One engine thread runs its own decoding loop (never `generate`): each iteration feeds every running row's last
+token through one forward pass, prefills the sequences admitted at this step (batched together) and merges them
+into the running batch (`decoder_batch`), then chooses each sequence's next token with its own options
+(`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once. Admission is FIFO under two
+limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum over running sequences of
+(input length + max_new_tokens) * beam width. `scheduling="request"` turns this into request-level batching for
+comparison: new sequences are admitted only when the batch is empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transerve.backends.generation.engine import (
+    DoneCallback,
+    GenerationRequest,
+    GenerationResult,
+    Hypothesis,
+    TokenCallback,
+)
+from transerve.backends.generation.sampling import TokenRules, apply_rules, sample, token_rules, warp
+from transerve.backends.threaded import import_engine
+from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
+
+if TYPE_CHECKING:
+    import torch
+
+    from transerve.backends.generation.beam import BeamSearch
+    from transerve.backends.generation.decoder_batch import DecoderBatch, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_TYPES = ("float32", "float16", "bfloat16")
+SCHEDULING = ("inflight", "request")
+#: Longest source of a model without absolute positions (T5) whose tokenizer does not say.
+DEFAULT_MAX_INPUT_LENGTH = 512
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One submitted sequence and its decoding state."""
+
+    request: GenerationRequest
+    on_tokens: TokenCallback | None
+    done: DoneCallback
+    rules: TokenRules
+    #: Rows it occupies (its beam width) and its share of the KV budget.
+    rows: int
+    need: int
+    #: The decoder's tokens before the new ones: the prompt (decoder-only) or the decoder start token.
+    prefix: list[int]
+    generator: torch.Generator | None = None
+    beam: BeamSearch | None = None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    score: float = 0.0
+    cancelled: bool = False
+
+
+class _Handle:
+    def __init__(self, engine: TorchEngine, sequence: _Sequence) -> None:
+        self._engine = engine
+        self._sequence = sequence
+
+    def cancel(self) -> None:
+        self._sequence.cancelled = True
+        self._engine._wake()
+
+
+class TorchEngine:
+    """A transformers model on one device, decoded by one thread of its own (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        compute_type: str = "float32",
+        intra_op_threads: int = 0,
+        max_batch_rows: int = 16,
+        kv_cache_tokens: int = 65536,
+        scheduling: str = "inflight",
+    ) -> None:
+        torch = import_engine("torch", "torch")
+        transformers = import_engine("transformers", "torch")
+        if compute_type not in COMPUTE_TYPES:
+            raise invalid_arg(f"compute_type {compute_type!r} is not one of {', '.join(COMPUTE_TYPES)} for torch")
+        if scheduling not in SCHEDULING:
+            raise invalid_arg(f"scheduling {scheduling!r} is not one of {', '.join(SCHEDULING)}")
+        if max_batch_rows < 1 or kv_cache_tokens < 1:
+            raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
+        if intra_op_threads > 0:
+            torch.set_num_threads(intra_op_threads)
+        model_dir = Path(model_dir)
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        self.is_encoder_decoder = bool(config.is_encoder_decoder)
+        loader = transformers.AutoModelForSeq2SeqLM if self.is_encoder_decoder else transformers.AutoModelForCausalLM
+        model = loader.from_pretrained(model_dir, dtype=getattr(torch, compute_type))
+        model.to(torch.device(device)).eval()
+        generation = model.generation_config
+        eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+        self.eos_token_ids: list[int] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        text = config.get_text_config(decoder=True)
+        self.vocab_size: int = text.vocab_size
+        self.max_positions = _max_positions(text)
+        self.max_input_length = _max_input_length(model_dir, config)
+        self.early_stopping = generation.early_stopping
+        self.max_batch_rows = max_batch_rows
+        self.kv_cache_tokens = kv_cache_tokens
+        self.scheduling = scheduling
+        self.device = model.device
+        pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
+        pad = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        start = generation.decoder_start_token_id
+        if start is None:
+            start = getattr(config, "decoder_start_token_id", None)
+            start = start if start is not None else getattr(config, "bos_token_id", None)
+        if self.is_encoder_decoder and start is None:
+            raise invalid_arg(f"{model_dir}: the model names no decoder_start_token_id")
+        self._start_id = start
+
+        from transerve.backends.generation.decoder_batch import ModelRunner
+
+        self._runner: ModelRunner = ModelRunner(model, start, pad)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Sequence] = collections.deque()
+        self._closed = False
+        #: Running sequences in batch order: each owns `rows` consecutive rows of `_batch`.
+        self._running: list[_Sequence] = []
+        self._batch: DecoderBatch | None = None
+        self._next_tokens: torch.Tensor | None = None
+        self._used_tokens = 0
+        self._used_rows = 0
+        self.thread = threading.Thread(target=self._run, name=f"torch-generation:{model_dir.name}", daemon=True)
+        self.thread.start()
+
+    # -- the contract --------------------------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> _Handle:
+        try:
+            sequence = self._prepare(request, on_tokens, done)
+        except ServerError as error:
+            sequence = _Sequence(request, on_tokens, done, token_rules(request.options, []), 0, 0, [])
+            _report(done, error)
+            return _Handle(self, sequence)
+        with self._cond:
+            if self._closed:
+                _report(done, unavailable("the generation engine is closed"))
+            else:
+                self._queue.append(sequence)
+                self._cond.notify()
+        return _Handle(self, sequence)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (after `close`)."""
+        self.thread.join(timeout)
+
+    # -- submit-time checks --------------------------------------------------------------------------------------
+
+    def _prepare(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> _Sequence:
+        import torch
+
+        options = request.options
+        ids = list(request.input_ids)
+        if not ids:
+            raise invalid_arg("the input has no tokens")
+        if len(ids) > self.max_input_length:
+            raise invalid_arg(f"the input has {len(ids)} tokens; this model accepts at most {self.max_input_length}")
+        if any(not 0 <= token < self.vocab_size for token in ids):
+            raise invalid_arg(f"input token ids must be in [0, {self.vocab_size})")
+        if options.max_new_tokens < 1:
+            raise invalid_arg("max_new_tokens must be at least 1")
+        if options.beam_width < 1:
+            raise invalid_arg("beam_width must be at least 1")
+        if not 1 <= options.num_return_sequences <= options.beam_width:
+            raise invalid_arg(
+                f"num_return_sequences must be between 1 and the beam width ({options.beam_width}), "
+                f"got {options.num_return_sequences}"
+            )
+        if options.beam_width > self.max_batch_rows:
+            raise invalid_arg(
+                f"beam_width {options.beam_width} exceeds the rows this model decodes together ({self.max_batch_rows})"
+            )
+        sampling = options.sampling and options.beam_width == 1
+        if sampling and options.temperature <= 0:
+            raise invalid_arg("temperature must be positive when sampling")
+        if sampling and not 0 < options.top_p <= 1:
+            raise invalid_arg("top_p must be in (0, 1]")
+        if options.top_k < 0 or options.repetition_penalty <= 0 or options.min_new_tokens < 0:
+            raise invalid_arg("top_k and min_new_tokens must not be negative; repetition_penalty must be positive")
+        if any(not word for word in options.bad_words) or any(not stop for stop in options.stop_sequences):
+            raise invalid_arg("bad words and stop sequences must not be empty")
+        decoder_length = (1 if self.is_encoder_decoder else len(ids)) + options.max_new_tokens
+        if self.max_positions is not None and decoder_length > self.max_positions:
+            raise invalid_arg(
+                f"{decoder_length} decoder positions are needed (input and max_new_tokens); "
+                f"this model has {self.max_positions}"
+            )
+        need = (len(ids) + options.max_new_tokens) * options.beam_width
+        if need > self.kv_cache_tokens:
+            raise invalid_arg(
+                f"the sequence needs {need} tokens of KV cache ((input {len(ids)} + max_new_tokens "
+                f"{options.max_new_tokens}) * beam width {options.beam_width}); this model's budget is "
+                f"{self.kv_cache_tokens} (kv_cache_tokens)"
+            )
+        end_ids = list(options.end_ids) if options.end_ids is not None else list(self.eos_token_ids)
+        prefix = [self._start_id] if self.is_encoder_decoder else ids
+        sequence = _Sequence(
+            request, on_tokens, done, token_rules(options, end_ids), options.beam_width, need, prefix
+        )
+        if options.beam_width > 1:
+            from transerve.backends.generation.beam import BeamSearch
+
+            sequence.beam = BeamSearch(
+                options.beam_width, options.length_penalty, len(end_ids), options.max_new_tokens,
+                self.early_stopping, self.device,
+            )
+        elif sampling:
+            sequence.generator = torch.Generator(device=self.device)
+            seed = options.random_seed if options.random_seed is not None else random.getrandbits(63)
+            sequence.generator.manual_seed(seed)
+        return sequence
+
+    # -- the engine thread ---------------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._closed and not self._queue and not self._running:
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                try:
+                    self._iteration()
+                except Exception as exc:  # a bug or a device failure: fail what runs, keep serving the rest
+                    logger.exception("generation step failed")
+                    self._fail_running(internal(f"generation failed: {exc}"))
+        self._fail_running(unavailable("the generation engine was closed"))
+        with self._cond:
+            pending, self._queue = list(self._queue), collections.deque()
+        for sequence in pending:
+            _report(sequence.done, unavailable("the generation engine was closed"))
+
+    def _fail_running(self, error: ServerError) -> None:
+        running, self._running = self._running, []
+        self._batch, self._next_tokens = None, None
+        self._used_tokens = self._used_rows = 0
+        for sequence in running:
+            _report(sequence.done, error)
+
+    def _iteration(self) -> None:
+        import torch
+
+        self._drop_cancelled()
+        logits = None
+        if self._batch is not None:
+            logits = self._runner.step(self._batch, self._next_tokens)
+        admitted = self._admit()
+        if admitted:
+            batch, new_logits = self._runner.prefill(
+                [s.request.input_ids for s in admitted], [s.rows for s in admitted]
+            )
+            if self._batch is None:
+                self._batch, logits = batch, new_logits
+            else:
+                self._batch.extend(batch)
+                logits = torch.cat((logits, new_logits))
+            self._running.extend(admitted)
+        if logits is not None:
+            self._advance(logits.float())
+
+    def _drop_cancelled(self) -> None:
+        if not any(s.cancelled for s in self._running):
+            return
+        keep, finished, row = [], [], 0
+        for sequence in self._running:
+            if sequence.cancelled:
+                finished.append(sequence)
+            else:
+                keep.extend(range(row, row + sequence.rows))
+            row += sequence.rows
+        self._running = [s for s in self._running if not s.cancelled]
+        self._select(keep)
+        for sequence in finished:
+            self._finish(sequence, "cancelled")
+
+    def _admit(self) -> list[_Sequence]:
+        """Waiting sequences that fit now, in order; request-level scheduling admits only into an empty batch."""
+        admitted: list[_Sequence] = []
+        cancelled: list[_Sequence] = []
+        with self._cond:
+            for sequence in [s for s in self._queue if s.cancelled]:
+                self._queue.remove(sequence)
+                cancelled.append(sequence)
+            if self.scheduling == "inflight" or not self._running:
+                while self._queue:
+                    sequence = self._queue[0]
+                    if self._used_rows + sequence.rows > self.max_batch_rows:
+                        break
+                    if self._used_tokens + sequence.need > self.kv_cache_tokens:
+                        break
+                    self._queue.popleft()
+                    self._used_rows += sequence.rows
+                    self._used_tokens += sequence.need
+                    admitted.append(sequence)
+        for sequence in cancelled:
+            _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
+        return admitted
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        """Choose every running sequence's next token(s) from `logits` [rows, vocab]; retire finished sequences."""
+        import torch
+
+        row = 0
+        for sequence in self._running:
+            if sequence.beam is None:
+                scores = logits[row:row + 1]
+                if sequence.rules.active:
+                    apply_rules(scores, [sequence.prefix + sequence.tokens], len(sequence.tokens), sequence.rules)
+                if sequence.generator is not None:
+                    warp(scores, sequence.request.options)
+            row += sequence.rows
+        log_probs = torch.log_softmax(logits, dim=-1)
+        choice = logits.argmax(dim=-1)
+        row = 0
+        for sequence in self._running:
+            if sequence.generator is not None:
+                choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
+            row += sequence.rows
+        chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
+        tokens = choice.tolist()
+
+        keep: list[int] = []
+        next_tokens: list[int] = []
+        still: list[_Sequence] = []
+        finished: list[tuple[_Sequence, str]] = []
+        streamed: list[tuple[_Sequence, int]] = []
+        row = 0
+        for sequence in self._running:
+            if sequence.beam is not None:
+                rows = self._beam_step(sequence, log_probs[row:row + sequence.rows])
+                if rows is None:
+                    finished.append((sequence, "end"))
+                else:
+                    keep.extend(row + r for r in rows)
+                    next_tokens.extend(beam[-1] for beam in sequence.beam.running_tokens)
+                    still.append(sequence)
+            else:
+                token = tokens[row]
+                sequence.tokens.append(token)
+                sequence.log_probs.append(chosen_log_probs[row])
+                sequence.score += chosen_log_probs[row]
+                if sequence.request.stream and sequence.on_tokens is not None:
+                    streamed.append((sequence, token))
+                reason = self._finish_reason(sequence)
+                if reason is None:
+                    keep.append(row)
+                    next_tokens.append(token)
+                    still.append(sequence)
+                else:
+                    finished.append((sequence, reason))
+            row += sequence.rows
+        self._running = still
+        self._next_tokens = None
+        self._select(keep)
+        if self._batch is not None:
+            self._next_tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
+        for sequence, token in streamed:
+            try:
+                sequence.on_tokens([token])
+            except Exception:
+                logger.exception("on_tokens callback failed")
+        for sequence, reason in finished:
+            self._finish(sequence, reason)
+
+    def _beam_step(self, sequence: _Sequence, log_probs: torch.Tensor) -> list[int] | None:
+        beam = sequence.beam
+        scores = log_probs.clone()
+        if sequence.rules.active:
+            contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
+            apply_rules(scores, contexts, beam.generated, sequence.rules)
+        return beam.step(scores, lambda tokens: self._ends(sequence, tokens), sequence.request.options.return_log_probs)
+
+    @staticmethod
+    def _ends(sequence: _Sequence, tokens: list[int]) -> bool:
+        if tokens[-1] in sequence.rules.end_ids:
+            return True
+        return any(
+            len(tokens) >= len(stop) and tokens[len(tokens) - len(stop):] == stop
+            for stop in sequence.request.options.stop_sequences
+        )
+
+    def _finish_reason(self, sequence: _Sequence) -> str | None:
+        if self._ends(sequence, sequence.tokens):
+            return "end"
+        if len(sequence.tokens) >= sequence.request.options.max_new_tokens:
+            return "length"
+        return None
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep the batch rows `keep`, in that order (no-op when nothing changes)."""
+        import torch
+
+        if self._batch is None:
+            return
+        if not keep:
+            self._batch, self._next_tokens = None, None
+            return
+        if keep != list(range(self._batch.rows)):
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self._batch.select(index)
+            if self._next_tokens is not None:
+                self._next_tokens = self._next_tokens.index_select(0, index)
+
+    def _finish(self, sequence: _Sequence, reason: str) -> None:
+        self._used_rows -= sequence.rows
+        self._used_tokens -= sequence.need
+        options = sequence.request.options
+        if sequence.beam is not None:
+            if reason == "cancelled":
+                hypotheses = sequence.beam.partial(options.num_return_sequences, options.return_log_probs)
+            else:
+                hypotheses = sequence.beam.hypotheses(options.num_return_sequences, options.return_log_probs)
+                best = hypotheses[0].token_ids
+                reason = "end" if best and self._ends(sequence, best) else "length"
+        else:
+            log_probs = sequence.log_probs if options.return_log_probs else None
+            hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs)]
+        _report(sequence.done, GenerationResult(hypotheses, reason))
+
+
+def _report(done: DoneCallback, outcome: GenerationResult | Exception) -> None:
+    try:
+        done(outcome)
+    except Exception:
+        logger.exception("done callback failed")
+
+
+def _max_positions(config: Any) -> int | None:
+    """Decoder positions the model has (absolute position embeddings), None when unbounded (relative)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _max_input_length(model_dir: Path, config: Any) -> int:
+    """Longest input: the model's position table, else the tokenizer's `model_max_length`, else 512."""
+    positions = _max_positions(config)
+    if positions is not None:
+        return positions
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        value = json.loads(tokenizer_config.read_text()).get("model_max_length")
+        if isinstance(value, int) and 0 < value < 1_000_000:
+            return value
+    return DEFAULT_MAX_INPUT_LENGTH

@@ -1,0 +1,330 @@
+"""The torch engine against transformers' `generate` on the same random weights, token for token, alone and with
+sequences joining and leaving a running batch (in-flight batching)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from support.generation_models import ARCHITECTURES, build_generation_model  # noqa: E402
+
+from transerve.backends.generation.engine import (  # noqa: E402
+    DecodingOptions,
+    GenerationRequest,
+    GenerationResult,
+)
+from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
+
+TEXTS = [
+    "translate English to German: The house is wonderful.",
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. Hello world, how are you today?",
+]
+
+
+class Model:
+    """One test model: its folder, tokenizer, transformers model (the reference) and a shared engine."""
+
+    def __init__(self, arch: str, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.arch = arch
+        self.path = path
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        loader = transformers.AutoModelForCausalLM if arch == "gpt2" else transformers.AutoModelForSeq2SeqLM
+        self.hf = loader.from_pretrained(path).eval()
+        self.engine = TorchEngine(path, intra_op_threads=0)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def reference(self, ids: list[int], end_ids: list[int] | None = None, **kwargs) -> list[list[int]]:
+        """transformers' new tokens per returned sequence, cut after the first end token."""
+        ends = end_ids if end_ids is not None else self.engine.eos_token_ids
+        if end_ids is not None:
+            kwargs["eos_token_id"] = end_ids
+            kwargs.setdefault("pad_token_id", self.hf.generation_config.pad_token_id or 0)
+        with torch.inference_mode():
+            out = self.hf.generate(torch.tensor([ids], device=self.hf.device), do_sample=False, **kwargs)
+        skip = 1 if self.hf.config.is_encoder_decoder else len(ids)
+        sequences = []
+        for row in out.tolist():
+            new = row[skip:]
+            cut = [i for i, token in enumerate(new) if token in ends]
+            sequences.append(new[: cut[0] + 1] if cut else new)
+        return sequences
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torch_engine")
+    built = {arch: Model(arch, build_generation_model(arch, root / arch)) for arch in ARCHITECTURES}
+    yield built
+    for model in built.values():
+        model.engine.close()
+
+
+def submit(engine: TorchEngine, ids: list[int], options: DecodingOptions, on_tokens=None) -> Future:
+    future: Future = Future()
+    engine.submit(GenerationRequest(ids, options, stream=on_tokens is not None), on_tokens, future.set_result)
+    return future
+
+
+def run(engine: TorchEngine, ids: list[int], options: DecodingOptions) -> GenerationResult:
+    result = submit(engine, ids, options).result(timeout=60)
+    assert isinstance(result, GenerationResult), result
+    return result
+
+
+def tokens(result: GenerationResult) -> list[list[int]]:
+    return [hypothesis.token_ids for hypothesis in result.hypotheses]
+
+
+def common_token(model: Model, ids: list[int]) -> int:
+    """A token greedy decoding produces a few steps in: an end id that ends sequences early."""
+    return model.reference(ids, max_new_tokens=8)[0][4]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(models, arch):
+    model = models[arch]
+    for text in TEXTS:
+        ids = model.ids(text)
+        result = run(model.engine, ids, DecodingOptions(max_new_tokens=20))
+        assert tokens(result) == model.reference(ids, max_new_tokens=20)
+        assert result.finish_reason == "length"
+        end = common_token(model, ids)
+        result = run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[end]))
+        expected = model.reference(ids, end_ids=[end], max_new_tokens=20)
+        assert tokens(result) == expected and expected[0][-1] == end
+        assert result.finish_reason == "end"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_beam_search_matches_transformers(models, arch):
+    model = models[arch]
+    for text in TEXTS:
+        ids = model.ids(text)
+        end = common_token(model, ids)
+        for length_penalty in (1.0, 0.6, 2.0):
+            options = DecodingOptions(max_new_tokens=16, beam_width=4, num_return_sequences=2,
+                                      length_penalty=length_penalty)
+            result = run(model.engine, ids, options)
+            kwargs = {"num_beams": 4, "num_return_sequences": 2, "length_penalty": length_penalty,
+                      "max_new_tokens": 16}
+            assert tokens(result) == model.reference(ids, **kwargs)
+            # An end token that finishes hypotheses early exercises the finished-hypotheses bookkeeping.
+            options.end_ids = [end]
+            result = run(model.engine, ids, options)
+            assert tokens(result) == model.reference(ids, end_ids=[end], **kwargs), (text, length_penalty)
+            assert len(result.hypotheses) == 2
+            assert result.hypotheses[0].score >= result.hypotheses[1].score
+
+
+def test_beam_scores_match_transformers(models):
+    model = models["t5"]
+    ids = model.ids(TEXTS[0])
+    result = run(model.engine, ids, DecodingOptions(max_new_tokens=10, beam_width=4, num_return_sequences=4))
+    with torch.inference_mode():
+        out = model.hf.generate(torch.tensor([ids]), num_beams=4, num_return_sequences=4, max_new_tokens=10,
+                                output_scores=True, return_dict_in_generate=True)
+    assert [h.score for h in result.hypotheses] == pytest.approx(out.sequences_scores.tolist(), abs=1e-5)
+
+
+def _joining_load(model: Model) -> list[tuple[list[int], DecodingOptions, dict]]:
+    """Sequences of different lengths and options, with the `generate` arguments that give their output."""
+    load = []
+    for index, text in enumerate(TEXTS * 2):
+        ids = model.ids(text)[: 4 + 5 * index]
+        if index % 3 == 2:
+            options = DecodingOptions(max_new_tokens=6 + index, beam_width=3, num_return_sequences=2)
+            kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6 + index}
+        else:
+            options = DecodingOptions(max_new_tokens=5 + 3 * index)
+            kwargs = {"max_new_tokens": 5 + 3 * index}
+        load.append((ids, options, kwargs))
+    return load
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_sequences_joining_a_running_batch_get_their_own_output(models, arch):
+    model = models[arch]
+    first_ids = model.ids(TEXTS[2])
+    steps = threading.Semaphore(0)
+    first = submit(model.engine, first_ids, DecodingOptions(max_new_tokens=40, end_ids=[]),
+                   on_tokens=lambda new: steps.release())
+    futures = []
+    for ids, options, kwargs in _joining_load(model):
+        assert steps.acquire(timeout=30)  # each joins at a later step of the first one
+        futures.append((submit(model.engine, ids, options), model.reference(ids, **kwargs)))
+    for future, expected in futures:
+        assert tokens(future.result(timeout=60)) == expected
+    assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=40)
+
+
+def test_short_sequence_finishes_first(models):
+    model = models["bart"]
+    order: list[str] = []
+    long = submit(model.engine, model.ids(TEXTS[0]), DecodingOptions(max_new_tokens=60, end_ids=[]))
+    short = submit(model.engine, model.ids(TEXTS[1]), DecodingOptions(max_new_tokens=5, end_ids=[]))
+    long.add_done_callback(lambda _: order.append("long"))
+    short.add_done_callback(lambda _: order.append("short"))
+    assert len(tokens(long.result(timeout=60))[0]) == 60
+    assert len(tokens(short.result(timeout=60))[0]) == 5
+    assert order == ["short", "long"]
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_twenty_concurrent_sequences_each_get_their_own_tokens(models, arch):
+    model = models[arch]
+    words = " ".join(TEXTS).split()
+    load = []
+    for index in range(20):
+        ids = model.ids(" ".join(words[index % 7: index % 7 + 2 + index]))
+        load.append((ids, DecodingOptions(max_new_tokens=3 + 2 * index, end_ids=[])))
+    futures = [submit(model.engine, ids, options) for ids, options in load]
+    for (ids, options), future in zip(load, futures, strict=True):
+        assert tokens(future.result(timeout=120)) == model.reference(
+            ids, end_ids=[], max_new_tokens=options.max_new_tokens
+        )
+
+
+def test_sequence_beyond_the_budget_is_refused(models):
+    engine = TorchEngine(models["gpt2"].path, kv_cache_tokens=100)
+    try:
+        result = submit(engine, [5] * 30, DecodingOptions(max_new_tokens=20, beam_width=3)).result(timeout=10)
+        assert isinstance(result, ServerError) and result.code is ErrorCode.INVALID_ARG
+        assert "100" in result.message and "kv_cache_tokens" in result.message
+        result = submit(engine, [5] * 30, DecodingOptions(max_new_tokens=20, beam_width=20)).result(timeout=10)
+        assert isinstance(result, ServerError) and result.code is ErrorCode.INVALID_ARG
+        assert "beam_width" in result.message
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("ids", "options", "words"),
+    [
+        ([], DecodingOptions(), "no tokens"),
+        ([5] * 300, DecodingOptions(), "at most 256"),
+        ([5] * 250, DecodingOptions(max_new_tokens=10), "positions"),
+        ([5], DecodingOptions(beam_width=0), "beam_width"),
+        ([5], DecodingOptions(max_new_tokens=0), "max_new_tokens"),
+        ([5], DecodingOptions(beam_width=2, num_return_sequences=3), "num_return_sequences"),
+        ([100000], DecodingOptions(), "token ids"),
+    ],
+)
+def test_bad_requests_are_refused_at_submit(models, ids, options, words):
+    result = submit(models["gpt2"].engine, ids, options).result(timeout=10)
+    assert isinstance(result, ServerError) and result.code is ErrorCode.INVALID_ARG
+    assert words in result.message
+
+
+def test_small_budget_queues_sequences_and_all_complete(models):
+    model = models["marian"]
+    # Room for one sequence at a time: the others wait their turn.
+    engine = TorchEngine(model.path, kv_cache_tokens=60, max_batch_rows=2)
+    try:
+        load = [(model.ids(text)[:10], DecodingOptions(max_new_tokens=12, end_ids=[])) for text in TEXTS * 2]
+        futures = [submit(engine, ids, options) for ids, options in load]
+        for (ids, _), future in zip(load, futures, strict=True):
+            assert tokens(future.result(timeout=60)) == model.reference(ids, end_ids=[], max_new_tokens=12)
+    finally:
+        engine.close()
+
+
+def test_cancel_stops_a_sequence_at_the_next_step(models):
+    model = models["gpt2"]
+    produced: list[int] = []
+    started = threading.Event()
+
+    def on_tokens(new: list[int]) -> None:
+        produced.extend(new)
+        started.set()
+
+    options = DecodingOptions(max_new_tokens=200, end_ids=[])
+    handle_future: Future = Future()
+    handle = model.engine.submit(GenerationRequest(model.ids(TEXTS[1]), options, stream=True), on_tokens,
+                                 handle_future.set_result)
+    assert started.wait(30)
+    handle.cancel()
+    result = handle_future.result(timeout=30)
+    assert result.finish_reason == "cancelled"
+    assert len(result.hypotheses[0].token_ids) < 50
+    assert result.hypotheses[0].token_ids == produced
+
+
+def test_streaming_sends_each_token_as_it_is_produced(models):
+    model = models["t5"]
+    pieces: list[list[int]] = []
+    ids = model.ids(TEXTS[0])
+    result = submit(model.engine, ids, DecodingOptions(max_new_tokens=12), on_tokens=pieces.append).result(60)
+    assert all(len(piece) == 1 for piece in pieces)
+    expected = model.reference(ids, max_new_tokens=12)[0]
+    assert [piece[0] for piece in pieces] == result.hypotheses[0].token_ids == expected
+
+
+def test_close_fails_pending_sequences_and_ends_the_thread(models):
+    engine = TorchEngine(models["t5"].path, max_batch_rows=1)
+    running = submit(engine, [5, 6, 7], DecodingOptions(max_new_tokens=100, end_ids=[]))
+    pending = [submit(engine, [5, 6], DecodingOptions(max_new_tokens=100)) for _ in range(3)]
+    engine.close()
+    engine.join(30)
+    assert not engine.thread.is_alive()
+    for future in [running, *pending]:
+        result = future.result(timeout=10)
+        assert isinstance(result, ServerError) and result.code is ErrorCode.UNAVAILABLE
+    late = submit(engine, [5], DecodingOptions()).result(timeout=10)
+    assert isinstance(late, ServerError) and late.code is ErrorCode.UNAVAILABLE
+
+
+def test_request_level_scheduling_admits_only_into_an_empty_batch(models):
+    model = models["t5"]
+    engine = TorchEngine(model.path, scheduling="request")
+    try:
+        steps = threading.Semaphore(0)
+        order: list[str] = []
+        long_ids, short_ids = model.ids(TEXTS[0]), model.ids(TEXTS[1])
+        long = submit(engine, long_ids, DecodingOptions(max_new_tokens=30, end_ids=[]),
+                      on_tokens=lambda new: steps.release())
+        assert steps.acquire(timeout=30)
+        short = submit(engine, short_ids, DecodingOptions(max_new_tokens=3, end_ids=[]))
+        long.add_done_callback(lambda _: order.append("long"))
+        short.add_done_callback(lambda _: order.append("short"))
+        assert tokens(short.result(timeout=60)) == model.reference(short_ids, end_ids=[], max_new_tokens=3)
+        assert tokens(long.result(timeout=60)) == model.reference(long_ids, end_ids=[], max_new_tokens=30)
+        assert order == ["long", "short"]
+    finally:
+        engine.close()
+
+
+def test_engine_describes_its_model(models):
+    assert models["t5"].engine.is_encoder_decoder and not models["gpt2"].engine.is_encoder_decoder
+    assert models["t5"].engine.eos_token_ids == [1] and models["gpt2"].engine.eos_token_ids == [0]
+    assert models["gpt2"].engine.max_input_length == 256
+    assert models["t5"].engine.max_input_length == 128  # relative positions: the tokenizer's model_max_length
+    assert models["bart"].engine.vocab_size == models["bart"].hf.config.vocab_size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_greedy_and_beam_match_transformers(models):
+    model = models["bart"]
+    engine = TorchEngine(model.path, device="cuda")
+    model.hf.to("cuda")
+    try:
+        for text in TEXTS:
+            ids = model.ids(text)
+            result = run(engine, ids, DecodingOptions(max_new_tokens=12))
+            assert tokens(result) == model.reference(ids, max_new_tokens=12)
+            result = run(engine, ids, DecodingOptions(max_new_tokens=12, beam_width=4, num_return_sequences=2))
+            assert tokens(result) == model.reference(ids, max_new_tokens=12, num_beams=4, num_return_sequences=2)
+    finally:
+        model.hf.to("cpu")
+        engine.close()
