@@ -52,7 +52,8 @@ class Model:
             kwargs["eos_token_id"] = end_ids
             kwargs.setdefault("pad_token_id", self.hf.generation_config.pad_token_id or 0)
         with torch.inference_mode():
-            out = self.hf.generate(torch.tensor([ids], device=self.hf.device), do_sample=False, **kwargs)
+            kwargs.setdefault("do_sample", False)
+            out = self.hf.generate(torch.tensor([ids], device=self.hf.device), **kwargs)
         skip = 1 if self.hf.config.is_encoder_decoder else len(ids)
         sequences = []
         for row in out.tolist():
@@ -328,3 +329,111 @@ def test_cuda_greedy_and_beam_match_transformers(models):
     finally:
         model.hf.to("cpu")
         engine.close()
+
+
+SAMPLING = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_sampling_is_reproducible_alone_and_in_a_busy_batch(models, arch):
+    model = models[arch]
+    ids = model.ids(TEXTS[0])
+    options = DecodingOptions(max_new_tokens=24, sampling=True, random_seed=7, end_ids=[], **SAMPLING)
+    alone = tokens(run(model.engine, ids, options))
+    # The same draw as transformers' sampling from a generator seeded alike (its global one).
+    torch.manual_seed(7)
+    assert alone == model.reference(ids, end_ids=[], do_sample=True, max_new_tokens=24, **SAMPLING)
+    busy = [submit(model.engine, model.ids(text), DecodingOptions(max_new_tokens=30, sampling=True, **SAMPLING))
+            for text in TEXTS]
+    steps = threading.Semaphore(0)
+    busy.append(submit(model.engine, ids, DecodingOptions(max_new_tokens=40), on_tokens=lambda new: steps.release()))
+    assert steps.acquire(timeout=30)
+    again = submit(model.engine, ids, options)
+    assert tokens(again.result(timeout=60)) == alone
+    for future in busy:
+        assert isinstance(future.result(timeout=60), GenerationResult)
+    other = DecodingOptions(max_new_tokens=24, sampling=True, random_seed=8, end_ids=[], **SAMPLING)
+    assert tokens(run(model.engine, ids, other)) != alone
+
+
+def test_sampling_with_top_k_1_is_greedy(models):
+    model = models["marian"]
+    for text in TEXTS:
+        ids = model.ids(text)
+        options = DecodingOptions(max_new_tokens=15, sampling=True, top_k=1, temperature=0.7, random_seed=3)
+        assert tokens(run(model.engine, ids, options)) == model.reference(ids, max_new_tokens=15)
+
+
+@pytest.mark.parametrize("arch", ["bart", "gpt2"])
+def test_repetition_penalty_matches_transformers(models, arch):
+    model = models[arch]
+    for text in TEXTS:
+        ids = model.ids(text)
+        plain = run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[]))
+        result = run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[], repetition_penalty=1.5))
+        assert tokens(result) == model.reference(ids, end_ids=[], max_new_tokens=20, repetition_penalty=1.5)
+        assert tokens(result) != tokens(plain)
+        beam = DecodingOptions(max_new_tokens=12, beam_width=3, repetition_penalty=1.5)
+        assert tokens(run(model.engine, ids, beam)) == model.reference(
+            ids, max_new_tokens=12, num_beams=3, repetition_penalty=1.5
+        )
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_min_new_tokens_masks_end_tokens_before(models, arch):
+    model = models[arch]
+    ids = model.ids(TEXTS[0])
+    end = common_token(model, ids)
+    options = DecodingOptions(max_new_tokens=20, end_ids=[end], min_new_tokens=10)
+    result = tokens(run(model.engine, ids, options))
+    assert result == model.reference(ids, end_ids=[end], max_new_tokens=20, min_new_tokens=10)
+    assert end not in result[0][:10]
+
+
+@pytest.mark.parametrize("arch", ["marian", "gpt2"])
+def test_bad_words_are_never_produced(models, arch):
+    model = models[arch]
+    ids = model.ids(TEXTS[2])
+    greedy = tokens(run(model.engine, ids, DecodingOptions(max_new_tokens=16, end_ids=[])))[0]
+    single, pair = [greedy[2]], greedy[5:7]
+    options = DecodingOptions(max_new_tokens=16, end_ids=[], bad_words=[single, pair])
+    result = tokens(run(model.engine, ids, options))
+    assert result == model.reference(ids, end_ids=[], max_new_tokens=16, bad_words_ids=[single, pair])
+    assert single[0] not in result[0]
+    assert all(result[0][i:i + 2] != pair for i in range(len(result[0]) - 1))
+    beam = DecodingOptions(max_new_tokens=10, beam_width=3, bad_words=[single, pair])
+    assert tokens(run(model.engine, ids, beam)) == model.reference(
+        ids, max_new_tokens=10, num_beams=3, bad_words_ids=[single, pair]
+    )
+
+
+def test_stop_sequences_end_generation_after_the_stop_tokens(models):
+    model = models["t5"]
+    ids = model.ids(TEXTS[0])
+    greedy = tokens(run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[])))[0]
+    result = run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[], stop_sequences=[greedy[4:7]]))
+    assert tokens(result) == [greedy[:7]]
+    assert result.finish_reason == "end"
+
+
+def test_log_probs_match_transformers_scores(models):
+    model = models["gpt2"]
+    ids = model.ids(TEXTS[0])
+    result = run(model.engine, ids, DecodingOptions(max_new_tokens=8, end_ids=[], return_log_probs=True,
+                                                     repetition_penalty=1.2))
+    with torch.inference_mode():
+        out = model.hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, repetition_penalty=1.2,
+                                output_scores=True, return_dict_in_generate=True, eos_token_id=[], pad_token_id=0)
+    chosen = out.sequences[0, len(ids):].tolist()
+    expected = [
+        torch.log_softmax(scores[0], -1)[token].item() for scores, token in zip(out.scores, chosen, strict=True)
+    ]
+    hypothesis = result.hypotheses[0]
+    assert hypothesis.token_ids == chosen
+    assert hypothesis.log_probs == pytest.approx(expected, abs=1e-5)
+    assert hypothesis.score == pytest.approx(sum(expected), abs=1e-4)
+    beam = run(model.engine, ids, DecodingOptions(max_new_tokens=8, beam_width=4, num_return_sequences=2,
+                                                  length_penalty=0.5, return_log_probs=True))
+    for hypothesis in beam.hypotheses:
+        length = len(hypothesis.token_ids) ** 0.5
+        assert sum(hypothesis.log_probs) / length == pytest.approx(hypothesis.score, abs=1e-4)
