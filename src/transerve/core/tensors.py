@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from transerve.core.datatypes import ELEMENT_SIZE, NUMPY_DTYPES, deserialize_bytes
+from transerve.core.datatypes import ELEMENT_SIZE, NUMPY_DTYPES, deserialize_bytes, serialize_bytes
 from transerve.core.errors import invalid_arg
 from transerve.core.types import Tensor
 
@@ -136,3 +136,14 @@ def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:
         else:
             stack.pop()
     return flat
+
+
+def wire_bytes(tensor: Tensor) -> bytes:
+    """The tensor's bytes as both protocols carry them: row-major and little-endian; BYTES elements each
+    behind a 4-byte little-endian length."""
+    if tensor.datatype == "BYTES":
+        return serialize_bytes(tensor.data)
+    data = tensor.data
+    if data.dtype.byteorder == ">":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    return data.tobytes()

@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from transerve.core.datatypes import serialize_bytes
 from transerve.core.errors import internal, invalid_arg, unsupported
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
-from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values
+from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 #: Request parameters the protocol consumes, with the value kinds Triton accepts for each.
@@ -200,16 +199,9 @@ def encode_infer_response(response: InferResponse) -> service_pb2.ModelInferResp
         output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
         if tensor.parameters:
             encode_parameters(output.parameters, tensor.parameters)
-        contents.append(_tensor_bytes(tensor))
+        contents.append(wire_bytes(tensor))
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
     return message
 
 
-def _tensor_bytes(tensor: Tensor) -> bytes:
-    if tensor.datatype == "BYTES":
-        return serialize_bytes(tensor.data)
-    data = tensor.data
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
-    return data.tobytes()

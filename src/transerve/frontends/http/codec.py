@@ -7,14 +7,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from transerve.core.datatypes import serialize_bytes
 from transerve.core.errors import invalid_arg, unsupported
 from transerve.core.protocol_parameters import (
     FRONTEND_PARAMETERS,
     SCHEDULING_PARAMETERS,
     apply_scheduling_parameter,
 )
-from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values
+from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -146,7 +145,7 @@ def encode_infer_response(
     for tensor in response.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.data.shape)}
         if wants_binary.get(tensor.name, binary_default):
-            blob = _tensor_bytes(tensor)
+            blob = wire_bytes(tensor)
             entry["parameters"] = {**tensor.parameters, "binary_data_size": len(blob)}
             blobs.append(blob)
         else:
@@ -166,15 +165,6 @@ def encode_infer_response(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
-
-
-def _tensor_bytes(tensor: Tensor) -> bytes:
-    if tensor.datatype == "BYTES":
-        return serialize_bytes(tensor.data)
-    data = tensor.data
-    if data.dtype.byteorder == ">":
-        data = data.astype(data.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(data).tobytes()
 
 
 def _json_data(tensor: Tensor) -> Any:
