@@ -437,3 +437,27 @@ def test_log_probs_match_transformers_scores(models):
     for hypothesis in beam.hypotheses:
         length = len(hypothesis.token_ids) ** 0.5
         assert sum(hypothesis.log_probs) / length == pytest.approx(hypothesis.score, abs=1e-4)
+
+
+def test_the_models_generation_config_constraints_apply(models, tmp_path):
+    import json
+    import shutil
+
+    source = models["bart"]
+    ids = source.ids(TEXTS[0])
+    greedy = tokens(run(source.engine, ids, DecodingOptions(max_new_tokens=12)))[0]
+    path = shutil.copytree(source.path, tmp_path / "bart")
+    settings = json.loads((path / "generation_config.json").read_text())
+    settings.update(forced_bos_token_id=5, forced_eos_token_id=2, bad_words_ids=[[greedy[3]]])
+    (path / "generation_config.json").write_text(json.dumps(settings))
+    model = Model("bart", path)
+    try:
+        for options, kwargs in [
+            (DecodingOptions(max_new_tokens=12), {"max_new_tokens": 12}),
+            (DecodingOptions(max_new_tokens=12, beam_width=3), {"max_new_tokens": 12, "num_beams": 3}),
+        ]:
+            result = tokens(run(model.engine, ids, options))
+            assert result == model.reference(ids, **kwargs)
+            assert result[0][0] == 5 and result[0][-1] == 2 and greedy[3] not in result[0]
+    finally:
+        model.engine.close()

@@ -9,7 +9,7 @@ top-k, top-p (transformers' warpers) and a draw from the sequence's own `torch.G
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import DecodingOptions
@@ -29,17 +29,40 @@ class TokenRules:
     banned: list[int]
     #: Multi-token bad words as (prefix, last token): the last token is masked right after the prefix.
     banned_after: list[tuple[tuple[int, ...], int]]
+    #: The model's own constraints (its generation config): the first token, and the end tokens at the last step.
+    forced_first: int | None = None
+    forced_last: list[int] | None = None
+    max_new_tokens: int = 0
 
     @property
     def active(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.min_new_tokens > 0 or bool(self.banned or self.banned_after)
+        return (
+            self.repetition_penalty != 1.0 or self.min_new_tokens > 0 or bool(self.banned or self.banned_after)
+            or self.forced_first is not None or self.forced_last is not None
+        )
 
 
-def token_rules(options: DecodingOptions, end_ids: list[int]) -> TokenRules:
+@dataclass(slots=True)
+class ModelRules:
+    """What a model's generation config imposes on every sequence, as `generate` applies it."""
+
+    bad_words: list[list[int]] = field(default_factory=list)
+    #: `forced_bos_token_id` (encoder-decoder models): the first new token.
+    forced_first: int | None = None
+    #: `forced_eos_token_id`: the token(s) allowed at the last step (max_new_tokens reached).
+    forced_last: list[int] | None = None
+
+
+def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules | None = None) -> TokenRules:
     """Rules for `options`; a bad word that is exactly an end token is ignored, as transformers ignores it."""
-    single = [word[0] for word in options.bad_words if len(word) == 1 and word[0] not in end_ids]
-    multi = [(tuple(word[:-1]), word[-1]) for word in options.bad_words if len(word) > 1]
-    return TokenRules(end_ids, options.repetition_penalty, options.min_new_tokens, single, multi)
+    model = model or ModelRules()
+    words = [list(word) for word in options.bad_words] + [word for word in model.bad_words if word]
+    single = [word[0] for word in words if len(word) == 1 and word[0] not in end_ids]
+    multi = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
+    return TokenRules(
+        end_ids, options.repetition_penalty, options.min_new_tokens, single, multi, model.forced_first,
+        model.forced_last, options.max_new_tokens,
+    )
 
 
 def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int, rules: TokenRules) -> None:
@@ -60,6 +83,12 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
                 scores[row, last] = -math.inf
     if generated < rules.min_new_tokens:
         scores[:, rules.end_ids] = -math.inf
+    if rules.forced_first is not None and generated == 0:
+        scores.fill_(-math.inf)
+        scores[:, rules.forced_first] = 0
+    if rules.forced_last is not None and generated == rules.max_new_tokens - 1:
+        scores.fill_(-math.inf)
+        scores[:, rules.forced_last] = 0
 
 
 def warp(scores: torch.Tensor, options: DecodingOptions) -> None:

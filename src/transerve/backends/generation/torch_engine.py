@@ -27,7 +27,7 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
 )
-from transerve.backends.generation.sampling import TokenRules, apply_rules, sample, token_rules, warp
+from transerve.backends.generation.sampling import ModelRules, TokenRules, apply_rules, sample, token_rules, warp
 from transerve.backends.threaded import import_engine
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
@@ -113,6 +113,7 @@ class TorchEngine:
         self.max_positions = _max_positions(text)
         self.max_input_length = _max_input_length(model_dir, config)
         self.early_stopping = generation.early_stopping
+        self._model_rules = _model_rules(generation, self.is_encoder_decoder)
         self.max_batch_rows = max_batch_rows
         self.kv_cache_tokens = kv_cache_tokens
         self.scheduling = scheduling
@@ -219,7 +220,7 @@ class TorchEngine:
         end_ids = list(options.end_ids) if options.end_ids is not None else list(self.eos_token_ids)
         prefix = [self._start_id] if self.is_encoder_decoder else ids
         sequence = _Sequence(
-            request, on_tokens, done, token_rules(options, end_ids), options.beam_width, need, prefix
+            request, on_tokens, done, token_rules(options, end_ids, self._model_rules), options.beam_width, need, prefix
         )
         if options.beam_width > 1:
             from transerve.backends.generation.beam import BeamSearch
@@ -447,6 +448,16 @@ class TorchEngine:
             log_probs = sequence.log_probs if options.return_log_probs else None
             hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs)]
         _report(sequence.done, GenerationResult(hypotheses, reason))
+
+
+def _model_rules(generation: Any, encoder_decoder: bool) -> ModelRules:
+    """The constraints of the model's generation config that `generate` applies whatever the call asks."""
+    forced_last = generation.forced_eos_token_id
+    return ModelRules(
+        bad_words=[list(word) for word in generation.bad_words_ids or []],
+        forced_first=generation.forced_bos_token_id if encoder_decoder else None,
+        forced_last=None if forced_last is None else [forced_last] if isinstance(forced_last, int) else forced_last,
+    )
 
 
 def _report(done: DoneCallback, outcome: GenerationResult | Exception) -> None:
