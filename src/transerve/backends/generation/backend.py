@@ -9,6 +9,7 @@ serves. See docs/generation.md.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
@@ -18,6 +19,11 @@ from transerve.backends.generation.interface import TensorInterface
 from transerve.backends.generation.options import Limits
 from transerve.backends.generation.settings import GenerationSettings, read_settings
 from transerve.core.errors import ServerError, unavailable
+
+#: transformers' `from_pretrained` patches torch process-wide while it loads (weights created on the meta device):
+#: two loads in two threads at once break each other (seen: meta-tensor errors, and weights silently left random).
+#: Models load concurrently, so torch engines are opened one at a time.
+_TORCH_LOADING = threading.Lock()
 
 
 class GenerationModel(BackendModel):
@@ -80,11 +86,12 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
     from transerve.backends.generation.torch_engine import TorchEngine
 
     extra = {"scheduling": settings.scheduling} if settings.scheduling else {}
-    return TorchEngine(
-        settings.model_dir, device=f"cuda:{placement.device_id}" if on_gpu else "cpu",
-        compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
-        max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens, **extra,
-    )
+    with _TORCH_LOADING:
+        return TorchEngine(
+            settings.model_dir, device=f"cuda:{placement.device_id}" if on_gpu else "cpu",
+            compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
+            max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens, **extra,
+        )
 
 
 def _one_line(error: BaseException) -> str:
