@@ -461,3 +461,43 @@ def test_the_models_generation_config_constraints_apply(models, tmp_path):
             assert result[0][0] == 5 and result[0][-1] == 2 and greedy[3] not in result[0]
     finally:
         model.engine.close()
+
+
+def test_llama_style_model_matches_transformers_in_flight(tmp_path):
+    """Rotary positions and grouped-query attention: rows joining at different steps keep their own positions."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, initializer_range=0.3,
+    )
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.generation_config = transformers.GenerationConfig.from_model_config(config)
+    hf.save_pretrained(tmp_path)
+    engine = TorchEngine(tmp_path)
+    try:
+        steps = threading.Semaphore(0)
+        first_ids = [1, *range(50, 80)]
+        first = submit(engine, first_ids, DecodingOptions(max_new_tokens=30, end_ids=[]),
+                       on_tokens=lambda new: steps.release())
+        load = []
+        for index, ids in enumerate([[1, 5, 6, 7, 8, 9], [1, 40], [1, *range(100, 112)]]):
+            assert steps.acquire(timeout=30)
+            greedy = submit(engine, ids, DecodingOptions(max_new_tokens=15 + index, end_ids=[]))
+            beam = submit(engine, ids, DecodingOptions(max_new_tokens=10, end_ids=[], beam_width=3,
+                                                       num_return_sequences=2))
+            load.append((ids, index, greedy, beam))
+        for ids, index, greedy, beam in load:
+            with torch.inference_mode():
+                prompt = torch.tensor([ids])
+                expected = hf.generate(prompt, max_new_tokens=15 + index, do_sample=False, eos_token_id=[],
+                                       pad_token_id=3)[:, len(ids):].tolist()
+                expected_beam = hf.generate(prompt, max_new_tokens=10, num_beams=3, num_return_sequences=2,
+                                            eos_token_id=[], pad_token_id=3)[:, len(ids):].tolist()
+            assert tokens(greedy.result(timeout=60)) == expected
+            assert tokens(beam.result(timeout=60)) == expected_beam
+        with torch.inference_mode():
+            expected = hf.generate(torch.tensor([first_ids]), max_new_tokens=30, do_sample=False, eos_token_id=[],
+                                   pad_token_id=3)[:, len(first_ids):].tolist()
+        assert tokens(first.result(timeout=60)) == expected
+    finally:
+        engine.close()
