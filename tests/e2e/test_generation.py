@@ -1,0 +1,389 @@
+"""The generation backend served by a real `transerve serve`, called with real tritonclient clients.
+
+Random-weight T5 and GPT-2 models (tests/support/generation_models.py) are served through CTranslate2 (converted)
+and through the torch engine (the Hugging Face folder); outputs are compared with transformers' `generate` on the
+same weights, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from support import start_transerve
+from support.generation_models import build_generation_model
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
+
+MAX_NEW_TOKENS = 16
+
+SEED_INTERFACE = """
+input [
+  { name: "INPUT_ID" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "REQUEST_INPUT_LEN" data_type: TYPE_UINT32 dims: [ 1 ] },
+  { name: "REQUEST_OUTPUT_LEN" data_type: TYPE_UINT32 dims: [ 1 ] optional: true }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_UINT32 dims: [ -1, -1 ] },
+  { name: "OUTPUT1" data_type: TYPE_UINT32 dims: [ -1 ] }
+]
+"""
+
+FT_INTERFACE = """
+input [
+  { name: "input_ids" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "sequence_length" data_type: TYPE_UINT32 dims: [ 1 ] },
+  { name: "max_output_len" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
+  { name: "beam_width" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
+  { name: "runtime_top_k" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
+  { name: "min_length" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [
+  { name: "output_ids" data_type: TYPE_UINT32 dims: [ -1, -1 ] },
+  { name: "sequence_length" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "cum_log_probs" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "prefix_length" data_type: TYPE_UINT32 dims: [ -1 ] }
+]
+"""
+
+#: Streaming tests ask for this many tokens: enough that a tiny model's stream spans several loop iterations.
+STREAM_TOKENS = 200
+PROMPT = "translate English to German: The house is wonderful."
+PROMPTS = [PROMPT, "Hello world", "The quick brown fox jumps over the lazy dog."]
+
+
+def config(name: str, interface: str, engine: str, decoupled: bool = False, model_dir: str = "model") -> str:
+    policy = "model_transaction_policy { decoupled: true }\n" if decoupled else ""
+    return (
+        f'name: "{name}"\nbackend: "generation"\nmax_batch_size: 16\n{policy}{interface}'
+        f'parameters {{ key: "engine" value {{ string_value: "{engine}" }} }}\n'
+        f'parameters {{ key: "model_dir" value {{ string_value: "{model_dir}" }} }}\n'
+        f'parameters {{ key: "max_new_tokens" value {{ string_value: "{MAX_NEW_TOKENS}" }} }}\n'
+        'parameters { key: "intra_op_threads" value { string_value: "1" } }\n'
+        "instance_group [{ kind: KIND_CPU }]\n"
+    )
+
+
+class Reference:
+    """transformers' `generate` on the Hugging Face folder the served models were made from."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+        config = transformers.AutoConfig.from_pretrained(hf_dir)
+        self.encoder_decoder = bool(config.is_encoder_decoder)
+        loader = transformers.AutoModelForSeq2SeqLM if self.encoder_decoder else transformers.AutoModelForCausalLM
+        self.model = loader.from_pretrained(hf_dir).eval()
+        self.eos = self.model.generation_config.eos_token_id
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def generate(self, ids: list[int], beams: int = 1, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+        """Output ids per beam as served: new tokens up to the end token (encoder-decoder), prompt first (GPT)."""
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([ids]), do_sample=False, num_beams=beams,
+                                      num_return_sequences=beams, max_new_tokens=max_new_tokens)
+        prompt = [] if self.encoder_decoder else ids
+        sequences = []
+        for row in out.tolist():
+            new = row[1:] if self.encoder_decoder else row[len(ids):]
+            if self.eos in new:
+                new = new[: new.index(self.eos) + 1]
+            sequences.append(prompt + new)
+        return sequences
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("generation_models")
+    paths = {}
+    for arch in ("t5", "gpt2"):
+        hf_dir = build_generation_model(arch, root / arch)
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(root / f"{arch}_ct2"),
+                                                                         quantization="float32")
+        paths[arch] = hf_dir
+        paths[f"{arch}_ct2"] = root / f"{arch}_ct2"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def references(built) -> dict[str, Reference]:
+    return {arch: Reference(built[arch]) for arch in ("t5", "gpt2")}
+
+
+@pytest.fixture(scope="module")
+def server(built, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("generation_repository")
+    models = {
+        # name: (folder served, interface, engine, decoupled)
+        "fastertransformer": ("t5_ct2", SEED_INTERFACE, "ctranslate2", False),
+        "t5": ("t5_ct2", FT_INTERFACE, "ctranslate2", False),
+        "t5_stream": ("t5_ct2", FT_INTERFACE, "ctranslate2", True),
+        "gpt2": ("gpt2_ct2", FT_INTERFACE, "ctranslate2", False),
+        "fastertransformer_torch": ("t5", SEED_INTERFACE, "torch", False),
+        "t5_torch": ("t5", FT_INTERFACE, "torch", False),
+        "t5_torch_stream": ("t5", FT_INTERFACE, "torch", True),
+        "gpt2_torch": ("gpt2", FT_INTERFACE, "torch", False),
+    }
+    for name, (source, interface, engine, decoupled) in models.items():
+        shutil.copytree(built[source], repo / name / "1" / "model")
+        (repo / name / "config.pbtxt").write_text(config(name, interface, engine, decoupled))
+    (repo / "missing_folder" / "1").mkdir(parents=True)
+    (repo / "missing_folder" / "config.pbtxt").write_text(config("missing_folder", FT_INTERFACE, "ctranslate2"))
+    broken = {
+        "bad_parameter": config("bad_parameter", FT_INTERFACE, "ctranslate2").replace(
+            'key: "intra_op_threads" value { string_value: "1" }',
+            'key: "max_batch_rows" value { string_value: "many" }',
+        ),
+        "bad_input": config("bad_input", FT_INTERFACE.replace('"runtime_top_k"', '"top_k_runtime"'), "ctranslate2"),
+    }
+    for name, text in broken.items():
+        shutil.copytree(built["t5_ct2"], repo / name / "1" / "model")
+        (repo / name / "config.pbtxt").write_text(text)
+    # Not strictly ready: one model is meant to fail its load.
+    with start_transerve(repo, "--strict-readiness=false") as running:
+        yield running
+
+
+def prepare_tensor(name: str, array: np.ndarray):
+    """The seed client's helper, as it wrote it."""
+    tensor = httpclient.InferInput(name, array.shape, np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def ft_inputs(module, ids: list[int], **tensors: tuple[str, object]):
+    """`input_ids` and `sequence_length` (and any decoding tensors) of one row, for tritonclient `module`."""
+    arrays = {"input_ids": np.array([ids], np.uint32), "sequence_length": np.array([[len(ids)]], np.uint32)}
+    arrays.update({name: np.array([[value]], dtype) for name, (dtype, value) in tensors.items()})
+    inputs = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, array.shape, np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def beams_of(output_ids: np.ndarray, lengths: np.ndarray, row: int = 0) -> list[list[int]]:
+    return [output_ids[row, beam, : lengths[row, beam]].tolist() for beam in range(output_ids.shape[1])]
+
+
+@pytest.mark.parametrize("model", ["fastertransformer", "fastertransformer_torch"])
+def test_seed_client_gets_transformers_greedy_output(server, references, model):
+    """The FasterTransformer T5 client, unchanged but for its URL: INPUT_ID / REQUEST_INPUT_LEN in, OUTPUT0/1 out."""
+    reference = references["t5"]
+    encoded = reference.tokenizer(PROMPTS, return_tensors="np", padding=True)
+    input_ids = encoded.input_ids.astype(np.uint32)
+    mem_seq_len = encoded.attention_mask.sum(axis=1).reshape(-1, 1).astype(np.uint32)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        inputs = [prepare_tensor("INPUT_ID", input_ids), prepare_tensor("REQUEST_INPUT_LEN", mem_seq_len)]
+        result = client.infer(model, inputs)
+    output0, output1 = result.as_numpy("OUTPUT0"), result.as_numpy("OUTPUT1")
+    assert output0.dtype == np.uint32 and output0.shape[:2] == (len(PROMPTS), 1) and output1.shape == (3, 1)
+    for row, text in enumerate(PROMPTS):
+        assert beams_of(output0, output1, row) == reference.generate(reference.ids(text))
+        translation = reference.tokenizer.decode(output0[row][0][: output1[row][0]], skip_special_tokens=True)
+        assert translation == reference.tokenizer.decode(reference.generate(reference.ids(text))[0],
+                                                         skip_special_tokens=True)
+    assert output0[1, 0, output1[1, 0]:].tolist() == [0] * (output0.shape[2] - output1[1, 0])  # zero-padded
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_beam_search_returns_transformers_beams(server, references, model):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    expected = reference.generate(ids, beams=4)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        # beam_width as an input tensor (FasterTransformer) and as a request parameter give the same beams
+        by_tensor = client.infer(model, ft_inputs(httpclient, ids, beam_width=(np.uint32, 4)))
+        by_parameter = client.infer(model, ft_inputs(httpclient, ids), parameters={"beam_width": 4})
+    for result in (by_tensor, by_parameter):
+        beams = beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
+        assert len(beams) == 4
+        assert beams[0] == expected[0]
+        assert sorted(map(tuple, beams)) == sorted(map(tuple, expected))
+        scores = result.as_numpy("cum_log_probs")
+        assert scores is None  # log-probabilities only when asked for
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gpt2_torch"])
+def test_decoder_only_output_starts_with_the_prompt(server, references, model):
+    reference = references["gpt2"]
+    ids = reference.ids("The quick brown fox")
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        result = client.infer(model, ft_inputs(httpclient, ids))
+    (sequence,) = beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
+    assert sequence[: len(ids)] == ids
+    assert [sequence] == reference.generate(ids)
+    assert result.as_numpy("prefix_length").tolist() == [[len(ids)]]
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_sixteen_concurrent_requests_each_get_their_own_output(server, references, model):
+    reference = references["t5"]
+    texts = [f"translate English to German: sentence {i} is {'very ' * (i % 5)}long." for i in range(16)]
+    expected = [reference.generate(reference.ids(text)) for text in texts]
+
+    def ask(text: str) -> list[list[int]]:
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            result = client.infer(model, ft_inputs(httpclient, reference.ids(text)))
+        return beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, texts))
+    assert answers == expected
+
+
+def stream_responses(server, model: str, inputs, parameters: dict, timeout: float = 60.0) -> list:
+    """Every response of one ModelStreamInfer request, up to the final flag (an empty final included)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = results.get(timeout=timeout)
+            assert error is None, error
+            responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return responses
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("model", ["t5_stream", "t5_torch_stream"])
+def test_grpc_stream_sends_tokens_as_they_come_and_equals_the_whole_answer(server, references, model):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
+    responses = stream_responses(server, model, ft_inputs(grpcclient, ids),
+                                 {"stream": True, "max_tokens": STREAM_TOKENS})
+    carried = [r for r in responses if r.as_numpy("output_ids") is not None]
+    assert len(carried) >= 2  # not one answer at the end
+    assert responses[-1].get_response().parameters["triton_final_response"].bool_param
+    received: list[int] = []
+    for result in carried:
+        output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+        prefix = int(result.as_numpy("prefix_length")[0, 0])
+        assert prefix == len(received)  # prefix_length: what earlier responses carried
+        sequence = output_ids[0, 0, : lengths[0, 0]].tolist()
+        assert sequence[:prefix] == received
+        received = sequence
+    assert received == expected
+
+
+def test_grpc_stream_flag_as_an_input_tensor_and_without_stream_one_response(server, references):
+    reference = references["t5"]
+    ids = reference.ids("Hello world")
+    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
+    limit = {"max_tokens": STREAM_TOKENS}
+    by_tensor = stream_responses(server, "t5_stream", ft_inputs(grpcclient, ids, stream=(np.bool_, True)), limit)
+    carried = [r for r in by_tensor if r.as_numpy("output_ids") is not None]
+    assert len(carried) >= 2
+    assert beams_of(carried[-1].as_numpy("output_ids"), carried[-1].as_numpy("sequence_length")) == [expected]
+    whole = stream_responses(server, "t5_stream", ft_inputs(grpcclient, ids), limit)
+    assert len(whole) == 1  # stream false: one response that carries the final flag
+    assert beams_of(whole[0].as_numpy("output_ids"), whole[0].as_numpy("sequence_length")) == [expected]
+
+
+def test_cancelling_a_stream_stops_its_decoding(server, references):
+    """A stream asked for 3000 tokens is cancelled after a few: the next request on the same engine (which
+    decodes one call at a time) does not wait for the 3000, and the server keeps serving."""
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    long = 3000
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    started = time.monotonic()
+    client.async_stream_infer("t5_stream", ft_inputs(grpcclient, ids), parameters={
+        "stream": True, "max_tokens": long, "min_length": long})
+    produced = 0
+    while produced < 20:
+        result, error = results.get(timeout=60)
+        assert error is None, error
+        produced = int(result.as_numpy("sequence_length")[0, 0])
+    per_token = (time.monotonic() - started) / produced
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    asked = time.monotonic()
+    with httpclient.InferenceServerClient(server.http_url) as http:
+        answer = http.infer("t5", ft_inputs(httpclient, ids, max_output_len=(np.uint32, 4)))
+    waited = time.monotonic() - asked
+    assert answer.as_numpy("sequence_length")[0, 0] == 4
+    assert waited < 0.25 * (long - produced) * per_token, (waited, per_token)
+
+
+def test_generate_stream_sends_server_sent_events(server, references):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
+    body = {"input_ids": ids, "sequence_length": len(ids), "stream": True, "max_tokens": STREAM_TOKENS}
+    answer = requests.post(f"{server.base_url}/v2/models/t5_stream/generate_stream", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    events = [json.loads(line[len("data: "):]) for line in answer.text.split("\n") if line.startswith("data: ")]
+    assert len(events) >= 2
+    last = events[-1]
+    assert last["output_ids"][: last["sequence_length"]] == expected
+    assert [event["prefix_length"] for event in events[1:]] == [e["sequence_length"] for e in events[:-1]]
+
+
+BAD_INPUTS = [
+    ({"ids": [], "parameters": {}}, "the input is empty (length 0)"),
+    ({"ids": [5] * 5000, "parameters": {}}, "the input has 5000 tokens, more than the"),
+    ({"ids": [5, 6, 1], "parameters": {"temprature": 0.5}}, "unknown decoding parameter 'temprature'"),
+    ({"ids": [5, 6, 1], "parameters": {"beam_width": 0}}, "beam_width must be at least 1, got 0"),
+    ({"ids": [5, 6, 1], "parameters": {"stream": True}}, "this model is not decoupled"),
+]
+
+
+@pytest.mark.parametrize(("case", "words"), BAD_INPUTS, ids=["empty", "too_long", "unknown", "beam_0", "stream"])
+def test_bad_input_is_a_clear_400_over_http_and_invalid_argument_over_grpc(server, case, words):
+    ids = case["ids"]
+    body = {
+        "inputs": [
+            {"name": "input_ids", "datatype": "UINT32", "shape": [1, len(ids)], "data": ids},
+            {"name": "sequence_length", "datatype": "UINT32", "shape": [1, 1], "data": [len(ids)]},
+        ],
+        "parameters": case["parameters"],
+    }
+    answer = requests.post(f"{server.base_url}/v2/models/t5/infer", json=body, timeout=60)
+    assert answer.status_code == 400
+    assert words in answer.json()["error"]
+    with grpcclient.InferenceServerClient(server.grpc_url) as client, pytest.raises(InferenceServerException) as caught:
+        client.infer("t5", ft_inputs(grpcclient, ids), parameters=case["parameters"])
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert words in caught.value.message()
+    assert server.alive()
+
+
+def test_models_that_cannot_load_are_unavailable_with_the_reason_and_the_rest_serves(server):
+    index = requests.post(f"{server.base_url}/v2/repository/index", json={}, timeout=30).json()
+    states = {entry["name"]: entry for entry in index}
+    reasons = {
+        "missing_folder": "model directory '",
+        "bad_parameter": "parameter 'max_batch_rows' must be an integer, got 'many'",
+        "bad_input": "input 'top_k_runtime' is not one the generation backend knows",
+    }
+    for name, words in reasons.items():
+        assert states[name]["state"] == "UNAVAILABLE"
+        assert words in states[name]["reason"]
+    assert "runtime_top_k" in states["bad_input"]["reason"]  # the supported names are listed
+    ready = ("fastertransformer", "fastertransformer_torch", "t5", "t5_stream", "gpt2", "t5_torch", "t5_torch_stream",
+             "gpt2_torch")
+    assert all(states[name]["state"] == "READY" for name in ready)
