@@ -303,13 +303,38 @@ class Server:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         """Validate once, schedule, and shape the response to what the client asked for."""
+        return await self._infer_validated(self._validated_model(request), request)
+
+    def _validated_model(self, request: InferRequest) -> ModelVersion:
+        """The version a one-response request names, with the request checked against it."""
         if self._stopping:
             raise unavailable("the server is shutting down")
         model = self.get_version(request.model_name, request.model_version)
         if model.config.model_transaction_policy.decoupled:
             raise unsupported(DECOUPLED_INFER_MESSAGE)
         model.signature.validate(request)
-        return await self._infer_validated(model, request)
+        return model
+
+    def submit(self, request: InferRequest) -> tuple[ModelVersion, asyncio.Future[InferResponse]]:
+        """`infer` for callers that finish in a callback rather than a coroutine (ensemble steps): validate and
+        schedule now, then pass the future, once done, to `complete`. Saves a coroutine and a task wake-up."""
+        model = self._validated_model(request)
+        request.arrival_ns = time.monotonic_ns()
+        self._inflight += 1
+        return model, model.scheduler.submit(request)
+
+    def complete(
+        self, model: ModelVersion, request: InferRequest, future: asyncio.Future[InferResponse]
+    ) -> InferResponse:
+        """The response of a request `submit` scheduled, once its future is done; raises its ServerError
+        (CancelledError if it was cancelled) and counts the outcome as `infer` does."""
+        self._inflight -= 1
+        try:
+            response = future.result()
+        except ServerError as exc:
+            model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+            raise
+        return self._answer(model, request, response)
 
     def infer_stream(self, request: InferRequest) -> ResponseStream:
         """Any model's responses as a stream: a decoupled model's zero or more, another model's one.
@@ -367,6 +392,11 @@ class Server:
             raise
         finally:
             self._inflight -= 1
+        return self._answer(model, request, response)
+
+    @staticmethod
+    def _answer(model: ModelVersion, request: InferRequest, response: InferResponse) -> InferResponse:
+        """Count a success and shape the response to what the request asked for."""
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
         response.id = request.id
         response.model_name = model.name

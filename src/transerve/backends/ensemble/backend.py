@@ -1,4 +1,4 @@
-"""Run an ensemble request: each step is a request to the core, started as soon as its inputs exist.
+"""Run an ensemble request: each step is a request to the core, submitted as soon as its inputs exist.
 
 Steps go through their models' own schedulers, so a batched model inside an ensemble batches across
 ensemble requests, and a model's statistics count its ensemble traffic.
@@ -7,10 +7,12 @@ ensemble requests, and a model's statistics count its ensemble traffic.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
 from transerve.backends.ensemble.graph import Step, build_steps
+from transerve.backends.ensemble.walk import Walk
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg
 from transerve.core.signature import ModelSignature
@@ -56,77 +58,57 @@ class EnsembleModel(BackendModel):
 
 
 class EnsembleInstance(BackendInstance):
-    """Executes ensemble requests concurrently, each as its own graph walk."""
+    """Executes ensemble requests concurrently, each as its own graph walk (`walk.Walk`)."""
 
     max_inflight = MAX_CONCURRENT_REQUESTS
 
     def __init__(self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Any) -> None:
+        self._loop = asyncio.get_running_loop()
         self.name = name
         self._version = version
-        self._steps = steps
+        self.steps = steps
         self._outputs = outputs
-        self._runtime = runtime
+        self.runtime = runtime
+        #: Per step, the outputs its requests ask for (shared by those requests, which nobody mutates).
+        self._requested = {step.index: [RequestedOutput(name) for name in step.outputs] for step in steps}
 
-    async def execute(self, requests: list[InferRequest]) -> ExecutionResult:
-        if len(requests) == 1:
-            return ExecutionResult([await self._run(requests[0])])
-        return ExecutionResult(list(await asyncio.gather(*(self._run(request) for request in requests))))
+    def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+        """A future the walks' callbacks resolve: no task per ensemble request."""
+        future: asyncio.Future[ExecutionResult] = self._loop.create_future()
+        results: list[InferResponse | ServerError | None] = [None] * len(requests)
+        remaining = [len(requests)]
+
+        def done(index: int, result: InferResponse | ServerError) -> None:
+            results[index] = result
+            remaining[0] -= 1
+            if not remaining[0] and not future.done():
+                future.set_result(ExecutionResult(results))
+
+        for index, request in enumerate(requests):
+            Walk(self, request, functools.partial(done, index)).start()
+        return future
 
     async def close(self) -> None:
         """Nothing to release: the composing models have their own lifecycles."""
 
-    async def _run(self, request: InferRequest) -> InferResponse | ServerError:
-        tensors = {tensor.name: tensor for tensor in request.inputs}
-        pending = list(self._steps)
-        running: dict[asyncio.Future[InferResponse], Step] = {}
-        try:
-            while pending or running:
-                ready = [step for step in pending if all(t in tensors for t in step.inputs.values())]
-                for step in ready:
-                    pending.remove(step)
-                if len(ready) == 1 and not running:  # a chain: no task, no wait set
-                    step = ready[0]
-                    self._store(step, await self._call(step, request, tensors), tensors)
-                    continue
-                for step in ready:
-                    running[asyncio.ensure_future(self._call(step, request, tensors))] = step
-                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for future in done:
-                    self._store(running.pop(future), future.result(), tensors)
-        except _StepFailed as failed:
-            for future in running:
-                future.cancel()
-            return failed.error
-        return InferResponse(self.name, self._version, [tensors[name] for name in self._outputs if name in tensors])
+    @staticmethod
+    def ready(step: Step, tensors: dict[str, Tensor]) -> bool:
+        return all(tensor in tensors for tensor in step.inputs.values())
 
-    async def _call(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:
-        step_request = InferRequest(
+    def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest:
+        """The core request of one step, with the ensemble request's id, sequence and scheduling fields."""
+        return InferRequest(
             model_name=step.model_name,
             model_version=step.model_version,
             id=request.id,
             inputs=[Tensor(name, tensors[t].datatype, tensors[t].data) for name, t in step.inputs.items()],
-            outputs=[RequestedOutput(name) for name in step.outputs],
+            outputs=self._requested[step.index],
             parameters=request.parameters,
             correlation_id=request.correlation_id,
             flags=request.flags,
             priority=request.priority,
             timeout_us=request.timeout_us,
         )
-        try:
-            return await self._runtime.infer(step_request)
-        except ServerError as exc:
-            raise _StepFailed(ServerError(exc.code, f"in ensemble '{self.name}', {step.label} failed: "
-                                                    f"{exc.message}")) from None
 
-    @staticmethod
-    def _store(step: Step, response: InferResponse, tensors: dict[str, Tensor]) -> None:
-        for output in response.outputs:
-            target = step.outputs.get(output.name)
-            if target is not None:
-                tensors[target] = Tensor(target, output.datatype, output.data)
-
-
-class _StepFailed(Exception):
-    def __init__(self, error: ServerError) -> None:
-        super().__init__(error.message)
-        self.error = error
+    def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:
+        return InferResponse(self.name, self._version, [tensors[name] for name in self._outputs if name in tensors])

@@ -1,0 +1,121 @@
+"""One request through an ensemble whose steps answer once, driven by the callbacks of its steps' futures.
+
+Each step is a core request (`runtime.submit`, through its model's scheduler). When a step's future is done,
+its callback stores the outputs and submits every step they make ready, so a request costs no task and no
+coroutine, and a chain hands one step's outputs to the next in the callback that receives them. Independent
+steps run concurrently. The first step to fail ends the request with its error, naming the step, and the
+steps still running are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from transerve.backends.ensemble.graph import Step
+from transerve.core.errors import ServerError, internal
+from transerve.core.types import InferRequest, InferResponse, Tensor
+
+log = logging.getLogger(__name__)
+
+
+class Ensemble(Protocol):
+    """What a walk needs of its ensemble."""
+
+    name: str
+    steps: list[Step]
+    runtime: Any
+
+    def ready(self, step: Step, tensors: dict[str, Tensor]) -> bool: ...
+
+    def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest: ...
+
+    def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse: ...
+
+
+class Walk:
+    """Runs `request` through the ensemble's steps and calls `done` once with its response or error."""
+
+    __slots__ = ("_ensemble", "_request", "_done", "_tensors", "_pending", "_running", "_finished")
+
+    def __init__(
+        self, ensemble: Ensemble, request: InferRequest, done: Callable[[InferResponse | ServerError], None]
+    ) -> None:
+        self._ensemble = ensemble
+        self._request = request
+        self._done = done
+        self._tensors = {tensor.name: tensor for tensor in request.inputs}
+        self._pending = list(ensemble.steps)
+        #: The futures of the steps in flight.
+        self._running: dict[asyncio.Future[InferResponse], Step] = {}
+        self._finished = False
+
+    def start(self) -> None:
+        self._advance()
+
+    def _advance(self) -> None:
+        """Submit every step whose inputs exist; answer once nothing is left to run."""
+        ensemble, tensors = self._ensemble, self._tensors
+        ready = [step for step in self._pending if ensemble.ready(step, tensors)]
+        for step in ready:
+            self._pending.remove(step)
+            if not self._submit(step):
+                return
+        if self._running:
+            return
+        if self._pending:
+            missing = self._pending[0]
+            self._finish(internal(f"in ensemble '{ensemble.name}', {missing.label} cannot run: "
+                                  "a step before it did not produce its inputs"))
+        else:
+            self._finish(ensemble.respond(self._request, tensors))
+
+    def _submit(self, step: Step) -> bool:
+        step_request = self._ensemble.make_request(step, self._request, self._tensors)
+        try:
+            model, future = self._ensemble.runtime.submit(step_request)
+        except ServerError as exc:
+            self._fail(step, exc)
+            return False
+        self._running[future] = step
+        future.add_done_callback(functools.partial(self._step_done, model, step_request))
+        return True
+
+    def _step_done(self, model: Any, step_request: InferRequest, future: asyncio.Future[InferResponse]) -> None:
+        step = self._running.pop(future, None)  # None: the walk already ended, only the bookkeeping is left
+        try:
+            response = self._ensemble.runtime.complete(model, step_request, future)
+        except ServerError as exc:
+            if step is not None:
+                self._fail(step, exc)
+            return
+        except asyncio.CancelledError:
+            return
+        if step is None:
+            return
+        try:
+            tensors = self._tensors
+            for output in response.outputs:
+                target = step.outputs.get(output.name)
+                if target is not None:
+                    tensors[target] = Tensor(target, output.datatype, output.data)
+            self._advance()
+        except Exception as exc:  # a bug here must not leave the request waiting forever
+            log.exception("ensemble '%s' failed after %s", self._ensemble.name, step.label)
+            self._fail(step, internal(repr(exc)))
+
+    def _fail(self, step: Step, error: ServerError) -> None:
+        self._finish(ServerError(error.code, f"in ensemble '{self._ensemble.name}', {step.label} failed: "
+                                             f"{error.message}"))
+
+    def _finish(self, result: InferResponse | ServerError) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        running, self._running = self._running, {}
+        for future in running:
+            future.cancel()
+        self._done(result)
