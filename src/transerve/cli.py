@@ -13,6 +13,7 @@ from typing import Any
 
 from transerve import __version__
 from transerve.core.server import ControlMode, Server, ServerOptions
+from transerve.convert import command as convert_command
 from transerve.export import command as export_command
 
 log = logging.getLogger("transerve")
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend-config", type=_backend_config, action="append", default=[], metavar="BACKEND,KEY=VALUE")
     add("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES")
     export_command.add_parser(commands)
+    convert_command.add_parser(commands)
     return parser
 
 
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return export_command.run(args)
+    if args.command == "convert":
+        return convert_command.run(args)
     if args.log_verbose > 0:  # python-backend workers inherit it: pb_utils.Logger.log_verbose then prints
         os.environ["TRANSERVE_LOG_VERBOSE"] = str(args.log_verbose)
     logging.basicConfig(

@@ -1,0 +1,1 @@
+"""`transerve convert`: a Hugging Face generation model to a model repository the generation backend serves."""

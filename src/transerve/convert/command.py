@@ -1,0 +1,116 @@
+"""`transerve convert HF_MODEL_DIR --output REPO`: a Hugging Face generation model (T5, BART, Marian, GPT-2,
+Llama-style, ...) to a model repository that the generation backend serves: the generator (converted to
+CTranslate2, or the folder as it is for the torch engine), the tokenizer and detokenizer, and the text ensemble
+(see `repository` for what it writes). The counterpart of the seed's FasterTransformer checkpoint converter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from transerve.convert.architectures import check_architecture
+from transerve.convert.repository import Options, model_names, write
+from transerve.export.hf import ExportError, read_folder
+from transerve.export.progress import Progress
+
+ENGINES = ("ctranslate2", "torch")
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
+TORCH_TYPES = ("float32", "float16", "bfloat16")
+#: Files the tokenizer, the detokenizer and the engines read beside the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "convert", help="convert a Hugging Face generation model to a model repository", allow_abbrev=False,
+        description="Convert a Hugging Face generation model folder (config.json, weights, tokenizer.json) to a "
+                    "model repository: the generator (backend 'generation'), a tokenizer, a detokenizer, and an "
+                    "ensemble NAME_text that takes text_input and returns text_output.",
+    )
+    add = parser.add_argument
+    add("model_dir", type=Path, metavar="HF_MODEL_DIR")
+    add("--output", type=Path, required=True, metavar="REPO", help="the model repository to write into")
+    add("--engine", choices=ENGINES, default="ctranslate2",
+        help="ctranslate2 (converted weights, the default) or torch (transformers, the folder as it is)")
+    add("--quantization", choices=QUANTIZATIONS, default="float32",
+        help="weight type; ctranslate2 takes all, torch float32, float16 or bfloat16 (default float32)")
+    add("--name", help="the generator's name, and the prefix of the other models' names (default: the model "
+                       "type); 'fastertransformer' gives the FasterTransformer tensor names the seed client calls")
+    add("--max-batch-size", type=int, default=8, metavar="N", help="rows one request may carry (default 8)")
+    add("--decoupled", action="store_true", help="a decoupled generator, which streams tokens as they are produced")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        convert(args.model_dir, args.output, args.engine, args.quantization, args.name, args.max_batch_size,
+                args.decoupled)
+    except ExportError as exc:
+        print(f"transerve convert: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def convert(
+    model_dir: Path, output: Path, engine: str = "ctranslate2", quantization: str = "float32",
+    name: str | None = None, max_batch_size: int = 8, decoupled: bool = False,
+) -> list[str]:
+    """Write the repository; return the names of the models written, the text ensemble last."""
+    folder = read_folder(model_dir)
+    if engine not in ENGINES:
+        raise ExportError(f"unknown engine '{engine}': choose one of {', '.join(ENGINES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ExportError(f"unknown quantization '{quantization}': choose one of {', '.join(QUANTIZATIONS)}")
+    if engine == "torch" and quantization not in TORCH_TYPES:
+        raise ExportError(f"the torch engine runs {', '.join(TORCH_TYPES)}; quantization '{quantization}' needs "
+                          "--engine ctranslate2")
+    if max_batch_size < 1:
+        raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
+    name = name or str(folder.config["model_type"]).replace("-", "_")
+    names = model_names(name)
+    taken = [model for model in names if (output / model).exists()]
+    if taken:
+        raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
+    progress = Progress(4 if engine == "ctranslate2" else 2)
+    with progress.step("loading transformers" + (" and CTranslate2's converter" if engine == "ctranslate2" else "")):
+        check_architecture(folder.config, engine)
+    # CTranslate2 picks the saved weights' type where the device supports it, float32 where it does not (CPUs
+    # have no float16): one repository serves on CPU and GPU instances alike.
+    options = Options(name, engine, "default" if engine == "ctranslate2" else quantization, max_batch_size,
+                      decoupled)
+    output.mkdir(parents=True, exist_ok=True)
+    try:
+        target = write(output, folder.tokenizer_file, options)
+        if engine == "ctranslate2":
+            _convert_ctranslate2(model_dir, target, quantization, progress)
+        else:
+            with progress.step(f"copying the model from {model_dir}"):
+                shutil.copytree(model_dir, target)
+        for file in TOKENIZER_FILES:
+            if (model_dir / file).is_file():
+                shutil.copyfile(model_dir / file, target / file)
+    except BaseException:
+        for model in names:
+            shutil.rmtree(output / model, ignore_errors=True)
+        raise
+    progress.note(f"wrote {', '.join(names)} to {output}; serve with: transerve serve --model-repository {output}")
+    return names
+
+
+def _convert_ctranslate2(model_dir: Path, target: Path, quantization: str, progress: Progress) -> None:
+    """Converter.convert's stages (ctranslate2 4.8), each shown as it runs."""
+    from ctranslate2.converters import TransformersConverter
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # ours shows the stage; theirs would break its line
+    converter = TransformersConverter(str(model_dir))
+    with progress.step(f"loading the model from {model_dir}"):
+        spec = converter._load()
+    with progress.step(f"converting to CTranslate2 ({quantization})"):
+        spec.validate()
+        spec.optimize(quantization=quantization)
+    with progress.step("writing the CTranslate2 model"):
+        target.mkdir()
+        spec.save(str(target))
