@@ -7,8 +7,8 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from support.generation_models import ARCHITECTURES, build_generation_model
 
-from tests.support.generation_models import ARCHITECTURES, build_generation_model
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest, GenerationResult
 from transerve.core.errors import ErrorCode, ServerError
 
@@ -91,7 +91,7 @@ def test_greedy_equals_transformers(models, arch):
 @pytest.mark.parametrize("length_penalty", [0.6, 2.0])
 def test_beam_search_equals_transformers(models, arch, length_penalty):
     model = models[arch]
-    for text in TEXTS:
+    for text in TEXTS[:2]:
         ids = model.ids(text)
         result, _ = generate(model.engine, ids, max_new_tokens=16, beam_width=4, num_return_sequences=2,
                              length_penalty=length_penalty)
