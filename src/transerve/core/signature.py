@@ -71,6 +71,46 @@ class ModelSignature:
 
     def validate(self, request: InferRequest) -> None:
         """Check a request against the model, with Triton's wording; reshape inputs the config reshapes."""
+        if not self._plainly_valid(request):
+            self._check(request)
+        if self._reshaped_inputs:
+            self._apply_reshape(request)
+
+    def _plainly_valid(self, request: InferRequest) -> bool:
+        """One quick pass that accepts what `_check` would (every request, on the hot path); anything else
+        goes to `_check`, which finds the first problem and words it as Triton does."""
+        specs = self.inputs
+        inputs = request.inputs
+        if len(inputs) > len(specs):
+            return False
+        max_batch_size = self.max_batch_size
+        batch_size = -1
+        names = set()
+        for tensor in inputs:
+            spec = specs.get(tensor.name)
+            if spec is None or tensor.datatype != spec.datatype:
+                return False
+            shape = tensor.data.shape
+            expected = spec.shape
+            if len(shape) != len(expected):
+                return False
+            for want, got in zip(expected, shape, strict=True):
+                if want != got and want != -1:
+                    return False
+            if max_batch_size > 0:
+                if batch_size < 0:
+                    batch_size = shape[0]
+                    if batch_size > max_batch_size:
+                        return False
+                elif shape[0] != batch_size:
+                    return False
+            names.add(tensor.name)
+        if len(names) != len(inputs) or any(name not in names for name in self.required):
+            return False
+        outputs = request.outputs
+        return outputs is None or all(output.name in self.outputs for output in outputs)
+
+    def _check(self, request: InferRequest) -> None:
         prefix = f"[request id: {request.id or '<id_unknown>'}] "
         names = [tensor.name for tensor in request.inputs]
         if len(set(names)) != len(names):
@@ -118,8 +158,6 @@ class ModelSignature:
             for output in request.outputs:
                 if output.name not in self.outputs:
                     raise invalid_arg(f"unexpected inference output '{output.name}' for model '{self.model_name}'")
-        if self._reshaped_inputs:
-            self._apply_reshape(request)
 
     def _apply_reshape(self, request: InferRequest) -> None:
         for tensor in request.inputs:

@@ -7,6 +7,7 @@ already holds its next request when it finishes the current one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 
@@ -48,59 +49,56 @@ class DirectScheduler:
         return future
 
     def _dispatch(self) -> None:
-        while self._queue and self._free:
-            request, future = self._queue.popleft()
-            if future.done():  # cancelled by its client while queued
+        queue, free = self._queue, self._free
+        while queue and free:
+            pending = queue.popleft()
+            if pending[1].done():  # cancelled by its client while queued
                 continue
-            self._start(self._free.popleft(), [(request, future)])
+            self._start(free.popleft(), pending)
 
-    def _start(self, instance: BackendInstance, batch: list[_Pending]) -> None:
-        """Hand a batch to an instance; completion arrives as a callback, with no task per execution."""
-        started = time.monotonic_ns()
-        requests = [request for request, _ in batch]
-        for request in requests:
-            self._stats.queue.add(started - request.arrival_ns)
+    def _start(self, instance: BackendInstance, pending: _Pending) -> None:
+        """Hand a request to an instance; completion arrives as a callback, with no task per execution."""
+        request = pending[0]
+        self._stats.queue.add(time.monotonic_ns() - request.arrival_ns)
         self._running += 1
         try:
-            execution = instance.execute(requests)
+            execution = instance.execute([request])
             if not isinstance(execution, asyncio.Future):
                 execution = self._loop.create_task(execution)
-        except Exception as exc:  # a backend bug: fail this batch, keep serving
-            self._finish(instance, batch, self._failed(instance, batch, f"failed: {exc!r}"))
+        except Exception as exc:  # a backend bug: fail this request, keep serving
+            self._finish(instance, pending, self._failed(instance, f"failed: {exc!r}"))
             return
-        execution.add_done_callback(lambda done: self._collect(instance, batch, done))
+        execution.add_done_callback(functools.partial(self._collect, instance, pending))
 
-    def _collect(self, instance: BackendInstance, batch: list[_Pending], done: asyncio.Future) -> None:
+    def _collect(self, instance: BackendInstance, pending: _Pending, done: asyncio.Future) -> None:
         if done.cancelled():
-            result = self._failed(instance, batch, "was cancelled")
+            result = self._failed(instance, "was cancelled")
         elif done.exception() is not None:
-            result = self._failed(instance, batch, f"failed: {done.exception()!r}")
+            result = self._failed(instance, f"failed: {done.exception()!r}")
         else:
             result = done.result()
-        self._finish(instance, batch, result)
+        self._finish(instance, pending, result)
 
-    def _finish(self, instance: BackendInstance, batch: list[_Pending], result: ExecutionResult) -> None:
+    def _finish(self, instance: BackendInstance, pending: _Pending, result: ExecutionResult) -> None:
         self._running -= 1
         self._free.append(instance)
-        if len(result.results) != len(batch):
-            result = self._failed(instance, batch, f"returned {len(result.results)} results for {len(batch)} requests")
-        requests = [request for request, _ in batch]
-        batch_size = sum(request.batch_size(self._max_batch_size) for request in requests)
+        request, future = pending
+        if len(result.results) != 1:
+            result = self._failed(instance, f"returned {len(result.results)} results for 1 requests")
         self._stats.record_execution(
-            batch_size, len(batch), result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns
+            request.batch_size(self._max_batch_size), 1, result.compute_input_ns, result.compute_infer_ns,
+            result.compute_output_ns,
         )
-        for (_, future), outcome in zip(batch, result.results, strict=True):
-            if future.done():
-                continue
+        if not future.done():
+            outcome = result.results[0]
             if isinstance(outcome, ServerError):
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
         self._dispatch()
 
-    def _failed(self, instance: BackendInstance, batch: list[_Pending], what: str) -> ExecutionResult:
-        error = internal(f"model '{self._model_name}' instance '{instance.name}' {what}")
-        return ExecutionResult([error] * len(batch))
+    def _failed(self, instance: BackendInstance, what: str) -> ExecutionResult:
+        return ExecutionResult([internal(f"model '{self._model_name}' instance '{instance.name}' {what}")])
 
     async def drain(self) -> None:
         """Wait until nothing is queued or running (used before unloading)."""
