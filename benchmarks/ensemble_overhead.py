@@ -4,7 +4,10 @@ transerve and the real Triton serve the same repository; runs alternate between 
 step, (p50 of the ensemble - p50 of the single model) / 3, is what each server charges to move a request
 from one step to the next; the issue's goal is transerve's being at most Triton's.
 
-    python benchmarks/ensemble_overhead.py [--duration 5] [--rounds 2] [--concurrency 1,16]
+    python benchmarks/ensemble_overhead.py [--duration 5] [--rounds 2] [--concurrency 1,16] [--baseline REF]
+
+`--baseline REF` also serves the repository with transerve as of git commit REF (`transerve@REF`), so a change
+is measured before and after in one run, under the same load.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -68,6 +72,7 @@ def request_bytes(host: str, model: str) -> bytes:
 
 @contextlib.contextmanager
 def servers(names: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
+    """Start each named server: `transerve`, `triton`, or `transerve@REF` (the source of git commit REF)."""
     from support import start_transerve, start_triton
 
     with tempfile.TemporaryDirectory(prefix="ensemble-bench-") as tmp, contextlib.ExitStack() as stack:
@@ -76,7 +81,18 @@ def servers(names: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
         addresses = {}
         for name in names:
             print(f"starting {name} ...", file=sys.stderr)
-            server = stack.enter_context(start_transerve(root) if name == "transerve" else start_triton(root))
+            if name == "triton":
+                server = stack.enter_context(start_triton(root))
+            elif name.startswith("transerve@"):
+                source = Path(tmp) / name
+                source.mkdir()
+                commit = name.partition("@")[2]
+                archive = subprocess.run(["git", "-C", str(BENCHMARKS.parent), "archive", commit, "src"],
+                                         check=True, capture_output=True).stdout
+                subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+                server = stack.enter_context(start_transerve(root, source=source / "src"))
+            else:
+                server = stack.enter_context(start_transerve(root))
             addresses[name] = ("127.0.0.1", server.http_port)
         yield addresses
 
@@ -88,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=protocol.comma_list, default=["1", "16"])
     parser.add_argument("--servers", type=protocol.comma_list, default=["transerve", "triton"])
+    parser.add_argument("--baseline", metavar="REF", help="also run transerve as of this git commit")
     args = parser.parse_args(argv)
+    if args.baseline:
+        args.servers.insert(0, f"transerve@{args.baseline}")
     results: dict[tuple[str, str, int], list[protocol.RunResult]] = {}
     with servers(args.servers) as addresses:
         for concurrency in (int(c) for c in args.concurrency):
@@ -120,11 +139,13 @@ def report(results: dict[tuple[str, str, int], list[protocol.RunResult]], names:
         per_step[(name, concurrency)] = added
         lines.append(f"| {name} | {concurrency} | {row['pass_1'][0]:.0f} | {row['pass_1'][1]:.2f} | "
                      f"{row['chain'][0]:.0f} | {row['chain'][1]:.2f} | {row['chain'][2]:.2f} | {added:.3f} |")
-    if "transerve" in names and "triton" in names:
+    if "triton" in names:
         for concurrency in sorted({c for _, c in per_step}):
-            ours, theirs = per_step[("transerve", concurrency)], per_step[("triton", concurrency)]
-            lines.append(f"\nconcurrency {concurrency}: transerve adds {ours:.3f} ms per step, Triton {theirs:.3f} ms "
-                         f"(ratio {ours / theirs:.2f})")
+            theirs = per_step[("triton", concurrency)]
+            for name in (n for n in names if n != "triton"):
+                ours = per_step[(name, concurrency)]
+                lines.append(f"\nconcurrency {concurrency}: {name} adds {ours:.3f} ms per step, Triton {theirs:.3f} "
+                             f"ms (ratio {ours / theirs:.2f})")
     return "\n".join(lines)
 
 

@@ -262,14 +262,16 @@ def start_transerve(
     repository: str | os.PathLike[str] = EXAMPLE_REPOSITORY,
     *extra_args: str,
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+    source: Path = REPO_ROOT / "src",
 ) -> Iterator[ServerProcess]:
     """Run `python -m transerve serve` on `repository` (served in place) until the block exits.
 
-    `extra_args` are appended to the command line, e.g. `start_transerve(repo, "--model-control-mode=explicit")`.
+    `extra_args` are appended to the command line, e.g. `start_transerve(repo, "--model-control-mode=explicit")`;
+    `source` is the folder transerve is imported from (benchmarks pass an older commit's to compare).
     """
     # The checkout's own source comes first on the path, so the tests exercise this tree even where a different
     # transerve is installed; unbuffered output keeps the log complete when the process is killed.
-    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
     with tempfile.TemporaryDirectory(prefix="transerve-test-") as tmp:
         server = start_server(
