@@ -59,21 +59,22 @@ output [
 ]
 """
 
-#: Streaming tests ask for this many tokens: enough that a tiny model's stream spans several loop iterations.
+#: Streaming tests ask CTranslate2 for this many tokens: enough that a tiny model's stream spans several loop turns.
 STREAM_TOKENS = 200
+#: The torch budget model's kv_cache_tokens.
+BUDGET = 3000
 PROMPT = "translate English to German: The house is wonderful."
 PROMPTS = [PROMPT, "Hello world", "The quick brown fox jumps over the lazy dog."]
 
 
-def config(name: str, interface: str, engine: str, decoupled: bool = False, model_dir: str = "model") -> str:
+def config(name: str, interface: str, engine: str, decoupled: bool = False, extra: str = "") -> str:
     policy = "model_transaction_policy { decoupled: true }\n" if decoupled else ""
     return (
         f'name: "{name}"\nbackend: "generation"\nmax_batch_size: 16\n{policy}{interface}'
         f'parameters {{ key: "engine" value {{ string_value: "{engine}" }} }}\n'
-        f'parameters {{ key: "model_dir" value {{ string_value: "{model_dir}" }} }}\n'
         f'parameters {{ key: "max_new_tokens" value {{ string_value: "{MAX_NEW_TOKENS}" }} }}\n'
         'parameters { key: "intra_op_threads" value { string_value: "1" } }\n'
-        "instance_group [{ kind: KIND_CPU }]\n"
+        f"instance_group [{{ kind: KIND_CPU }}]\n{extra}"
     )
 
 
@@ -87,12 +88,20 @@ class Reference:
         loader = transformers.AutoModelForSeq2SeqLM if self.encoder_decoder else transformers.AutoModelForCausalLM
         self.model = loader.from_pretrained(hf_dir).eval()
         self.eos = self.model.generation_config.eos_token_id
+        #: generate's answers, computed once per test session (tests share prompts).
+        self._answers: dict[tuple, list[list[int]]] = {}
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
     def generate(self, ids: list[int], beams: int = 1, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
         """Output ids per beam as served: new tokens up to the end token (encoder-decoder), prompt first (GPT)."""
+        key = (tuple(ids), beams, max_new_tokens)
+        if key not in self._answers:
+            self._answers[key] = self._generate(ids, beams, max_new_tokens)
+        return self._answers[key]
+
+    def _generate(self, ids: list[int], beams: int, max_new_tokens: int) -> list[list[int]]:
         with torch.no_grad():
             out = self.model.generate(torch.tensor([ids]), do_sample=False, num_beams=beams,
                                       num_return_sequences=beams, max_new_tokens=max_new_tokens)
@@ -128,8 +137,9 @@ def references(built) -> dict[str, Reference]:
 def server(built, tmp_path_factory):
     repo = tmp_path_factory.mktemp("generation_repository")
     models = {
-        # name: (folder served, interface, engine, decoupled)
-        "fastertransformer": ("t5_ct2", SEED_INTERFACE, "ctranslate2", False),
+        # name: (folder served, interface, engine, decoupled[, more config])
+        # FasterTransformer's configs carry dynamic_batching: accepted, and dropped (the engine batches).
+        "fastertransformer": ("t5_ct2", SEED_INTERFACE, "ctranslate2", False, "dynamic_batching { }\n"),
         "t5": ("t5_ct2", FT_INTERFACE, "ctranslate2", False),
         "t5_stream": ("t5_ct2", FT_INTERFACE, "ctranslate2", True),
         "gpt2": ("gpt2_ct2", FT_INTERFACE, "ctranslate2", False),
@@ -137,10 +147,13 @@ def server(built, tmp_path_factory):
         "t5_torch": ("t5", FT_INTERFACE, "torch", False),
         "t5_torch_stream": ("t5", FT_INTERFACE, "torch", True),
         "gpt2_torch": ("gpt2", FT_INTERFACE, "torch", False),
+        # A KV budget one long sequence fills: what comes next waits for it to leave.
+        "t5_torch_budget_stream": ("t5", FT_INTERFACE, "torch", True,
+                                   f'parameters {{ key: "kv_cache_tokens" value {{ string_value: "{BUDGET}" }} }}\n'),
     }
-    for name, (source, interface, engine, decoupled) in models.items():
+    for name, (source, interface, engine, decoupled, *extra) in models.items():
         shutil.copytree(built[source], repo / name / "1" / "model")
-        (repo / name / "config.pbtxt").write_text(config(name, interface, engine, decoupled))
+        (repo / name / "config.pbtxt").write_text(config(name, interface, engine, decoupled, *extra))
     (repo / "missing_folder" / "1").mkdir(parents=True)
     (repo / "missing_folder" / "config.pbtxt").write_text(config("missing_folder", FT_INTERFACE, "ctranslate2"))
     broken = {
@@ -235,7 +248,6 @@ def test_decoder_only_output_starts_with_the_prompt(server, references, model):
 def test_sixteen_concurrent_requests_each_get_their_own_output(server, references, model):
     reference = references["t5"]
     texts = [f"translate English to German: sentence {i} is {'very ' * (i % 5)}long." for i in range(16)]
-    expected = [reference.generate(reference.ids(text)) for text in texts]
 
     def ask(text: str) -> list[list[int]]:
         with httpclient.InferenceServerClient(server.http_url) as client:
@@ -244,7 +256,9 @@ def test_sixteen_concurrent_requests_each_get_their_own_output(server, reference
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, texts))
-    assert answers == expected
+    assert answers == [ask(text) for text in texts]  # each alone
+    assert len({tuple(answer[0]) for answer in answers}) > 12  # outputs differ, so a mix-up would show
+    assert answers[0] == reference.generate(reference.ids(texts[0]))
 
 
 def stream_responses(server, model: str, inputs, parameters: dict, timeout: float = 60.0) -> list:
@@ -266,13 +280,20 @@ def stream_responses(server, model: str, inputs, parameters: dict, timeout: floa
         client.close()
 
 
-@pytest.mark.parametrize("model", ["t5_stream", "t5_torch_stream"])
-def test_grpc_stream_sends_tokens_as_they_come_and_equals_the_whole_answer(server, references, model):
+def whole_answer(server, model: str, ids: list[int], tokens: int) -> list[int]:
+    """The decoupled model's answer without streaming (one response)."""
+    (response,) = stream_responses(server, model, ft_inputs(grpcclient, ids), {"max_tokens": tokens})
+    (sequence,) = beams_of(response.as_numpy("output_ids"), response.as_numpy("sequence_length"))
+    return sequence
+
+
+@pytest.mark.parametrize(("model", "tokens"), [("t5_stream", STREAM_TOKENS), ("t5_torch_stream", 32)])
+def test_grpc_stream_sends_tokens_as_they_come_and_equals_the_whole_answer(server, references, model, tokens):
     reference = references["t5"]
     ids = reference.ids(PROMPT)
-    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
-    responses = stream_responses(server, model, ft_inputs(grpcclient, ids),
-                                 {"stream": True, "max_tokens": STREAM_TOKENS})
+    expected = whole_answer(server, model, ids, tokens)
+    assert len(expected) == tokens  # the random model produces no end token this early
+    responses = stream_responses(server, model, ft_inputs(grpcclient, ids), {"stream": True, "max_tokens": tokens})
     carried = [r for r in responses if r.as_numpy("output_ids") is not None]
     assert len(carried) >= 2  # not one answer at the end
     assert responses[-1].get_response().parameters["triton_final_response"].bool_param
@@ -290,28 +311,29 @@ def test_grpc_stream_sends_tokens_as_they_come_and_equals_the_whole_answer(serve
 def test_grpc_stream_flag_as_an_input_tensor_and_without_stream_one_response(server, references):
     reference = references["t5"]
     ids = reference.ids("Hello world")
-    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
-    limit = {"max_tokens": STREAM_TOKENS}
-    by_tensor = stream_responses(server, "t5_stream", ft_inputs(grpcclient, ids, stream=(np.bool_, True)), limit)
+    # stream false: one response, carrying the final flag, equal to transformers' generate
+    assert whole_answer(server, "t5_stream", ids, MAX_NEW_TOKENS) == reference.generate(ids)[0]
+    expected = whole_answer(server, "t5_stream", ids, STREAM_TOKENS)
+    by_tensor = stream_responses(server, "t5_stream", ft_inputs(grpcclient, ids, stream=(np.bool_, True)),
+                                 {"max_tokens": STREAM_TOKENS})
     carried = [r for r in by_tensor if r.as_numpy("output_ids") is not None]
     assert len(carried) >= 2
     assert beams_of(carried[-1].as_numpy("output_ids"), carried[-1].as_numpy("sequence_length")) == [expected]
-    whole = stream_responses(server, "t5_stream", ft_inputs(grpcclient, ids), limit)
-    assert len(whole) == 1  # stream false: one response that carries the final flag
-    assert beams_of(whole[0].as_numpy("output_ids"), whole[0].as_numpy("sequence_length")) == [expected]
 
 
-def test_cancelling_a_stream_stops_its_decoding(server, references):
-    """A stream asked for 3000 tokens is cancelled after a few: the next request on the same engine (which
-    decodes one call at a time) does not wait for the 3000, and the server keeps serving."""
+@pytest.mark.parametrize(("model", "follow_up"), [("t5_stream", "t5"), ("t5_torch_budget_stream", None)])
+def test_cancelling_a_stream_stops_its_decoding(server, references, model, follow_up):
+    """A stream asked for thousands of tokens is cancelled after a few, and a request follows that can only start
+    once that sequence is gone: CTranslate2 decodes one call at a time; the torch model's KV budget holds
+    one such sequence. It does not wait for the thousands, and the server keeps serving."""
     reference = references["t5"]
     ids = reference.ids(PROMPT)
-    long = 3000
+    long = BUDGET - len(ids)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     started = time.monotonic()
-    client.async_stream_infer("t5_stream", ft_inputs(grpcclient, ids), parameters={
+    client.async_stream_infer(model, ft_inputs(grpcclient, ids), parameters={
         "stream": True, "max_tokens": long, "min_length": long})
     produced = 0
     while produced < 20:
@@ -322,8 +344,11 @@ def test_cancelling_a_stream_stops_its_decoding(server, references):
     client.stop_stream(cancel_requests=True)
     client.close()
     asked = time.monotonic()
-    with httpclient.InferenceServerClient(server.http_url) as http:
-        answer = http.infer("t5", ft_inputs(httpclient, ids, max_output_len=(np.uint32, 4)))
+    if follow_up is None:
+        answer = stream_responses(server, model, ft_inputs(grpcclient, ids), {"max_tokens": 4})[-1]
+    else:
+        with httpclient.InferenceServerClient(server.http_url) as http:
+            answer = http.infer(follow_up, ft_inputs(httpclient, ids, max_output_len=(np.uint32, 4)))
     waited = time.monotonic() - asked
     assert answer.as_numpy("sequence_length")[0, 0] == 4
     assert waited < 0.25 * (long - produced) * per_token, (waited, per_token)
@@ -332,7 +357,7 @@ def test_cancelling_a_stream_stops_its_decoding(server, references):
 def test_generate_stream_sends_server_sent_events(server, references):
     reference = references["t5"]
     ids = reference.ids(PROMPT)
-    (expected,) = reference.generate(ids, max_new_tokens=STREAM_TOKENS)
+    expected = whole_answer(server, "t5_stream", ids, STREAM_TOKENS)
     body = {"input_ids": ids, "sequence_length": len(ids), "stream": True, "max_tokens": STREAM_TOKENS}
     answer = requests.post(f"{server.base_url}/v2/models/t5_stream/generate_stream", json=body, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -387,3 +412,52 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason_and_the_rest_se
     ready = ("fastertransformer", "fastertransformer_torch", "t5", "t5_stream", "gpt2", "t5_torch", "t5_torch_stream",
              "gpt2_torch")
     assert all(states[name]["state"] == "READY" for name in ready)
+
+
+def test_dynamic_batching_is_dropped_from_the_config(server):
+    answer = requests.get(f"{server.base_url}/v2/models/fastertransformer/config", timeout=30).json()
+    assert answer["backend"] == "generation" and "dynamic_batching" not in answer
+    assert "dynamic_batching is ignored" in server.log
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_sampling_with_a_seed_is_reproducible(server, references, model):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+
+    def sample(seed: int) -> list[list[int]]:
+        with httpclient.InferenceServerClient(server.http_url) as client:
+            result = client.infer(model, ft_inputs(httpclient, ids), parameters={
+                "top_k": 50, "temperature": 3.0, "random_seed": seed})
+        return beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length"))
+
+    draws = {seed: sample(seed) for seed in range(4)}
+    assert all(sample(seed) == draw for seed, draw in draws.items())
+    assert len({tuple(draw[0]) for draw in draws.values()}) > 1  # the seeds do sample differently
+    assert draws[0] != reference.generate(ids)
+
+
+def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server, references):
+    """The short request arrives while the long one is decoding (its first token is out) on the torch engine."""
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error, time.monotonic())))
+    try:
+        client.async_stream_infer("t5_torch_stream", ft_inputs(grpcclient, ids), enable_empty_final_response=True,
+                                  parameters={"stream": True, "max_tokens": 100, "min_length": 100})
+        result, error, _ = results.get(timeout=60)
+        assert error is None, error
+        short = stream_responses(server, "t5_torch_stream", ft_inputs(grpcclient, ids), {"max_tokens": 4})
+        short_done = time.monotonic()
+        assert short[-1].as_numpy("sequence_length")[0, 0] == 4
+        while True:
+            result, error, at = results.get(timeout=120)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        assert short_done < at
+    finally:
+        client.stop_stream()
+        client.close()

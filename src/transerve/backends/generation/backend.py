@@ -9,6 +9,7 @@ serves. See docs/generation.md.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -18,7 +19,9 @@ from transerve.backends.generation.instance import GenerationInstance
 from transerve.backends.generation.interface import TensorInterface
 from transerve.backends.generation.options import Limits
 from transerve.backends.generation.settings import GenerationSettings, read_settings
-from transerve.core.errors import ServerError, unavailable
+from transerve.core.errors import ServerError, invalid_arg, unavailable
+
+log = logging.getLogger(__name__)
 
 #: transformers' `from_pretrained` patches torch process-wide while it loads (weights created on the meta device):
 #: two loads in two threads at once break each other (seen: meta-tensor errors, and weights silently left random).
@@ -43,6 +46,7 @@ class GenerationBackend(Backend):
         try:
             interface = TensorInterface(config)
             settings = read_settings(config, context.version_path)
+            _own_scheduling(config, context.name)
             # Loading takes seconds: every instance's engine loads at once, off the event loop.
             engines = await asyncio.gather(
                 *(loop.run_in_executor(None, open_engine, settings, placement) for placement in placements),
@@ -70,6 +74,16 @@ class GenerationBackend(Backend):
             for placement, engine in zip(placements, engines, strict=True)
         ]
         return GenerationModel(config, instances)
+
+
+def _own_scheduling(config: Any, name: str) -> None:
+    """The engine batches by itself and must see every request at once: a batcher in front of it would hold
+    requests back until an execution ends. `dynamic_batching` (FasterTransformer configs carry it) is dropped."""
+    if config.HasField("sequence_batching"):
+        raise invalid_arg("the generation backend does not serve sequence_batching (stateful) models")
+    if config.HasField("dynamic_batching"):
+        log.warning("model '%s': dynamic_batching is ignored; the generation engine batches requests itself", name)
+        config.ClearField("dynamic_batching")
 
 
 def open_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
