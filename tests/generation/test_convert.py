@@ -207,3 +207,26 @@ def test_what_cannot_be_converted_is_refused_in_one_line(hf_folders, tmp_path):
         convert(hf_folders["t5"], tmp_path / "out", engine="torch", quantization="int8")
     with pytest.raises(ExportError, match="unknown quantization 'int3'"):
         convert(hf_folders["t5"], tmp_path / "out", quantization="int3")
+
+
+def test_streamed_pieces_never_split_a_character(server, hf_folders):
+    """The detokenizer as a stream calls it: all ids so far, and how many of them earlier pieces covered."""
+    from tokenizers import Tokenizer
+
+    text = "안녕하세요 세계 🙂🚀"
+    ids = Tokenizer.from_file(str(hf_folders["gpt2"] / "tokenizer.json")).encode(text).ids
+    client = httpclient.InferenceServerClient(server.http_url)
+    pieces = []
+    for end in range(1, len(ids) + 1):
+        inputs = [
+            httpclient.InferInput("output_ids", [1, 1, end], "UINT32"),
+            httpclient.InferInput("sequence_length", [1, 1], "UINT32"),
+            httpclient.InferInput("prefix_length", [1, 1], "UINT32"),
+        ]
+        inputs[0].set_data_from_numpy(np.array([[ids[:end]]], np.uint32))
+        inputs[1].set_data_from_numpy(np.array([[end]], np.uint32))
+        inputs[2].set_data_from_numpy(np.array([[end - 1]], np.uint32))
+        pieces.append(client.infer("gpt2_detokenizer", inputs).as_numpy("text_output")[0, 0].decode("utf-8"))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "" in pieces  # some token held only part of a character: its piece waited for the rest
