@@ -461,3 +461,26 @@ def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server
     finally:
         client.stop_stream()
         client.close()
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_a_request_the_engine_refuses_is_a_400_and_the_model_keeps_serving(server, references, model):
+    """Beyond the torch engine's KV budget, or CTranslate2's vocabulary: the engine's INVALID_ARG reaches the
+    client as a 400."""
+    ids = references["t5"].ids(PROMPT)
+    ids_sent, parameters, words = {
+        "t5": (ids[:-1] + [100000], {}, "input token ids must lie in [0, "),
+        "t5_torch": (ids, {"max_tokens": 100000}, "this model's budget is 65536 (kv_cache_tokens)"),
+    }[model]
+    body = {
+        "inputs": [
+            {"name": "input_ids", "datatype": "UINT32", "shape": [1, len(ids_sent)], "data": ids_sent},
+            {"name": "sequence_length", "datatype": "UINT32", "shape": [1, 1], "data": [len(ids_sent)]},
+        ],
+        "parameters": parameters,
+    }
+    answer = requests.post(f"{server.base_url}/v2/models/{model}/infer", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert words in answer.json()["error"]
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        assert client.infer(model, ft_inputs(httpclient, ids)).as_numpy("output_ids") is not None

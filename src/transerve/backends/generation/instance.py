@@ -104,7 +104,11 @@ class _RequestRun:
             def done(outcome: GenerationResult | Exception, row: int = row) -> None:
                 loop.call_soon_threadsafe(self._done, row, outcome)
 
-            self._handles.append(engine.submit(sequence, on_tokens, done))
+            try:
+                self._handles.append(engine.submit(sequence, on_tokens, done))
+            except Exception as exc:  # an engine bug: this request fails, the instance keeps serving
+                self._done(row, exc)
+                return
         if self._stream is not None:
             self._stream.on_cancel(self._cancel)
 
