@@ -39,6 +39,8 @@ def _train_tokenizer(specials: list[str], template: tuple[str, list[str]] | None
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS * 10, trainer)
+    if tokenizer.get_vocab_size() < vocab_size:
+        tokenizer = _pad_vocabulary(tokenizer, vocab_size)
     if template is not None:
         single, tokens = template
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -47,13 +49,26 @@ def _train_tokenizer(specials: list[str], template: tuple[str, list[str]] | None
     return tokenizer
 
 
+def _pad_vocabulary(tokenizer, vocab_size: int):
+    """The tokenizer with `<extra_id_N>` tokens appended up to `vocab_size`: the corpus yields a few hundred tokens,
+    benchmarks need real vocabulary sizes (the output layer's cost). BPE never produces them (no merges lead
+    there); they decode to their own text, as T5's extra ids do."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for index in range(vocab_size - tokenizer.get_vocab_size()):
+        vocab[f"<extra_id_{index}>"] = len(vocab)
+    return Tokenizer.from_str(json.dumps(data))
+
+
 def _save_tokenizer(path: Path, tokenizer, special_tokens: dict[str, str]) -> None:
     tokenizer.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128, **special_tokens}
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def build_t5(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
+def build_t5(path: Path, overrides: dict, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
     import transformers
 
     tokenizer = _train_tokenizer(["<pad>", "</s>", "<unk>"], ("$A </s>", ["</s>"]), vocab_size)
@@ -62,11 +77,12 @@ def build_t5(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int = 4
         num_layers=layers, num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         initializer_factor=4.0,
     )
+    config.update(overrides)
     model = transformers.T5ForConditionalGeneration(config)
     return model, tokenizer, {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def build_bart(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
+def build_bart(path: Path, overrides: dict, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
     import transformers
 
     tokenizer = _train_tokenizer(["<s>", "<pad>", "</s>", "<unk>"], ("<s> $A </s>", ["<s>", "</s>"]), vocab_size)
@@ -78,12 +94,13 @@ def build_bart(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int =
         # Keys real BART checkpoints carry in config.json, which CTranslate2's converter reads.
         normalize_before=False, normalize_embedding=True, add_final_layer_norm=False, scale_embedding=False,
     )
+    config.update(overrides)
     model = transformers.BartForConditionalGeneration(config)
     specials = {"bos_token": "<s>", "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
     return model, tokenizer, specials
 
 
-def build_marian(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
+def build_marian(path: Path, overrides: dict, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
     import transformers
 
     # Marian's vocabulary ends with <pad>, which is also the decoder's start token.
@@ -96,11 +113,12 @@ def build_marian(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int
         decoder_ffn_dim=2 * d_model, max_position_embeddings=256, pad_token_id=pad, eos_token_id=0,
         decoder_start_token_id=pad, forced_eos_token_id=None, init_std=0.3, scale_embedding=True,
     )
+    config.update(overrides)
     model = transformers.MarianMTModel(config)
     return model, tokenizer, {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def build_gpt2(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
+def build_gpt2(path: Path, overrides: dict, d_model: int = 64, layers: int = 2, vocab_size: int = 400):
     import transformers
 
     tokenizer = _train_tokenizer(["<|endoftext|>"], None, vocab_size)
@@ -108,6 +126,7 @@ def build_gpt2(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int =
         vocab_size=tokenizer.get_vocab_size(), n_embd=d_model, n_layer=layers, n_head=4, n_positions=256,
         bos_token_id=0, eos_token_id=0, initializer_range=0.3,
     )
+    config.update(overrides)
     model = transformers.GPT2LMHeadModel(config)
     token = "<|endoftext|>"
     return model, tokenizer, {"bos_token": token, "eos_token": token, "unk_token": token}
@@ -116,17 +135,21 @@ def build_gpt2(path: Path, d_model: int = 64, layers: int = 2, vocab_size: int =
 BUILDERS: dict[str, Callable] = {"t5": build_t5, "bart": build_bart, "marian": build_marian, "gpt2": build_gpt2}
 
 
-def build_generation_model(architecture: str, path: Path, seed: int = 0, **sizes: int) -> Path:
+def build_generation_model(
+    architecture: str, path: Path, seed: int = 0, config: dict[str, object] | None = None, **sizes: int
+) -> Path:
     """Save a random-weight `architecture` model with its tokenizer at `path` (created); return `path`.
 
-    `sizes` (d_model, layers, vocab_size) default to a tiny model; benchmarks pass real shapes.
+    `sizes` (d_model, layers, vocab_size) default to a tiny model; benchmarks pass real shapes, and `config`
+    overrides any other field of the transformers config (e.g. t5-small's `d_ff`, `num_heads`, `d_kv`). Past the
+    few hundred tokens the training corpus yields, the vocabulary is padded with tokens BPE never produces.
     """
     import torch
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model, tokenizer, specials = BUILDERS[architecture](path, **sizes)
+    model, tokenizer, specials = BUILDERS[architecture](path, config or {}, **sizes)
     model.eval()
     model.generation_config = transformers.GenerationConfig.from_model_config(model.config)
     model.save_pretrained(path)
