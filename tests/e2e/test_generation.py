@@ -67,14 +67,15 @@ PROMPT = "translate English to German: The house is wonderful."
 PROMPTS = [PROMPT, "Hello world", "The quick brown fox jumps over the lazy dog."]
 
 
-def config(name: str, interface: str, engine: str, decoupled: bool = False, extra: str = "") -> str:
+def config(name: str, interface: str, engine: str, decoupled: bool = False, extra: str = "",
+           instances: str = "{ kind: KIND_CPU }") -> str:
     policy = "model_transaction_policy { decoupled: true }\n" if decoupled else ""
     return (
         f'name: "{name}"\nbackend: "generation"\nmax_batch_size: 16\n{policy}{interface}'
         f'parameters {{ key: "engine" value {{ string_value: "{engine}" }} }}\n'
         f'parameters {{ key: "max_new_tokens" value {{ string_value: "{MAX_NEW_TOKENS}" }} }}\n'
         'parameters { key: "intra_op_threads" value { string_value: "1" } }\n'
-        f"instance_group [{{ kind: KIND_CPU }}]\n{extra}"
+        f"instance_group [{instances}]\n{extra}"
     )
 
 
@@ -484,3 +485,51 @@ def test_a_request_the_engine_refuses_is_a_400_and_the_model_keeps_serving(serve
     assert words in answer.json()["error"]
     with httpclient.InferenceServerClient(server.http_url) as client:
         assert client.infer(model, ft_inputs(httpclient, ids)).as_numpy("output_ids") is not None
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_rows_of_one_request_decode_with_their_own_tensors(server, references, model):
+    """Two rows, the second with beam_width 2 and a shorter max_output_len: each as it would be alone, stacked."""
+    reference = references["t5"]
+    first, second = reference.ids(PROMPTS[0]), reference.ids(PROMPTS[2])
+    width = max(len(first), len(second))
+    arrays = {
+        "input_ids": np.array([first + [0] * (width - len(first)), second + [0] * (width - len(second))], np.uint32),
+        "sequence_length": np.array([[len(first)], [len(second)]], np.uint32),
+        "beam_width": np.array([[1], [2]], np.uint32),
+        "max_output_len": np.array([[MAX_NEW_TOKENS], [6]], np.uint32),
+    }
+    inputs = []
+    for name, array in arrays.items():
+        inputs.append(httpclient.InferInput(name, array.shape, np_to_triton_dtype(array.dtype)))
+        inputs[-1].set_data_from_numpy(array)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        result = client.infer(model, inputs)
+    output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    assert output_ids.shape[:2] == (2, 2)
+    assert beams_of(output_ids, lengths, 0) == reference.generate(first) + [[]]  # one beam, then an empty one
+    assert beams_of(output_ids, lengths, 1) == reference.generate(second, beams=2, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def gpu_server(built, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("generation_gpu_repository")
+    for name, source, engine in (("t5_gpu", "t5_ct2", "ctranslate2"), ("t5_torch_gpu", "t5", "torch")):
+        shutil.copytree(built[source], repo / name / "1" / "model")
+        text = config(name, FT_INTERFACE, engine, instances="{ kind: KIND_GPU gpus: [ 0 ] }")
+        (repo / name / "config.pbtxt").write_text(text)
+    with start_transerve(repo) as running:
+        yield running
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or ctranslate2.get_cuda_device_count() < 1, reason="no CUDA GPU")
+@pytest.mark.parametrize("model", ["t5_gpu", "t5_torch_gpu"])
+def test_gpu_instances_decode_as_transformers_does(gpu_server, references, model):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    with httpclient.InferenceServerClient(gpu_server.http_url) as client:
+        greedy = client.infer(model, ft_inputs(httpclient, ids))
+        beams = client.infer(model, ft_inputs(httpclient, ids), parameters={"beam_width": 4})
+    assert beams_of(greedy.as_numpy("output_ids"), greedy.as_numpy("sequence_length")) == reference.generate(ids)
+    best = beams_of(beams.as_numpy("output_ids"), beams.as_numpy("sequence_length"))[0]
+    assert best == reference.generate(ids, beams=4)[0]
