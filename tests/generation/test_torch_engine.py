@@ -501,3 +501,33 @@ def test_llama_style_model_matches_transformers_in_flight(tmp_path):
         assert tokens(first.result(timeout=60)) == expected
     finally:
         engine.close()
+
+
+def test_decoder_without_per_row_positions_batches_whole_requests(tmp_path):
+    """M2M100 computes decoder positions from the cache length: the engine falls back to request-level batching,
+    so its rows stay in lockstep, and outputs still equal generate's."""
+    torch.manual_seed(0)
+    config = transformers.M2M100Config(
+        vocab_size=300, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=256,
+        pad_token_id=1, eos_token_id=2, bos_token_id=0, decoder_start_token_id=2, init_std=0.3,
+    )
+    hf = transformers.M2M100ForConditionalGeneration(config).eval()
+    hf.generation_config = transformers.GenerationConfig.from_model_config(config)
+    hf.save_pretrained(tmp_path)
+    engine = TorchEngine(tmp_path)
+    try:
+        assert engine.scheduling == "request"
+        steps = threading.Semaphore(0)
+        prompts = [[5, 6, 7, 8, 9, 2], [40, 2], [*range(100, 120), 2]]
+        first = submit(engine, prompts[0], DecodingOptions(max_new_tokens=20, end_ids=[]),
+                       on_tokens=lambda new: steps.release())
+        assert steps.acquire(timeout=30)
+        later = [submit(engine, ids, DecodingOptions(max_new_tokens=12, end_ids=[])) for ids in prompts[1:]]
+        for ids, future, count in zip(prompts, [first, *later], [20, 12, 12], strict=True):
+            with torch.inference_mode():
+                expected = hf.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, eos_token_id=[],
+                                       pad_token_id=1)[:, 1:].tolist()
+            assert tokens(future.result(timeout=60)) == expected
+    finally:
+        engine.close()

@@ -42,12 +42,14 @@ class DecoderBatch:
     def rows(self) -> int:
         return self.positions.shape[0]
 
-    def select(self, index: torch.Tensor) -> None:
-        """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding."""
+    def select(self, index: torch.Tensor, decoder_only: bool = False) -> None:
+        """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding.
+        `decoder_only`: rows only move among rows with the same encoder states (one sequence's beams), which
+        therefore stay as they are."""
         self.self_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.self_kv]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
-        if self.cross_kv is not None:
+        if self.cross_kv is not None and not decoder_only:
             self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
             self.encoder_hidden = self.encoder_hidden.index_select(0, index)
             self.encoder_mask = self.encoder_mask.index_select(0, index)
@@ -136,12 +138,17 @@ class ModelRunner:
         self.decoder_start_id = decoder_start_id
         self.pad_id = pad_id
         self.positions = None
+        #: Whether rows may sit at different steps: each row's positions reach the model (position ids, or a
+        #: decoder position table looked up per row, or relative positions). A decoder whose position module is
+        #: something else (e.g. M2M100's, computed from the cache length) only supports rows in lockstep.
+        self.per_row_positions = "position_ids" in inspect.signature(model.forward).parameters
         if self.encoder_decoder:
             decoder = model.get_decoder()
             table = getattr(decoder, "embed_positions", None)
             if isinstance(table, torch.nn.Embedding):
                 self.positions = _row_positions_class()(table)
                 decoder.embed_positions = self.positions
+            self.per_row_positions = table is None or self.positions is not None
         self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def _tensor(self, values: Any) -> torch.Tensor:

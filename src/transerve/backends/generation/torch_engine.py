@@ -131,6 +131,12 @@ class TorchEngine:
         from transerve.backends.generation.decoder_batch import ModelRunner
 
         self._runner: ModelRunner = ModelRunner(model, start, pad)
+        if scheduling == "inflight" and not self._runner.per_row_positions:
+            logger.warning(
+                "%s: the decoder's positions cannot be set per row, so sequences cannot join a running batch; "
+                "batching whole requests instead", model_dir,
+            )
+            self.scheduling = "request"
         self._cond = threading.Condition()
         self._queue: collections.deque[_Sequence] = collections.deque()
         self._closed = False
@@ -278,6 +284,7 @@ class TorchEngine:
             logits = self._runner.step(self._batch, self._next_tokens)
         admitted = self._admit()
         if admitted:
+            self._running.extend(admitted)  # from here on a failure reaches them too
             batch, new_logits = self._runner.prefill(
                 [s.request.input_ids for s in admitted], [s.rows for s in admitted]
             )
@@ -286,7 +293,6 @@ class TorchEngine:
             else:
                 self._batch.extend(batch)
                 logits = torch.cat((logits, new_logits))
-            self._running.extend(admitted)
         if logits is not None:
             self._advance(logits.float())
 
@@ -383,7 +389,7 @@ class TorchEngine:
             row += sequence.rows
         self._running = still
         self._next_tokens = None
-        self._select(keep)
+        self._select(keep, same_sequences=not finished)
         if self._batch is not None:
             self._next_tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
         for sequence, token in streamed:
@@ -418,8 +424,9 @@ class TorchEngine:
             return "length"
         return None
 
-    def _select(self, keep: list[int]) -> None:
-        """Keep the batch rows `keep`, in that order (no-op when nothing changes)."""
+    def _select(self, keep: list[int], same_sequences: bool = False) -> None:
+        """Keep the batch rows `keep`, in that order (no-op when nothing changes); `same_sequences` says that rows
+        only moved among their own sequence's rows (beams), whose encoder states are all alike."""
         import torch
 
         if self._batch is None:
@@ -429,7 +436,7 @@ class TorchEngine:
             return
         if keep != list(range(self._batch.rows)):
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self._batch.select(index)
+            self._batch.select(index, decoder_only=same_sequences)
             if self._next_tokens is not None:
                 self._next_tokens = self._next_tokens.index_select(0, index)
 
