@@ -67,6 +67,7 @@ class ModelSignature:
         self.inputs = {t.name: _spec(t, batching) for t in config.input}
         self.outputs = {t.name: _spec(t, batching) for t in config.output}
         self.required = [name for name, spec in self.inputs.items() if not spec.optional]
+        self._required_set = frozenset(self.required)
         self._reshaped_inputs = any(spec.reshape is not None for spec in self.inputs.values())
 
     def validate(self, request: InferRequest) -> None:
@@ -105,10 +106,13 @@ class ModelSignature:
                 elif shape[0] != batch_size:
                     return False
             names.add(tensor.name)
-        if len(names) != len(inputs) or any(name not in names for name in self.required):
+        if len(names) != len(inputs) or not self._required_set <= names:
             return False
-        outputs = request.outputs
-        return outputs is None or all(output.name in self.outputs for output in outputs)
+        if request.outputs is not None:
+            for output in request.outputs:
+                if output.name not in self.outputs:
+                    return False
+        return True
 
     def _check(self, request: InferRequest) -> None:
         prefix = f"[request id: {request.id or '<id_unknown>'}] "
