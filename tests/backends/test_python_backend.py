@@ -588,10 +588,11 @@ def test_endpoint_spills_large_messages_and_frees_every_block():
     server = ipc.Endpoint(outgoing=to_worker, incoming=to_server)
     worker = ipc.Endpoint(outgoing=to_server, incoming=to_worker)
     tensors = [
-        ("A", "FP32", np.arange(6, dtype=np.float32).reshape(2, 3)),
-        ("B", "BYTES", np.array([b"x" * 10, b""], dtype=object)),
+        ("A", "FP32", np.arange(600, dtype=np.float32).reshape(2, 300)),  # copied through the arena
+        ("B", "BYTES", np.array([b"x" * 10, b""], dtype=object)),  # tiny: in the message
         ("C", "INT64", np.arange(50_000, dtype=np.int64)),  # a zero-copy view
         ("D", "UINT8", np.zeros((0, 3), np.uint8)),
+        ("E", "INT32", np.array([[1, 2]], np.int32)),
     ]
     body = {"padding": "y" * 200_000}  # over one datagram: spilled into shared memory
     data, fds = server.encode(ipc.OP_EXECUTE, 7, body, server.place([tensors, tensors[:1]]))
@@ -601,6 +602,7 @@ def test_endpoint_spills_large_messages_and_frees_every_block():
     for (name, datatype, array), (got_name, got_type, got) in zip(tensors, groups[0], strict=True):
         assert (got_name, got_type, got.shape, got.dtype) == (name, datatype, array.shape, array.dtype)
         np.testing.assert_array_equal(got, array)
+        assert got.flags.writeable  # a model may change its inputs in place
     assert server.live_blocks == 3  # the copied block, C's block and the spilled message
     del groups, got
     reply, fds = worker.encode(ipc.OP_REPLY, 7, None)

@@ -9,6 +9,8 @@ Ownership follows the bytes: the producer allocates in its own arena, the consum
 tells the producer, in its next message, which blocks it has finished with. The allocator is a
 first-fit free list, so blocks may be released in any order. On arrival:
 
+* tiny tensors (up to INLINE_TENSOR_LIMIT bytes) travel in the datagram itself: for them, a block's
+  bookkeeping (allocate, copy in, copy out, release) costs more than the bytes;
 * small tensors (up to COPY_LIMIT bytes) and all BYTES tensors are copied out (BYTES are
   deserialized from Triton's length-prefixed form, which copies anyway), and their block is
   released at once, so a model or a response may keep such an array as long as it likes;
@@ -47,6 +49,8 @@ from transerve.core.datatypes import NUMPY_DTYPES, deserialize_bytes, serialize_
 
 #: Tensors up to this size are copied on arrival; larger ones are zero-copy views.
 COPY_LIMIT = 64 * 1024
+#: Tensors up to this size travel inside the message instead of the arena.
+INLINE_TENSOR_LIMIT = 1024
 #: Control messages larger than this are spilled into shared memory.
 INLINE_LIMIT = 64 * 1024
 #: Arena size per direction unless `--backend-config=python,shm-default-byte-size=N` says otherwise.
@@ -60,6 +64,8 @@ _PICKLE = pickle.HIGHEST_PROTOCOL
 
 #: `region` of a descriptor that lies in the peer's arena (others index the datagram's descriptors).
 ARENA = -1
+#: `region` of a descriptor whose bytes are in the message (its `offset` is a bytearray of them).
+INLINE = -2
 #: Message ops. Lifecycle replies are (None, value), or ((error code name, one-line message), None).
 OP_SPILLED = 0  # an envelope whose real message was spilled into shared memory
 # server -> worker calls, each answered by an OP_REPLY with the call's id
@@ -80,8 +86,8 @@ OP_BLS_RESPONSE = 11
 
 #: A tensor in transit: (name, datatype, array).
 Entry = tuple[str, str, np.ndarray]
-#: Where a tensor lies: (name, datatype, shape, region, offset, nbytes, is_view).
-Descriptor = tuple[str, str, tuple[int, ...], int, int, int, bool]
+#: Where a tensor lies: (name, datatype, shape, region, offset (the bytes, for INLINE), nbytes, is_view).
+Descriptor = tuple[str, str, tuple[int, ...], int, "int | bytearray", int, bool]
 #: Tensors written for one message: (descriptors per group, blocks to free after reading, one-off fds).
 Placed = tuple[list[list[Descriptor]], list[int], list[int]]
 _NOTHING_PLACED: Placed = ([], [], [])
@@ -210,13 +216,14 @@ class ShmWriter:
         """Place every tensor; returns descriptors per group (in the order given), the arena blocks
         the consumer must release after reading, and one-off descriptors to send with the message.
 
-        Copied tensors share one block (8-byte aligned inside it), each viewed tensor gets its own,
-        and whatever finds no room goes to a single one-off region (`first_fd` is its index).
+        Tiny tensors go in the message, copied tensors share one block (8-byte aligned inside it), each
+        viewed tensor gets its own, and whatever finds no room goes to a single one-off region (`first_fd`
+        is its index).
         """
         plans: list[list[tuple[Any, ...]]] = []
         copied_bytes = 0
         for group in groups:
-            plan = []
+            plan: list[tuple[Any, ...]] = []
             for name, datatype, data in group:
                 if datatype == "BYTES":
                     payload: Any = serialize_bytes(data)
@@ -224,8 +231,14 @@ class ShmWriter:
                     is_view = False
                 else:
                     nbytes = data.nbytes
+                    if nbytes <= INLINE_TENSOR_LIMIT:
+                        plan.append((name, datatype, data.shape, bytearray(data.tobytes()), nbytes, None))
+                        continue
                     payload = _raw_bytes(data)
                     is_view = nbytes > COPY_LIMIT
+                if nbytes <= INLINE_TENSOR_LIMIT:
+                    plan.append((name, datatype, data.shape, bytearray(payload), nbytes, None))
+                    continue
                 if not is_view:
                     copied_bytes += (nbytes + 7) & -8
                 plan.append((name, datatype, data.shape, payload, nbytes, is_view))
@@ -240,6 +253,9 @@ class ShmWriter:
             placed: list[Any] = []
             for item in plan:
                 name, datatype, shape, payload, nbytes, is_view = item
+                if is_view is None:
+                    placed.append((name, datatype, shape, INLINE, payload, nbytes, False))
+                    continue
                 if is_view:
                     offset = allocate(nbytes)
                 elif cursor is not None:
@@ -302,12 +318,13 @@ class ShmReader:
 
     def _tensor(self, descriptor: Descriptor, regions: Sequence[Region]) -> Entry:
         name, datatype, shape, region, offset, nbytes, is_view = descriptor
+        if region == INLINE:  # `offset` holds the bytes: a bytearray, so the array is writable
+            if datatype == "BYTES":
+                return name, datatype, deserialize_bytes(offset, _count(shape)).reshape(shape)
+            return name, datatype, np.frombuffer(offset, NUMPY_DTYPES[datatype]).reshape(shape)
         view = self._view if region == ARENA else regions[region].view
         if datatype == "BYTES":
-            count = 1
-            for dim in shape:
-                count *= dim
-            return name, datatype, deserialize_bytes(view[offset : offset + nbytes], count).reshape(shape)
+            return name, datatype, deserialize_bytes(view[offset : offset + nbytes], _count(shape)).reshape(shape)
         dtype = NUMPY_DTYPES[datatype]
         if not is_view:
             return name, datatype, np.ndarray(shape, dtype, view, offset).copy()
@@ -317,6 +334,13 @@ class ShmReader:
             # alive, so it dies exactly when the block's memory is no longer referenced.
             weakref.finalize(flat.base, self._pending.append, offset).atexit = False
         return name, datatype, flat.reshape(shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
 
 
 class Endpoint:
