@@ -134,8 +134,9 @@ def test_scores_and_log_probs(models):
     assert beam.hypotheses[0].score >= beam.hypotheses[-1].score
 
 
-def test_min_new_tokens_and_end_ids(models):
-    model = models["bart"]
+@pytest.mark.parametrize("arch", ["bart", "gpt2"])
+def test_min_new_tokens_and_end_ids(models, arch):
+    model = models[arch]
     ids = model.ids(TEXTS[0])
     result, _ = generate(model.engine, ids, max_new_tokens=20, min_new_tokens=15)
     assert [h.token_ids for h in result.hypotheses] == model.reference(ids, max_new_tokens=20, min_new_tokens=15)
@@ -257,6 +258,23 @@ def test_close_fails_pending_sequences(models):
     late: Future = Future()
     engine.submit(GenerationRequest(ids, DecodingOptions()), None, late.set_result)
     assert late.result(timeout=5).code is ErrorCode.UNAVAILABLE
+
+
+@pytest.mark.skipif(ctranslate2.get_cuda_device_count() == 0, reason="no CUDA GPU")
+@pytest.mark.parametrize("compute_type", ["float32", "float16", "int8_float16"])
+def test_cuda(models, compute_type):
+    model = models["t5"]
+    engine = CTranslate2Engine(model.ct2_dir, device="cuda", compute_type=compute_type)
+    try:
+        ids = model.ids(TEXTS[0])
+        result, streamed = generate(engine, ids, stream=True, max_new_tokens=16)
+        tokens = result.hypotheses[0].token_ids
+        assert streamed == tokens
+        if compute_type == "float32":
+            assert [tokens] == model.reference(ids, max_new_tokens=16)
+        assert 1 <= len(tokens) <= 16
+    finally:
+        engine.close()
 
 
 def test_engine_describes_the_model(models):
