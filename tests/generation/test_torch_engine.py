@@ -531,3 +531,15 @@ def test_decoder_without_per_row_positions_batches_whole_requests(tmp_path):
             assert tokens(future.result(timeout=60)) == expected
     finally:
         engine.close()
+
+
+def test_compute_types(models):
+    engine = TorchEngine(models["t5"].path, compute_type="bfloat16")
+    try:
+        result = run(engine, models["t5"].ids(TEXTS[0]), DecodingOptions(max_new_tokens=6, end_ids=[], beam_width=2))
+        assert len(result.hypotheses[0].token_ids) == 6
+    finally:
+        engine.close()
+    with pytest.raises(ServerError) as error:
+        TorchEngine(models["t5"].path, compute_type="int8")
+    assert error.value.code is ErrorCode.INVALID_ARG and "float16" in error.value.message

@@ -76,6 +76,13 @@ class _Handle:
         self._engine._wake()
 
 
+class _Refused:
+    """The handle of a sequence refused at submit: there is nothing to cancel."""
+
+    def cancel(self) -> None:
+        pass
+
+
 class TorchEngine:
     """A transformers model on one device, decoded by one thread of its own (see the module docstring)."""
 
@@ -151,19 +158,23 @@ class TorchEngine:
 
     # -- the contract --------------------------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> _Handle:
+    def submit(
+        self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback
+    ) -> _Handle | _Refused:
+        """Queue a sequence; one the engine can never serve gets `done(INVALID_ARG)` here, in the caller's thread."""
         try:
             sequence = self._prepare(request, on_tokens, done)
         except ServerError as error:
-            sequence = _Sequence(request, on_tokens, done, token_rules(request.options, []), 0, 0, [])
             _report(done, error)
-            return _Handle(self, sequence)
+            return _Refused()
         with self._cond:
-            if self._closed:
-                _report(done, unavailable("the generation engine is closed"))
-            else:
+            closed = self._closed
+            if not closed:
                 self._queue.append(sequence)
                 self._cond.notify()
+        if closed:
+            _report(done, unavailable("the generation engine is closed"))
+            return _Refused()
         return _Handle(self, sequence)
 
     def close(self) -> None:
