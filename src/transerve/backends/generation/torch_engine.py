@@ -358,14 +358,13 @@ class TorchEngine:
                 if sequence.generator is not None:
                     warp(scores, sequence.request.options)
             row += sequence.rows
-        log_probs = torch.log_softmax(logits, dim=-1)
         choice = logits.argmax(dim=-1)
         row = 0
         for sequence in self._running:
             if sequence.generator is not None:
                 choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
             row += sequence.rows
-        chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
+        chosen_log_probs = (logits.gather(1, choice[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
         tokens = choice.tolist()
 
         keep: list[int] = []
@@ -376,7 +375,7 @@ class TorchEngine:
         row = 0
         for sequence in self._running:
             if sequence.beam is not None:
-                rows = self._beam_step(sequence, log_probs[row:row + sequence.rows])
+                rows = self._beam_step(sequence, logits[row:row + sequence.rows])
                 if rows is None:
                     finished.append((sequence, "end"))
                 else:
@@ -411,9 +410,12 @@ class TorchEngine:
         for sequence, reason in finished:
             self._finish(sequence, reason)
 
-    def _beam_step(self, sequence: _Sequence, log_probs: torch.Tensor) -> list[int] | None:
+    def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> list[int] | None:
+        """Beam search processes log-probabilities, not logits, as transformers' does."""
+        import torch
+
         beam = sequence.beam
-        scores = log_probs.clone()
+        scores = torch.log_softmax(logits, dim=-1)
         if sequence.rules.active:
             contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
             apply_rules(scores, contexts, beam.generated, sequence.rules)
