@@ -237,10 +237,10 @@ def grpc_stream_answers(server: ServerProcess, requests_: list, expected: int, t
         client.close()
 
 
-def repeat_inputs(values: list[int]):
+def repeat_inputs(values: list[int], name: str = "IN"):
     import tritonclient.grpc as grpcclient
 
-    tensor = grpcclient.InferInput("IN", [len(values)], "INT32")
+    tensor = grpcclient.InferInput(name, [len(values)], "INT32")
     tensor.set_data_from_numpy(np.array(values, np.int32))
     return [tensor]
 
@@ -318,3 +318,38 @@ def test_grpc_model_infer_on_a_decoupled_model_answers_as_triton(transerve, trit
             client.infer("repeat_int32", repeat_inputs([1]))
         messages.append((info.value.status(), info.value.message()))
     assert messages[0] == messages[1]
+
+
+def test_a_decoupled_step_streams_through_its_ensemble_as_in_triton(transerve, triton):
+    """Each response of repeat_int32 runs the next step once and is one response of the ensemble."""
+    bodies = {}
+    for name, server in (("transerve", transerve), ("triton", triton)):
+        answer = requests.post(f"{server.base_url}/v2/models/stream_scaled/generate_stream",
+                               json={"VALUES": [4, 5, 6]}, timeout=TIMEOUT_S)
+        assert answer.status_code == 200, answer.text
+        bodies[name] = events(answer.content)
+    assert bodies["transerve"] == bodies["triton"]
+    assert [(event["SCALED"], event["INDEX"]) for event in bodies["transerve"]] == [(8, 0), (10, 1), (12, 2)]
+    enable_empty = {"enable_empty_final_response": True}
+    requests_ = [("s", "stream_scaled", repeat_inputs([1, 2], "VALUES"), enable_empty)]
+    ours, theirs = grpc_stream_answers(transerve, requests_, 2), grpc_stream_answers(triton, requests_, 2)
+    assert ours == theirs
+    # The step's final flag came before the last response was through the next step: that response is the last.
+    assert [final for *_, final in ours] == [False, True]
+
+
+def test_an_ensemble_with_a_decoupled_step_is_decoupled_as_in_triton(transerve, triton):
+    for server in (transerve, triton):
+        config = requests.get(f"{server.base_url}/v2/models/stream_scaled/config", timeout=TIMEOUT_S).json()
+        assert config["model_transaction_policy"] == {"decoupled": True}
+        answer = infer(server, "stream_scaled", {"VALUES": ("INT32", [1])})
+        assert answer.status_code == 501
+        assert answer.json() == {"error": "HTTP end point doesn't support models with decoupled transaction policy"}
+
+
+@pytest.mark.parametrize("inputs", [{"X": ("INT32", [5])}, {"X": ("INT32", [5]), "FACTOR": ("INT32", [3])}])
+def test_an_absent_optional_ensemble_input_is_absent_for_its_step_as_in_triton(transerve, triton, inputs):
+    ours, theirs = infer(transerve, "scaled_chain", inputs), infer(triton, "scaled_chain", inputs)
+    assert ours.status_code == theirs.status_code == 200, (ours.text, theirs.text)
+    assert ours.json()["outputs"] == theirs.json()["outputs"]
+    assert ours.json()["outputs"][0]["data"] == [15 if "FACTOR" in inputs else 10]

@@ -69,6 +69,11 @@ class ResponseStream:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def ended(self) -> bool:
+        """Whether the producer is done and every response was taken: at most the final flag alone is left."""
+        return self._closed and all(item is None for item, _ in self._items)
+
     # ---- consumer side (frontends) -----------------------------------------------------------------
 
     def cancel(self) -> None:

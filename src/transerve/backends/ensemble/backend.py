@@ -12,9 +12,11 @@ from typing import Any
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
 from transerve.backends.ensemble.graph import Step, build_steps
+from transerve.backends.ensemble.streaming import StreamingWalk, check_decoupled_origins
 from transerve.backends.ensemble.walk import Walk
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg
+from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.signature import ModelSignature
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
@@ -32,22 +34,28 @@ class EnsembleBackend(Backend):
         if runtime is None:
             raise invalid_arg(f"ensemble '{context.name}' needs the server to run its steps")
         signatures: dict[tuple[str, str], ModelSignature] = {}
+        decoupled_models: set[tuple[str, str]] = set()
         for raw in context.config.ensemble_scheduling.step:
             version = "" if raw.model_version < 0 else str(raw.model_version)
             try:
                 model = runtime.get_version(raw.model_name, version)
             except ServerError:
                 continue  # build_steps names the missing model
-            if model.config.model_transaction_policy.decoupled:
-                raise invalid_arg(f"ensemble '{context.name}': step model '{raw.model_name}' is decoupled, "
-                                  "which ensembles do not support yet")
             signatures[(raw.model_name, version)] = model.signature
+            if model.config.model_transaction_policy.decoupled:
+                decoupled_models.add((raw.model_name, version))
+        outputs = [output.name for output in context.config.output]
         try:
             steps = build_steps(context.name, context.config, signatures)
+            decoupled = {step.index for step in steps if (step.model_name, step.model_version) in decoupled_models}
+            if decoupled:
+                check_decoupled_origins(context.name, steps, decoupled, outputs)
         except ConfigError as exc:
             raise invalid_arg(str(exc)) from None
-        outputs = [output.name for output in context.config.output]
-        instance = EnsembleInstance(context.name, context.version, steps, outputs, runtime)
+        # As Triton reports it: an ensemble with a decoupled step answers as a decoupled model does.
+        context.config.model_transaction_policy.decoupled = bool(decoupled)
+        optional = {tensor.name for tensor in context.config.input if tensor.optional}
+        instance = EnsembleInstance(context.name, context.version, steps, outputs, runtime, decoupled, optional)
         return EnsembleModel(context.config, [instance])
 
 
@@ -62,7 +70,10 @@ class EnsembleInstance(BackendInstance):
 
     max_inflight = MAX_CONCURRENT_REQUESTS
 
-    def __init__(self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Any) -> None:
+    def __init__(
+        self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Any, decoupled: set[int],
+        optional: set[str],
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
         self._version = version
@@ -71,9 +82,14 @@ class EnsembleInstance(BackendInstance):
         self.runtime = runtime
         #: Per step, the outputs its requests ask for (shared by those requests, which nobody mutates).
         self._requested = {step.index: [RequestedOutput(name) for name in step.outputs] for step in steps}
+        #: Optional ensemble inputs: when a request leaves one out, the steps it feeds run without it.
+        self._optional = frozenset(optional)
+        self._streaming = StreamingWalk(self, decoupled) if decoupled else None
 
     def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
         """A future the walks' callbacks resolve: no task per ensemble request."""
+        if self._streaming is not None:
+            return asyncio.ensure_future(self._streaming.execute(requests))
         future: asyncio.Future[ExecutionResult] = self._loop.create_future()
         results: list[InferResponse | ServerError | None] = [None] * len(requests)
         remaining = [len(requests)]
@@ -91,9 +107,8 @@ class EnsembleInstance(BackendInstance):
     async def close(self) -> None:
         """Nothing to release: the composing models have their own lifecycles."""
 
-    @staticmethod
-    def ready(step: Step, tensors: dict[str, Tensor]) -> bool:
-        return all(tensor in tensors for tensor in step.inputs.values())
+    def ready(self, step: Step, tensors: dict[str, Tensor]) -> bool:
+        return all(tensor in tensors or tensor in self._optional for tensor in step.inputs.values())
 
     def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest:
         """The core request of one step, with the ensemble request's id, sequence and scheduling fields."""
@@ -101,7 +116,8 @@ class EnsembleInstance(BackendInstance):
             model_name=step.model_name,
             model_version=step.model_version,
             id=request.id,
-            inputs=[Tensor(name, tensors[t].datatype, tensors[t].data) for name, t in step.inputs.items()],
+            inputs=[Tensor(name, tensors[t].datatype, tensors[t].data) for name, t in step.inputs.items()
+                    if t in tensors],
             outputs=self._requested[step.index],
             parameters=request.parameters,
             correlation_id=request.correlation_id,
@@ -111,4 +127,10 @@ class EnsembleInstance(BackendInstance):
         )
 
     def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:
-        return InferResponse(self.name, self._version, [tensors[name] for name in self._outputs if name in tensors])
+        """The ensemble's outputs (those the request asked for, when it named some), with the sequence
+        parameters Triton puts on every ensemble response."""
+        names = self._outputs if request.outputs is None else [output.name for output in request.outputs]
+        parameters = {"sequence_id": request.correlation_id, "sequence_start": bool(request.flags & SEQUENCE_START),
+                      "sequence_end": bool(request.flags & SEQUENCE_END)}
+        return InferResponse(self.name, self._version, [tensors[name] for name in names if name in tensors],
+                             id=request.id, parameters=parameters)

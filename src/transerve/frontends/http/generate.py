@@ -80,7 +80,9 @@ def _tensor(spec: TensorSpec, value: Any, batching: bool) -> Tensor:
 
 
 def encode_generate_response(response: InferResponse) -> dict[str, Any]:
-    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    """Triton's flat object: the response's parameters and its outputs by name, next to the model's name."""
+    document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version,
+                                **response.parameters}
     for tensor in response.outputs:
         document[tensor.name] = _json_value(tensor)
     return document
