@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from transerve import __version__
-from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.convert import command as convert_command
+from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.export import command as export_command
 
 log = logging.getLogger("transerve")
