@@ -7,6 +7,15 @@ into the running batch (`decoder_batch`), then chooses each sequence's next toke
 limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum over running sequences of
 (input length + max_new_tokens) * beam width. `scheduling="request"` turns this into request-level batching for
 comparison: new sequences are admitted only when the batch is empty.
+
+What a result holds: the new tokens, the end token or stop sequence included. Log-probabilities are those of the
+distribution each token was chosen from, as transformers' `output_scores` (log-softmaxed) reports them: after the
+repetition penalty, bad words, min_new_tokens and the model's forced tokens, and when sampling after temperature,
+top-k and top-p. A greedy or sampled hypothesis' score is their sum; a beam hypothesis' score is transformers'
+`sequences_scores` (their sum divided by length ** length_penalty). Stop sequences match the new tokens only.
+Streaming sends each new token of a beam-width-1 sequence after the step that produced it; beam search streams
+nothing (its best hypothesis is only known at the end). Sampling is on when `options.sampling` is set and the beam
+width is 1.
 """
 
 from __future__ import annotations
