@@ -105,8 +105,8 @@ class TorchEngine:
         kv_cache_tokens: int = 65536,
         scheduling: str = "inflight",
     ) -> None:
-        torch = import_engine("torch", "torch")
-        transformers = import_engine("transformers", "torch")
+        torch = import_engine("torch", "generation")
+        transformers = import_engine("transformers", "generation")
         if compute_type not in COMPUTE_TYPES:
             raise invalid_arg(f"compute_type {compute_type!r} is not one of {', '.join(COMPUTE_TYPES)} for torch")
         if scheduling not in SCHEDULING:
