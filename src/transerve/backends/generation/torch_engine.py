@@ -122,7 +122,7 @@ class TorchEngine:
         model = loader.from_pretrained(model_dir, dtype=getattr(torch, compute_type))
         model.to(torch.device(device)).eval()
         generation = model.generation_config
-        eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+        eos = generation.eos_token_id if generation.eos_token_id is not None else getattr(config, "eos_token_id", None)
         self.eos_token_ids: list[int] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         text = config.get_text_config(decoder=True)
         self.vocab_size: int = text.vocab_size
@@ -134,7 +134,7 @@ class TorchEngine:
         self.kv_cache_tokens = kv_cache_tokens
         self.scheduling = scheduling
         self.device = model.device
-        pad = generation.pad_token_id if generation.pad_token_id is not None else config.pad_token_id
+        pad = generation.pad_token_id if generation.pad_token_id is not None else getattr(config, "pad_token_id", None)
         pad = pad if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         start = generation.decoder_start_token_id
         if start is None:
