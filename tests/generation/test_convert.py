@@ -230,3 +230,24 @@ def test_streamed_pieces_never_split_a_character(server, hf_folders):
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert "" in pieces  # some token held only part of a character: its piece waited for the rest
+
+
+def test_a_decoder_only_model_with_the_first_names_leaves_the_prompt_out_of_its_text(hf_folders, tmp_path):
+    """The first names have no prefix_length: the text ensemble tells the detokenizer the prompt's length."""
+    convert(hf_folders["gpt2"], tmp_path, name="fastertransformer", max_batch_size=2)
+    ids, expected_ids, expected = reference(hf_folders["gpt2"], "gpt2")
+    with start_transerve(tmp_path, "--model-control-mode=explicit") as process:
+        loaded = requests.post(f"{process.base_url}/v2/repository/models/fastertransformer_text/load", timeout=300)
+        assert loaded.status_code == 200, loaded.text
+        body = {"text_input": TEXT, "max_tokens": MAX_TOKENS}
+        answer = requests.post(f"{process.base_url}/v2/models/fastertransformer_text/generate", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["text_output"] == expected.rstrip("\ufffd")
+        client = httpclient.InferenceServerClient(process.http_url)
+        inputs = [httpclient.InferInput("INPUT_ID", [1, len(ids)], "UINT32"),
+                  httpclient.InferInput("REQUEST_INPUT_LEN", [1, 1], "UINT32")]
+        inputs[0].set_data_from_numpy(np.array([ids], np.uint32))
+        inputs[1].set_data_from_numpy(np.array([[len(ids)]], np.uint32))
+        result = client.infer("fastertransformer", inputs, parameters={"max_tokens": MAX_TOKENS})
+        length = int(result.as_numpy("OUTPUT1")[0, 0])
+        assert result.as_numpy("OUTPUT0")[0, 0, :length].tolist() == ids + expected_ids

@@ -62,3 +62,10 @@ def check_architecture(config: dict, engine: str) -> None:
         raise ExportError(f"{what}; {names}")
     if architectures and not any(_is_generation_class(name) for name in architectures):
         raise ExportError(f"{what} holding {', '.join(architectures)}, which does not generate text; {names}")
+
+
+def is_encoder_decoder(config: dict) -> bool:
+    """From config.json's own flag, or, where an older checkpoint leaves it out, from the model type."""
+    if "is_encoder_decoder" in config:
+        return bool(config["is_encoder_decoder"])
+    return str(config.get("model_type")) in _torch_mappings()[1]

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from transerve.convert.architectures import check_architecture
+from transerve.convert.architectures import check_architecture, is_encoder_decoder
 from transerve.convert.repository import Options, model_names, write
 from transerve.export.hf import ExportError, read_folder
 from transerve.export.progress import Progress
@@ -79,7 +79,7 @@ def convert(
     # CTranslate2 picks the saved weights' type where the device supports it, float32 where it does not (CPUs
     # have no float16): one repository serves on CPU and GPU instances alike.
     options = Options(name, engine, "default" if engine == "ctranslate2" else quantization, max_batch_size,
-                      decoupled)
+                      decoupled, decoder_only=not is_encoder_decoder(folder.config))
     output.mkdir(parents=True, exist_ok=True)
     try:
         target = write(output, folder.tokenizer_file, options)

@@ -55,6 +55,8 @@ class Options:
     compute_type: str
     max_batch_size: int
     decoupled: bool
+    #: Decoder-only models' output ids start with the prompt.
+    decoder_only: bool
 
     @property
     def first_names(self) -> bool:
@@ -168,5 +170,7 @@ def _text_ensemble(
     step.input_map["sequence_length"] = "output_length"
     if not options.first_names:
         step.input_map["prefix_length"] = "prefix_length"
+    elif options.decoder_only:  # the first names have no prefix_length: the prompt's length says it
+        step.input_map["prefix_length"] = "input_length"
     step.output_map["text_output"] = "text_output"
     return config
