@@ -448,17 +448,19 @@ def test_the_models_generation_config_constraints_apply(models, tmp_path):
     greedy = tokens(run(source.engine, ids, DecodingOptions(max_new_tokens=12)))[0]
     path = shutil.copytree(source.path, tmp_path / "bart")
     settings = json.loads((path / "generation_config.json").read_text())
-    settings.update(forced_bos_token_id=5, forced_eos_token_id=2, bad_words_ids=[[greedy[3]]])
+    settings.update(forced_bos_token_id=5, forced_eos_token_id=2, bad_words_ids=[[greedy[3]]], no_repeat_ngram_size=2)
     (path / "generation_config.json").write_text(json.dumps(settings))
     model = Model("bart", path)
     try:
         for options, kwargs in [
-            (DecodingOptions(max_new_tokens=12), {"max_new_tokens": 12}),
-            (DecodingOptions(max_new_tokens=12, beam_width=3), {"max_new_tokens": 12, "num_beams": 3}),
+            (DecodingOptions(max_new_tokens=30), {"max_new_tokens": 30}),
+            (DecodingOptions(max_new_tokens=30, beam_width=3), {"max_new_tokens": 30, "num_beams": 3}),
         ]:
             result = tokens(run(model.engine, ids, options))
             assert result == model.reference(ids, **kwargs)
             assert result[0][0] == 5 and result[0][-1] == 2 and greedy[3] not in result[0]
+            pairs = list(zip(result[0], result[0][1:], strict=False))
+            assert len(pairs) == len(set(pairs))
     finally:
         model.engine.close()
 

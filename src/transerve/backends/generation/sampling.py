@@ -33,12 +33,13 @@ class TokenRules:
     forced_first: int | None = None
     forced_last: list[int] | None = None
     max_new_tokens: int = 0
+    no_repeat_ngram_size: int = 0
 
     @property
     def active(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.min_new_tokens > 0 or bool(self.banned or self.banned_after)
-            or self.forced_first is not None or self.forced_last is not None
+            or self.forced_first is not None or self.forced_last is not None or self.no_repeat_ngram_size > 0
         )
 
 
@@ -51,6 +52,8 @@ class ModelRules:
     forced_first: int | None = None
     #: `forced_eos_token_id`: the token(s) allowed at the last step (max_new_tokens reached).
     forced_last: list[int] | None = None
+    #: `no_repeat_ngram_size`: no n-gram of the decoder's tokens occurs twice.
+    no_repeat_ngram_size: int = 0
 
 
 def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules | None = None) -> TokenRules:
@@ -61,7 +64,7 @@ def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules 
     multi = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
     return TokenRules(
         end_ids, options.repetition_penalty, options.min_new_tokens, single, multi, model.forced_first,
-        model.forced_last, options.max_new_tokens,
+        model.forced_last, options.max_new_tokens, model.no_repeat_ngram_size,
     )
 
 
@@ -75,6 +78,11 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
         picked = torch.gather(scores, 1, index)
         penalty = rules.repetition_penalty
         scores.scatter_(1, index, torch.where(picked < 0, picked * penalty, picked / penalty))
+    if rules.no_repeat_ngram_size:
+        for row, context in enumerate(contexts):
+            repeated = _repeated_ngram_ends(context, rules.no_repeat_ngram_size)
+            if repeated:
+                scores[row, repeated] = -math.inf
     if rules.banned:
         scores[:, rules.banned] = -math.inf
     for row, context in enumerate(contexts):
@@ -89,6 +97,16 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
     if rules.forced_last is not None and generated == rules.max_new_tokens - 1:
         scores.fill_(-math.inf)
         scores[:, rules.forced_last] = 0
+
+
+def _repeated_ngram_ends(context: list[int], size: int) -> list[int]:
+    """Tokens that would complete an n-gram already in `context` (transformers' NoRepeatNGramLogitsProcessor)."""
+    if len(context) < size:
+        return []
+    prefix = context[len(context) - size + 1:]
+    return sorted({
+        context[i + size - 1] for i in range(len(context) - size + 1) if context[i:i + size - 1] == prefix
+    })
 
 
 def warp(scores: torch.Tensor, options: DecodingOptions) -> None:

@@ -486,6 +486,7 @@ def _model_rules(generation: Any, encoder_decoder: bool) -> ModelRules:
         bad_words=[list(word) for word in generation.bad_words_ids or []],
         forced_first=generation.forced_bos_token_id if encoder_decoder else None,
         forced_last=None if forced_last is None else [forced_last] if isinstance(forced_last, int) else forced_last,
+        no_repeat_ngram_size=generation.no_repeat_ngram_size or 0,
     )
 
 
