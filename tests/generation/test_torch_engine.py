@@ -545,3 +545,25 @@ def test_compute_types(models):
     with pytest.raises(ServerError) as error:
         TorchEngine(models["t5"].path, compute_type="int8")
     assert error.value.code is ErrorCode.INVALID_ARG and "float16" in error.value.message
+
+
+def test_cancelled_beam_search_returns_its_best_hypotheses_so_far(models):
+    model = models["t5"]
+    steps = threading.Semaphore(0)
+    beam_done: Future = Future()
+    beam = model.engine.submit(
+        GenerationRequest(model.ids(TEXTS[0]), DecodingOptions(max_new_tokens=120, end_ids=[], beam_width=3,
+                                                               num_return_sequences=2)),
+        None, beam_done.set_result,
+    )
+    pacer = submit(model.engine, model.ids(TEXTS[1]), DecodingOptions(max_new_tokens=5, end_ids=[]),
+                   on_tokens=lambda new: steps.release())
+    for _ in range(3):
+        assert steps.acquire(timeout=30)
+    beam.cancel()
+    result = beam_done.result(timeout=30)
+    assert result.finish_reason == "cancelled"
+    assert len(result.hypotheses) == 2
+    assert all(0 < len(h.token_ids) < 120 for h in result.hypotheses)
+    assert result.hypotheses[0].score >= result.hypotheses[1].score
+    assert len(tokens(pacer.result(timeout=30))[0]) == 5
