@@ -413,6 +413,12 @@ def test_stop_sequences_end_generation_after_the_stop_tokens(models):
     greedy = tokens(run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[])))[0]
     result = run(model.engine, ids, DecodingOptions(max_new_tokens=20, end_ids=[], stop_sequences=[greedy[4:7]]))
     assert tokens(result) == [greedy[:7]]
+    # Token ids as the backend may hold them (numpy arrays, tuples) mean the same.
+    import numpy as np
+
+    options = DecodingOptions(max_new_tokens=20, end_ids=np.array([], dtype=np.int64),
+                              stop_sequences=[tuple(np.array(greedy[4:7], dtype=np.uint32))])
+    assert tokens(run(model.engine, np.array(ids, dtype=np.uint32), options)) == [greedy[:7]]
     assert result.finish_reason == "end"
 
 

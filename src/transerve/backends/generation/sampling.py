@@ -34,6 +34,8 @@ class TokenRules:
     forced_last: list[int] | None = None
     max_new_tokens: int = 0
     no_repeat_ngram_size: int = 0
+    #: Token sequences that end generation once produced.
+    stops: list[list[int]] = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -59,12 +61,13 @@ class ModelRules:
 def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules | None = None) -> TokenRules:
     """Rules for `options`; a bad word that is exactly an end token is ignored, as transformers ignores it."""
     model = model or ModelRules()
-    words = [list(word) for word in options.bad_words] + [word for word in model.bad_words if word]
+    words = [[int(t) for t in word] for word in options.bad_words] + [word for word in model.bad_words if word]
     single = [word[0] for word in words if len(word) == 1 and word[0] not in end_ids]
     multi = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
     return TokenRules(
         end_ids, options.repetition_penalty, options.min_new_tokens, single, multi, model.forced_first,
         model.forced_last, options.max_new_tokens, model.no_repeat_ngram_size,
+        [[int(t) for t in stop] for stop in options.stop_sequences],
     )
 
 

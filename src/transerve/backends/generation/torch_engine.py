@@ -65,7 +65,9 @@ class _Sequence:
     #: Rows it occupies (its beam width) and its share of the KV budget.
     rows: int
     need: int
-    #: The decoder's tokens before the new ones: the prompt (decoder-only) or the decoder start token.
+    #: The input (source or prompt) and the decoder's tokens before the new ones: the prompt (decoder-only) or the
+    #: decoder start token.
+    input_ids: list[int]
     prefix: list[int]
     generator: torch.Generator | None = None
     beam: BeamSearch | None = None
@@ -201,7 +203,7 @@ class TorchEngine:
         import torch
 
         options = request.options
-        ids = list(request.input_ids)
+        ids = [int(token) for token in request.input_ids]
         if not ids:
             raise invalid_arg("the input has no tokens")
         if len(ids) > self.max_input_length:
@@ -243,11 +245,10 @@ class TorchEngine:
                 f"{options.max_new_tokens}) * beam width {options.beam_width}); this model's budget is "
                 f"{self.kv_cache_tokens} (kv_cache_tokens)"
             )
-        end_ids = list(options.end_ids) if options.end_ids is not None else list(self.eos_token_ids)
+        end_ids = [int(t) for t in options.end_ids] if options.end_ids is not None else list(self.eos_token_ids)
         prefix = [self._start_id] if self.is_encoder_decoder else ids
-        sequence = _Sequence(
-            request, on_tokens, done, token_rules(options, end_ids, self._model_rules), options.beam_width, need, prefix
-        )
+        rules = token_rules(options, end_ids, self._model_rules)
+        sequence = _Sequence(request, on_tokens, done, rules, options.beam_width, need, ids, prefix)
         if options.beam_width > 1:
             from transerve.backends.generation.beam import BeamSearch
 
@@ -306,7 +307,7 @@ class TorchEngine:
         if admitted:
             self._running.extend(admitted)  # from here on a failure reaches them too
             batch, new_logits = self._runner.prefill(
-                [s.request.input_ids for s in admitted], [s.rows for s in admitted]
+                [s.input_ids for s in admitted], [s.rows for s in admitted]
             )
             if self._batch is None:
                 self._batch, logits = batch, new_logits
@@ -436,7 +437,7 @@ class TorchEngine:
             return True
         return any(
             len(tokens) >= len(stop) and tokens[len(tokens) - len(stop):] == stop
-            for stop in sequence.request.options.stop_sequences
+            for stop in sequence.rules.stops
         )
 
     def _finish_reason(self, sequence: _Sequence) -> str | None:
