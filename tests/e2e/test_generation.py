@@ -148,6 +148,8 @@ def server(built, tmp_path_factory):
         "t5_torch": ("t5", FT_INTERFACE, "torch", False),
         "t5_torch_stream": ("t5", FT_INTERFACE, "torch", True),
         "gpt2_torch": ("gpt2", FT_INTERFACE, "torch", False),
+        "t5_torch_request_stream": ("t5", FT_INTERFACE, "torch", True,
+                                    'parameters { key: "scheduling" value { string_value: "request" } }\n'),
         # A KV budget one long sequence fills: what comes next waits for it to leave.
         "t5_torch_budget_stream": ("t5", FT_INTERFACE, "torch", True,
                                    f'parameters {{ key: "kv_cache_tokens" value {{ string_value: "{BUDGET}" }} }}\n'),
@@ -406,7 +408,7 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason_and_the_rest_se
         assert words in states[name]["reason"]
     assert "runtime_top_k" in states["bad_input"]["reason"]  # the supported names are listed
     ready = ("fastertransformer", "fastertransformer_torch", "t5", "t5_stream", "gpt2", "t5_torch", "t5_torch_stream",
-             "gpt2_torch")
+             "gpt2_torch", "t5_torch_request_stream", "t5_torch_budget_stream")
     assert all(states[name]["state"] == "READY" for name in ready)
 
 
@@ -433,19 +435,21 @@ def test_sampling_with_a_seed_is_reproducible(server, references, model):
     assert draws[0] != reference.generate(ids)
 
 
-def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server, references):
-    """The short request arrives while the long one is decoding (its first token is out) on the torch engine."""
+@pytest.mark.parametrize(("model", "short_first"), [("t5_torch_stream", True), ("t5_torch_request_stream", False)])
+def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server, references, model, short_first):
+    """The short request arrives while the long one is decoding (its first token is out) on the torch engine: with
+    in-flight batching it joins and finishes first; with request-level batching (`scheduling: request`) it waits."""
     reference = references["t5"]
     ids = reference.ids(PROMPT)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error, time.monotonic())))
     try:
-        client.async_stream_infer("t5_torch_stream", ft_inputs(grpcclient, ids), enable_empty_final_response=True,
+        client.async_stream_infer(model, ft_inputs(grpcclient, ids), enable_empty_final_response=True,
                                   parameters={"stream": True, "max_tokens": 100, "min_length": 100})
         result, error, _ = results.get(timeout=60)
         assert error is None, error
-        short = stream_responses(server, "t5_torch_stream", ft_inputs(grpcclient, ids), {"max_tokens": 4})
+        short = stream_responses(server, model, ft_inputs(grpcclient, ids), {"max_tokens": 4})
         short_done = time.monotonic()
         assert short[-1].as_numpy("sequence_length")[0, 0] == 4
         while True:
@@ -453,7 +457,7 @@ def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server
             assert error is None, error
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
-        assert short_done < at
+        assert (short_done < at) is short_first
     finally:
         client.stop_stream()
         client.close()
