@@ -49,7 +49,9 @@ input [
   { name: "beam_width" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
   { name: "runtime_top_k" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
   { name: "min_length" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },
-  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "stop_words_list" data_type: TYPE_INT32 dims: [ 2, -1 ] optional: true },
+  { name: "bad_words_list" data_type: TYPE_INT32 dims: [ 2, -1 ] optional: true }
 ]
 output [
   { name: "output_ids" data_type: TYPE_UINT32 dims: [ -1, -1 ] },
@@ -532,3 +534,30 @@ def test_gpu_instances_decode_as_transformers_does(gpu_server, references, model
     assert beams_of(greedy.as_numpy("output_ids"), greedy.as_numpy("sequence_length")) == reference.generate(ids)
     best = beams_of(beams.as_numpy("output_ids"), beams.as_numpy("sequence_length"))[0]
     assert best == reference.generate(ids, beams=4)[0]
+
+
+def words_tensor(name: str, words: list[list[int]]):
+    """FasterTransformer's flattened word list for one row: [1, 2, L], ids then end offsets padded with -1."""
+    flat = [token for word in words for token in word]
+    offsets = list(np.cumsum([len(word) for word in words]))
+    array = np.array([[flat, offsets + [-1] * (len(flat) - len(offsets))]], np.int32)
+    tensor = httpclient.InferInput(name, array.shape, "INT32")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch"])
+def test_stop_and_bad_words_as_parameters_and_as_fastertransformer_tensors(server, references, model):
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    (greedy,) = reference.generate(ids)
+    stop = greedy[2:4]
+    end = next(i + 2 for i in range(len(greedy)) if greedy[i:i + 2] == stop)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        by_parameter = client.infer(model, ft_inputs(httpclient, ids), parameters={"stop": json.dumps([stop])})
+        by_tensor = client.infer(model, ft_inputs(httpclient, ids) + [words_tensor("stop_words_list", [stop])])
+        banned = client.infer(model, ft_inputs(httpclient, ids) + [words_tensor("bad_words_list", [greedy[:1]])])
+    for result in (by_parameter, by_tensor):
+        assert beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length")) == [greedy[:end]]
+    (sequence,) = beams_of(banned.as_numpy("output_ids"), banned.as_numpy("sequence_length"))
+    assert sequence[0] != greedy[0] and greedy[0] not in sequence

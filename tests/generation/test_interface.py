@@ -128,3 +128,19 @@ def test_log_probability_outputs_come_when_asked_for():
     request = InferRequest("gen", [], outputs=[RequestedOutput("output_ids"), RequestedOutput("cum_log_probs")])
     assert ft.asks_log_probs(request)
     assert ft.wanted(request, log_probs=False) == ["output_ids", "cum_log_probs"]
+
+
+def test_without_lengths_each_row_is_taken_whole():
+    ft = interface(FT_CONFIG.replace('{ name: "sequence_length" data_type: TYPE_UINT32 dims: [ 1 ] },',
+                                     '{ name: "sequence_length" data_type: TYPE_UINT32 dims: [ 1 ] optional: true },'))
+    request = InferRequest("gen", [Tensor("input_ids", "UINT32", np.array([[5, 6, 7]], np.uint32))])
+    rows, tensors = ft.rows(request)
+    assert [row.input_ids for row in rows] == [[5, 6, 7]] and tensors == {}
+
+
+def test_negative_token_ids_are_refused():
+    text = FT_CONFIG.replace('"input_ids" data_type: TYPE_UINT32', '"input_ids" data_type: TYPE_INT32')
+    request = InferRequest("gen", [Tensor("input_ids", "INT32", np.array([[5, -6]], np.int32)),
+                                   Tensor("sequence_length", "UINT32", np.array([[2]], np.uint32))])
+    with pytest.raises(ServerError, match="negative token id"):
+        interface(text).rows(request)
