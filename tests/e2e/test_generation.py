@@ -57,6 +57,7 @@ output [
   { name: "output_ids" data_type: TYPE_UINT32 dims: [ -1, -1 ] },
   { name: "sequence_length" data_type: TYPE_UINT32 dims: [ -1 ] },
   { name: "cum_log_probs" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "output_log_probs" data_type: TYPE_FP32 dims: [ -1, -1 ] },
   { name: "prefix_length" data_type: TYPE_UINT32 dims: [ -1 ] }
 ]
 """
@@ -561,3 +562,20 @@ def test_stop_and_bad_words_as_parameters_and_as_fastertransformer_tensors(serve
         assert beams_of(result.as_numpy("output_ids"), result.as_numpy("sequence_length")) == [greedy[:end]]
     (sequence,) = beams_of(banned.as_numpy("output_ids"), banned.as_numpy("sequence_length"))
     assert sequence[0] != greedy[0] and greedy[0] not in sequence
+
+
+@pytest.mark.parametrize("model", ["t5", "t5_torch", "gpt2"])
+def test_log_probabilities_when_asked_for(server, references, model):
+    reference = references["gpt2" if model == "gpt2" else "t5"]
+    ids = reference.ids(PROMPT)
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        asked = client.infer(model, ft_inputs(httpclient, ids), parameters={"return_log_probs": True})
+        named = client.infer(model, ft_inputs(httpclient, ids), outputs=[
+            httpclient.InferRequestedOutput("output_ids"), httpclient.InferRequestedOutput("cum_log_probs")])
+    (sequence,) = beams_of(asked.as_numpy("output_ids"), asked.as_numpy("sequence_length"))
+    generated = len(sequence) - int(asked.as_numpy("prefix_length")[0, 0])
+    log_probs = asked.as_numpy("output_log_probs")[0, 0]
+    assert log_probs.shape == (generated,) and (log_probs <= 0).all()
+    cumulative = float(asked.as_numpy("cum_log_probs")[0, 0])
+    assert cumulative == pytest.approx(float(log_probs.sum()), abs=1e-3)
+    assert float(named.as_numpy("cum_log_probs")[0, 0]) == pytest.approx(cumulative, abs=1e-5)
