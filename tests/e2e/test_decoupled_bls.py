@@ -330,12 +330,38 @@ def test_a_decoupled_step_streams_through_its_ensemble_as_in_triton(transerve, t
         bodies[name] = events(answer.content)
     assert bodies["transerve"] == bodies["triton"]
     assert [(event["SCALED"], event["INDEX"]) for event in bodies["transerve"]] == [(8, 0), (10, 1), (12, 2)]
-    enable_empty = {"enable_empty_final_response": True}
-    requests_ = [("s", "stream_scaled", repeat_inputs([1, 2], "VALUES"), enable_empty)]
-    ours, theirs = grpc_stream_answers(transerve, requests_, 2), grpc_stream_answers(triton, requests_, 2)
-    assert ours == theirs
-    # The step's final flag came before the last response was through the next step: that response is the last.
-    assert [final for *_, final in ours] == [False, True]
+    ours, theirs = stream_until_final(transerve), stream_until_final(triton)
+    # Data responses equal; the final flag rides on the last one when the step had ended by the time that response
+    # was through the next step (the usual case on both servers), else it comes alone, which is timing, not a rule.
+    data = [(answer_id, outputs) for answer_id, outputs, _ in ours if outputs]
+    assert data == [(answer_id, outputs) for answer_id, outputs, _ in theirs if outputs]
+    assert data == [("s", {"SCALED": [2], "INDEX": [0]}), ("s", {"SCALED": [4], "INDEX": [1]})]
+    assert [final for *_, final in ours].count(True) == 1
+
+
+def stream_until_final(server: ServerProcess) -> list:
+    """`stream_scaled`'s answers to one gRPC stream request, up to the one flagged final."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer("stream_scaled", repeat_inputs([1, 2], "VALUES"), request_id="s",
+                                  enable_empty_final_response=True)
+        collected: list = []
+        while not collected or not collected[-1][2]:
+            result, error = answers.get(timeout=TIMEOUT_S)
+            assert error is None, error
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            collected.append((response.id, {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}, final))
+        return collected
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def test_an_ensemble_with_a_decoupled_step_is_decoupled_as_in_triton(transerve, triton):
