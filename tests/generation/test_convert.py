@@ -40,6 +40,8 @@ CONVERSIONS = {
     "gpt2": ("gpt2", "ctranslate2", "float32"),
     "gpt2_torch": ("gpt2", "torch", "float32"),
 }
+#: A decoupled generator (torch engine), whose text ensemble streams.
+STREAMING = "t5_stream"
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +55,7 @@ def repository(hf_folders, tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("converted")
     for name, (arch, engine, quantization) in CONVERSIONS.items():
         convert(hf_folders[arch], repo, engine=engine, quantization=quantization, name=name, max_batch_size=4)
+    convert(hf_folders["t5"], repo, engine="torch", name=STREAMING, max_batch_size=4, decoupled=True)
     return repo
 
 
@@ -61,7 +64,7 @@ def server(repository) -> Iterator[ServerProcess]:
     """The text ensembles loaded one after the other (each loads its generator, tokenizer and detokenizer):
     transformers' from_pretrained is not safe to run in several threads at once."""
     with start_transerve(repository, "--model-control-mode=explicit") as process:
-        for name in CONVERSIONS:
+        for name in [*CONVERSIONS, STREAMING]:
             answer = requests.post(f"{process.base_url}/v2/repository/models/{name}_text/load", timeout=300)
             assert answer.status_code == 200, f"{name}_text: {answer.text}\n{process.log_tail()}"
         yield process
@@ -251,3 +254,20 @@ def test_a_decoder_only_model_with_the_first_names_leaves_the_prompt_out_of_its_
         result = client.infer("fastertransformer", inputs, parameters={"max_tokens": MAX_TOKENS})
         length = int(result.as_numpy("OUTPUT1")[0, 0])
         assert result.as_numpy("OUTPUT0")[0, 0, :length].tolist() == ids + expected_ids
+
+
+def test_the_text_ensemble_of_a_decoupled_generator_streams_its_text(server, hf_folders):
+    """generate_stream with `stream: true`: pieces as tokens come, joined equal to the whole text, which /generate
+    (one response: `stream` false) and transformers give."""
+    _, _, text = reference(hf_folders["t5"], "t5", max_new_tokens=40)
+    url = f"{server.base_url}/v2/models/{STREAMING}_text"
+    whole = requests.post(f"{url}/generate", json={"text_input": TEXT, "max_tokens": 40}, timeout=60)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["text_output"] == text
+    streamed = requests.post(f"{url}/generate_stream", json={"text_input": TEXT, "max_tokens": 40, "stream": True},
+                             timeout=60)
+    assert streamed.status_code == 200, streamed.text
+    pieces = [json.loads(line[len(b"data: "):])["text_output"] for line in streamed.content.split(b"\n")
+              if line.startswith(b"data: ")]
+    assert len(pieces) > 1
+    assert "".join(pieces) == text
