@@ -39,7 +39,7 @@ from transerve.repository.repository import (
     is_plain_model_name,
     select_versions,
 )
-from transerve.scheduling import Scheduler, create_scheduler
+from transerve.scheduling import OnDone, Scheduler, create_scheduler
 from transerve.scheduling.warmup import warm_up
 
 log = logging.getLogger("transerve")
@@ -315,13 +315,15 @@ class Server:
         model.signature.validate(request)
         return model
 
-    def submit(self, request: InferRequest) -> tuple[ModelVersion, asyncio.Future[InferResponse]]:
+    def submit(self, request: InferRequest, on_done: OnDone) -> tuple[ModelVersion, asyncio.Future[InferResponse]]:
         """`infer` for callers that finish in a callback rather than a coroutine (ensemble steps): validate and
-        schedule now, then pass the future, once done, to `complete`. Saves a coroutine and a task wake-up."""
+        schedule now; `on_done(future)` then passes the future to `complete`. Saves a coroutine and a task
+        wake-up, and with the direct scheduler also the loop turn of a done callback (see `OnDone`: whoever
+        cancels the future calls `complete` for it)."""
         model = self._validated_model(request)
         request.arrival_ns = time.monotonic_ns()
         self._inflight += 1
-        return model, model.scheduler.submit(request)
+        return model, model.scheduler.submit(request, on_done)
 
     def complete(
         self, model: ModelVersion, request: InferRequest, future: asyncio.Future[InferResponse]

@@ -1,12 +1,14 @@
 """Per-model schedulers: which requests go to which instance, and when.
 
-Every scheduler has the same face to the core: `submit(request)` returns a future of the
-response, `pending_count` says how many wait, and `drain()` waits until none is queued or running.
+Every scheduler has the same face to the core: `submit(request, on_done)` returns a future of the
+response (and calls `on_done(future)` once it is done), `pending_count` says how many wait, and
+`drain()` waits until none is queued or running.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2
@@ -15,12 +17,17 @@ from transerve.backends.base import BackendInstance
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
 
+#: Called with a request's future once it is done, never from inside `submit`. The direct scheduler calls it
+#: as it settles the future, a loop turn sooner than a done callback, and not at all for a future someone
+#: else cancelled (the canceller accounts for that one); the batchers make it a done callback.
+OnDone = Callable[["asyncio.Future[InferResponse]"], None]
+
 
 class Scheduler(Protocol):
     @property
     def pending_count(self) -> int: ...
 
-    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]: ...
+    def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]: ...
 
     async def drain(self) -> None: ...
 

@@ -15,8 +15,9 @@ from transerve.backends.base import BackendInstance, ExecutionResult
 from transerve.core.errors import ServerError, internal
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
+from transerve.scheduling import OnDone
 
-_Pending = tuple[InferRequest, "asyncio.Future[InferResponse]"]
+_Pending = tuple[InferRequest, "asyncio.Future[InferResponse]", OnDone | None]
 
 
 class DirectScheduler:
@@ -41,10 +42,11 @@ class DirectScheduler:
         """Requests waiting for an instance (Triton's pending request count)."""
         return len(self._queue)
 
-    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
-        """Queue a request; the future resolves with its response or raises its ServerError."""
+    def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
+        """Queue a request; the future resolves with its response or raises its ServerError, and `on_done`
+        runs right after, in the backend's callback that delivered the result (see `OnDone`)."""
         future: asyncio.Future[InferResponse] = self._loop.create_future()
-        self._queue.append((request, future))
+        self._queue.append((request, future, on_done))
         self._dispatch()
         return future
 
@@ -57,16 +59,19 @@ class DirectScheduler:
             self._start(free.popleft(), pending)
 
     def _start(self, instance: BackendInstance, pending: _Pending) -> None:
-        """Hand a request to an instance; completion arrives as a callback, with no task per execution."""
+        """Hand a request to an instance; completion arrives as a callback, with no task per execution
+        (and no future either, when the backend calls back itself)."""
         request = pending[0]
         self._stats.queue.add(time.monotonic_ns() - request.arrival_ns)
         self._running += 1
         try:
-            execution = instance.execute([request])
+            execution = instance.execute_then([request], functools.partial(self._finish, instance, pending))
+            if execution is None:
+                return
             if not isinstance(execution, asyncio.Future):
                 execution = self._loop.create_task(execution)
-        except Exception as exc:  # a backend bug: fail this request, keep serving
-            self._finish(instance, pending, self._failed(instance, f"failed: {exc!r}"))
+        except Exception as exc:  # a backend bug: fail this request (never from inside `submit`), keep serving
+            self._loop.call_soon(self._finish, instance, pending, self._failed(instance, f"failed: {exc!r}"))
             return
         execution.add_done_callback(functools.partial(self._collect, instance, pending))
 
@@ -80,21 +85,27 @@ class DirectScheduler:
         self._finish(instance, pending, result)
 
     def _finish(self, instance: BackendInstance, pending: _Pending, result: ExecutionResult) -> None:
+        """Settle the request, let `on_done` go on with it (an ensemble sends its next step), then count."""
         self._running -= 1
         self._free.append(instance)
-        request, future = pending
+        request, future, on_done = pending
         if len(result.results) != 1:
             result = self._failed(instance, f"returned {len(result.results)} results for 1 requests")
+        if future.done():  # cancelled by its client while it ran: its canceller accounts for it
+            on_done = None
+        elif isinstance(outcome := result.results[0], ServerError):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+        if on_done is not None:
+            try:
+                on_done(future)
+            except Exception as exc:  # the caller's bug: report it as a done callback's would be, keep serving
+                self._loop.call_exception_handler({"message": "on_done callback failed", "exception": exc})
         self._stats.record_execution(
             request.batch_size(self._max_batch_size), 1, result.compute_input_ns, result.compute_infer_ns,
             result.compute_output_ns,
         )
-        if not future.done():
-            outcome = result.results[0]
-            if isinstance(outcome, ServerError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
         self._dispatch()
 
     def _failed(self, instance: BackendInstance, what: str) -> ExecutionResult:

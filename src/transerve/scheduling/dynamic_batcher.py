@@ -27,6 +27,7 @@ from transerve.backends.base import BackendInstance, ExecutionResult
 from transerve.core.errors import ServerError, internal, unavailable
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
+from transerve.scheduling import OnDone
 from transerve.scheduling.queues import Pending, RequestQueue
 from transerve.scheduling.strategy import batching_strategy
 
@@ -96,9 +97,11 @@ class DynamicBatcher:
         """Requests waiting in the queue (Triton's pending request count)."""
         return self._queue.live
 
-    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
+    def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
         """Queue a request; the future resolves with its response or raises its ServerError."""
         future: asyncio.Future[InferResponse] = self._loop.create_future()
+        if on_done is not None:
+            future.add_done_callback(on_done)
         size = request.batch_size(self._model_max_batch) or 1
         if self._bucketing is not None:
             group = self._bucketing.bucket(request)

@@ -46,6 +46,7 @@ from transerve.core.errors import ServerError, internal, invalid_arg
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.scheduling import OnDone
 
 log = logging.getLogger("transerve")
 
@@ -191,9 +192,11 @@ class SequenceBatcher:
         """Requests accepted but not yet executing."""
         return self._queued
 
-    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
+    def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
         """Route a request to its sequence's slot (or the backlog); the future resolves with its response."""
         future: asyncio.Future[InferResponse] = self._loop.create_future()
+        if on_done is not None:
+            future.add_done_callback(on_done)
         correlation_id, flags = request.correlation_id, request.flags
         slot = self._assigned.get(correlation_id)
         backlog = self._backlogged.get(correlation_id) if slot is None else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
@@ -91,18 +92,43 @@ class EnsembleInstance(BackendInstance):
         if self._streaming is not None:
             return asyncio.ensure_future(self._streaming.execute(requests))
         future: asyncio.Future[ExecutionResult] = self._loop.create_future()
+
+        def settle(result: ExecutionResult) -> None:
+            if not future.done():
+                future.set_result(result)
+
+        self._walk(requests, settle)
+        return future
+
+    def execute_then(
+        self, requests: list[InferRequest], done: Callable[[ExecutionResult], None]
+    ) -> Awaitable[ExecutionResult] | None:
+        """The last walk to end calls `done`, in the callback of its last step."""
+        if self._streaming is not None:
+            return self.execute(requests)
+        self._walk(requests, done)
+        return None
+
+    def _walk(self, requests: list[InferRequest], done: Callable[[ExecutionResult], None]) -> None:
+        """Start a walk per request; `done` gets their results once all have ended (a loop turn later if
+        they all ended at once, as `execute_then` promises)."""
         results: list[InferResponse | ServerError | None] = [None] * len(requests)
         remaining = [len(requests)]
+        starting = True
 
-        def done(index: int, result: InferResponse | ServerError) -> None:
+        def walked(index: int, result: InferResponse | ServerError) -> None:
             results[index] = result
             remaining[0] -= 1
-            if not remaining[0] and not future.done():
-                future.set_result(ExecutionResult(results))
+            if remaining[0]:
+                return
+            if starting:
+                self._loop.call_soon(done, ExecutionResult(results))
+            else:
+                done(ExecutionResult(results))
 
         for index, request in enumerate(requests):
-            Walk(self, request, functools.partial(done, index)).start()
-        return future
+            Walk(self, request, functools.partial(walked, index)).start()
+        starting = False
 
     async def close(self) -> None:
         """Nothing to release: the composing models have their own lifecycles."""

@@ -2,15 +2,16 @@
 
 Each step is a core request (`runtime.submit`, through its model's scheduler). When a step's future is done,
 its callback stores the outputs and submits every step they make ready, so a request costs no task and no
-coroutine, and a chain hands one step's outputs to the next in the callback that receives them. Independent
-steps run concurrently. The first step to fail ends the request with its error, naming the step, and the
+coroutine, and a chain hands one step's outputs to the next in the callback that receives them (with the
+direct scheduler and the python backend, the one that read the worker's reply: no loop turn between steps).
+Independent steps run concurrently. The first step to fail ends the request with its error, naming the step, and the
 steps still running are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -49,8 +50,8 @@ class Walk:
         self._done = done
         self._tensors = {tensor.name: tensor for tensor in request.inputs}
         self._pending = list(ensemble.steps)
-        #: The futures of the steps in flight.
-        self._running: dict[asyncio.Future[InferResponse], Step] = {}
+        #: The futures of the steps in flight, with what `runtime.complete` needs of them.
+        self._running: dict[asyncio.Future[InferResponse], tuple[Step, Any, InferRequest]] = {}
         self._finished = False
 
     def start(self) -> None:
@@ -76,25 +77,23 @@ class Walk:
     def _submit(self, step: Step) -> bool:
         step_request = self._ensemble.make_request(step, self._request, self._tensors)
         try:
-            model, future = self._ensemble.runtime.submit(step_request)
+            model, future = self._ensemble.runtime.submit(step_request, self._step_done)
         except ServerError as exc:
             self._fail(step, exc)
             return False
-        self._running[future] = step
-        future.add_done_callback(functools.partial(self._step_done, model, step_request))
+        self._running[future] = (step, model, step_request)
         return True
 
-    def _step_done(self, model: Any, step_request: InferRequest, future: asyncio.Future[InferResponse]) -> None:
-        step = self._running.pop(future, None)  # None: the walk already ended, only the bookkeeping is left
+    def _step_done(self, future: asyncio.Future[InferResponse]) -> None:
+        if future.cancelled():  # by `_finish`, which completed it
+            return
+        step, model, step_request = self._running.pop(future)
         try:
             response = self._ensemble.runtime.complete(model, step_request, future)
         except ServerError as exc:
-            if step is not None:
-                self._fail(step, exc)
+            self._fail(step, exc)
             return
-        except asyncio.CancelledError:
-            return
-        if step is None:
+        if self._finished:  # only the bookkeeping was left
             return
         try:
             tensors = self._tensors
@@ -115,7 +114,9 @@ class Walk:
         if self._finished:
             return
         self._finished = True
-        running, self._running = self._running, {}
-        for future in running:
-            future.cancel()
+        # A step already answered stays until its callback completes it; the others are cancelled here.
+        for future in [future for future in self._running if future.cancel()]:
+            _, model, step_request = self._running.pop(future)
+            with contextlib.suppress(asyncio.CancelledError):
+                self._ensemble.runtime.complete(model, step_request, future)
         self._done(result)

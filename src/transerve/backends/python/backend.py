@@ -18,7 +18,7 @@ import site
 import socket
 import subprocess
 import sys
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,34 +304,65 @@ class PythonInstance(BackendInstance):
     def execute(self, requests: list[InferRequest]) -> Awaitable[ExecutionResult]:
         """A future that the reply's reader callback resolves: no task per execution while the
         worker is up; a coroutine waits for the worker only while it is being restarted."""
+        future: asyncio.Future[ExecutionResult] = self._loop.create_future()
+        return self.execute_then(requests, functools.partial(_settle, future)) or future
+
+    def execute_then(
+        self, requests: list[InferRequest], done: Callable[[ExecutionResult], None]
+    ) -> Awaitable[ExecutionResult] | None:
+        """While the worker is up, `done` runs in the reader callback that decoded the reply."""
         worker = self._worker
         if worker is None:
             return self._execute_after_restart(requests)
-        return self._send(worker, requests)
+        return self._send(worker, requests, done)
 
     async def _execute_after_restart(self, requests: list[InferRequest]) -> ExecutionResult:
         try:
             worker = await self._current_worker()
         except ServerError as exc:
             return ExecutionResult([exc] * len(requests))
-        return await self._send(worker, requests)
+        future: asyncio.Future[ExecutionResult] = self._loop.create_future()
+        return await (self._send(worker, requests, functools.partial(_settle, future)) or future)
 
-    def _send(self, worker: WorkerProcess, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+    def _send(
+        self, worker: WorkerProcess, requests: list[InferRequest], done: Callable[[ExecutionResult], None]
+    ) -> asyncio.Future[ExecutionResult] | None:
+        """Send an execute whose reply calls `done`; a settled future instead if it cannot be sent."""
         try:
             tokens = worker.streams.open(requests) if self._decoupled and worker.streams else None
-            return worker.connection.request(
+            worker.connection.call(
                 OP_EXECUTE,
                 _execute_body(requests, tokens),
                 _input_groups(requests),
-                on_reply=functools.partial(self._execution_result, worker, requests, tokens),
-                on_lost=functools.partial(self._worker_lost, worker, len(requests)),
+                on_reply=functools.partial(self._replied, worker, requests, tokens, done),
+                on_lost=functools.partial(self._worker_lost, worker, len(requests), done),
             )
+            return None
         except Exception as exc:  # an input the transport cannot carry
             logger.exception("model '%s': cannot send requests to instance '%s'", self._spec.model_name, self.name)
             future = self._loop.create_future()
             error = ServerError(ErrorCode.INTERNAL, f"cannot send the request to the model: {exc}")
             future.set_result(ExecutionResult([error] * len(requests)))
             return future
+
+    def _replied(
+        self,
+        worker: WorkerProcess,
+        requests: list[InferRequest],
+        tokens: list[int] | None,
+        done: Callable[[ExecutionResult], None],
+        body: tuple[Any, Any],
+        outputs: list[list[Entry]],
+    ) -> None:
+        try:
+            result = self._execution_result(worker, requests, tokens, body, outputs)
+        except Exception as exc:  # a reply this server cannot read: fail its requests, keep serving
+            logger.exception("model '%s': bad reply from instance '%s'", self._spec.model_name, self.name)
+            error = ServerError(
+                ErrorCode.INTERNAL, f"model '{self._spec.model_name}' instance '{self.name}' failed: {exc!r}"
+            )
+            result = ExecutionResult([error] * len(requests))
+        done(result)
 
     def _execution_result(
         self,
@@ -382,13 +413,12 @@ class PythonInstance(BackendInstance):
             f"process exited unexpectedly ({describe_exit(exit_code)})"
         )
 
-    def _worker_lost(self, worker: WorkerProcess, count: int, future: asyncio.Future[ExecutionResult]) -> None:
+    def _worker_lost(self, worker: WorkerProcess, count: int, done: Callable[[ExecutionResult], None]) -> None:
         """Fail an execution whose worker died, once the exit code can name the cause."""
 
         async def settle() -> None:
             error = ServerError(ErrorCode.INTERNAL, self._exit_message(await worker.exited()))
-            if not future.done():
-                future.set_result(ExecutionResult([error] * count))
+            done(ExecutionResult([error] * count))
 
         self._in_background(settle())
 
@@ -418,6 +448,11 @@ class PythonInstance(BackendInstance):
         if worker is not None:
             await worker.stop()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _settle(future: asyncio.Future[ExecutionResult], result: ExecutionResult) -> None:
+    if not future.done():
+        future.set_result(result)
 
 
 def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> list[tuple[Any, ...]]:

@@ -321,7 +321,7 @@ class ShmReader:
         if region == INLINE:  # `offset` holds the bytes: a bytearray, so the array is writable
             if datatype == "BYTES":
                 return name, datatype, deserialize_bytes(offset, _count(shape)).reshape(shape)
-            return name, datatype, np.frombuffer(offset, NUMPY_DTYPES[datatype]).reshape(shape)
+            return name, datatype, np.ndarray(shape, NUMPY_DTYPES[datatype], offset)
         view = self._view if region == ARENA else regions[region].view
         if datatype == "BYTES":
             return name, datatype, deserialize_bytes(view[offset : offset + nbytes], _count(shape)).reshape(shape)
@@ -367,8 +367,17 @@ class Endpoint:
 
     def place(self, groups: Sequence[Sequence[Entry]]) -> Placed:
         """Write a message's tensors into shared memory, before its body is final (the worker
-        times this step and reports the time in the body)."""
-        return self._writer.write(groups) if groups else _NOTHING_PLACED
+        times this step and reports the time in the body). Messages whose tensors are all tiny and
+        numeric (the common small request) take a short path that never touches the arena."""
+        descriptors: list[list[Descriptor]] = []
+        for group in groups:
+            placed: list[Descriptor] = []
+            for name, datatype, data in group:
+                if datatype == "BYTES" or data.nbytes > INLINE_TENSOR_LIMIT:
+                    return self._writer.write(groups)
+                placed.append((name, datatype, data.shape, INLINE, bytearray(data.tobytes()), data.nbytes, False))
+            descriptors.append(placed)
+        return (descriptors, [], []) if descriptors else _NOTHING_PLACED
 
     def encode(self, op: int, call_id: int, body: Any, placed: Placed | None = None) -> tuple[bytes, list[int]]:
         """The datagram for a message and the descriptors to pass with it (owned by the caller)."""
@@ -394,11 +403,12 @@ class Endpoint:
         if op == OP_SPILLED:
             (((_, _, spilled),),) = self._reader.read(descriptors, frees, regions)
             op, call_id, releases, frees, body, descriptors = pickle.loads(spilled)
-        if released is None:
-            self._writer.release(releases)
-        elif releases:
-            released.append(releases)
-        return op, call_id, body, self._reader.read(descriptors, frees, regions)
+        if releases:
+            if released is None:
+                self._writer.release(releases)
+            else:
+                released.append(releases)
+        return op, call_id, body, self._reader.read(descriptors, frees, regions) if descriptors else []
 
     def release(self, released: deque[Sequence[int]]) -> None:
         """Free blocks `decode` queued (call it where tensors are placed, under the same lock)."""
@@ -453,10 +463,8 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-#: Turns a reply's (body, tensors per group) into the value its future resolves to.
-ReplyHandler = Callable[[Any, list[list[Entry]]], Any]
-#: Settles the future of a request whose worker was lost (by default it raises ConnectionLost).
-LostHandler = Callable[["asyncio.Future[Any]"], None]
+#: Receives a reply's (body, tensors per group), in the reader callback; it must not raise.
+ReplyHandler = Callable[[Any, list[list[Entry]]], None]
 #: Receives a message the worker sent unasked: (op, id, body, tensors per group).
 MessageHandler = Callable[[int, int, Any, list[list[Entry]]], None]
 
@@ -464,11 +472,11 @@ MessageHandler = Callable[[int, int, Any, list[list[Entry]]], None]
 class AsyncConnection:
     """The server's side of a worker socket, driven by the event loop without ever blocking it.
 
-    Each reply settles the request with its id. A reply is decoded in the reader callback (not by
-    an awaiting coroutine), so its blocks are released even when the caller gave up, and a request's
-    `on_reply` handler can build the final result there: the caller gets a plain future, with no task
-    per request. Messages the worker sends unasked (decoupled responses, BLS calls) go to
-    `on_message`. Sends that meet a full socket wait in an outbox.
+    Each reply goes to the handler of the call with its id. A reply is decoded in the reader callback
+    (not by an awaiting coroutine), so its blocks are released even when the caller gave up, and the
+    handler can build the final result there and hand it on: no task, not even a future, per call
+    (`request` wraps a call in a future for callers that await). Messages the worker sends unasked
+    (decoupled responses, BLS calls) go to `on_message`. Sends that meet a full socket wait in an outbox.
     """
 
     def __init__(self, sock: socket.socket, endpoint: Endpoint, loop: asyncio.AbstractEventLoop) -> None:
@@ -476,7 +484,8 @@ class AsyncConnection:
         self._sock = sock
         self._endpoint = endpoint
         self._loop = loop
-        self._waiting: dict[int, tuple[asyncio.Future[Any], ReplyHandler | None, LostHandler | None]] = {}
+        #: Per call id: its reply handler, and what to call if the worker is lost first.
+        self._waiting: dict[int, tuple[ReplyHandler, Callable[[], None]]] = {}
         self._next_id = 0
         self._outbox: deque[tuple[bytes, list[int]]] = deque()
         self.closed = False
@@ -490,25 +499,32 @@ class AsyncConnection:
     def live_blocks(self) -> int:
         return self._endpoint.live_blocks
 
-    def request(
-        self,
-        op: int,
-        body: Any,
-        groups: Sequence[Sequence[Entry]] = (),
-        on_reply: ReplyHandler | None = None,
-        on_lost: LostHandler | None = None,
-    ) -> asyncio.Future[Any]:
-        """Send a call; the future resolves to `on_reply(body, groups)` of the reply, or to
-        (body, groups) itself without a handler."""
+    def request(self, op: int, body: Any, groups: Sequence[Sequence[Entry]] = ()) -> asyncio.Future[Any]:
+        """Send a call; the future resolves to the reply's (body, groups), or raises ConnectionLost."""
         future = self._loop.create_future()
-        if self.closed:
-            _settle_lost(future, on_lost)
-            return future
-        self._next_id += 1
-        call_id = self._next_id
-        self._waiting[call_id] = (future, on_reply, on_lost)
-        self._send(op, call_id, body, groups)
+
+        def replied(body: Any, groups: list[list[Entry]]) -> None:
+            if not future.done():
+                future.set_result((body, groups))
+
+        def lost() -> None:
+            if not future.done():
+                future.set_exception(ConnectionLost())
+
+        self.call(op, body, groups, replied, lost)
         return future
+
+    def call(
+        self, op: int, body: Any, groups: Sequence[Sequence[Entry]], on_reply: ReplyHandler, on_lost: Callable[[], None]
+    ) -> None:
+        """Send a call: `on_reply(body, groups)` runs in the reader callback that decodes its reply, or
+        `on_lost()` if the worker is lost first."""
+        if self.closed:
+            on_lost()
+            return
+        self._next_id += 1
+        self._waiting[self._next_id] = (on_reply, on_lost)
+        self._send(op, self._next_id, body, groups)
 
     def notify(self, op: int, call_id: int, body: Any, groups: Sequence[Sequence[Entry]] = ()) -> None:
         """Send a message that expects no reply (a cancellation, a BLS response); dropped once closed."""
@@ -564,15 +580,7 @@ class AsyncConnection:
                 self.lose()
                 raise
             if op == OP_REPLY:
-                future, on_reply, _ = self._waiting.pop(call_id)
-                if not future.done():
-                    if on_reply is None:
-                        future.set_result((body, groups))
-                    else:
-                        try:
-                            future.set_result(on_reply(body, groups))
-                        except Exception as exc:
-                            future.set_exception(exc)
+                self._waiting.pop(call_id)[0](body, groups)
             elif self.on_message is not None:
                 self.on_message(op, call_id, body, groups)
             if not (drain or self._waiting or self.open_streams):
@@ -593,14 +601,5 @@ class AsyncConnection:
         self._sock.close()
         waiting = list(self._waiting.values())
         self._waiting.clear()
-        for future, _, on_lost in waiting:
-            _settle_lost(future, on_lost)
-
-
-def _settle_lost(future: asyncio.Future[Any], on_lost: LostHandler | None) -> None:
-    if future.done():
-        return
-    if on_lost is None:
-        future.set_exception(ConnectionLost())
-    else:
-        on_lost(future)
+        for _, on_lost in waiting:
+            on_lost()
