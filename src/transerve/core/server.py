@@ -97,6 +97,8 @@ class ModelVersion:
     backend_model: BackendModel
     scheduler: Scheduler
     stats: ModelStats
+    #: The config's `model_transaction_policy.decoupled`, read once: a protobuf lookup per request costs more.
+    decoupled: bool = False
 
 
 @dataclass(slots=True)
@@ -310,7 +312,7 @@ class Server:
         if self._stopping:
             raise unavailable("the server is shutting down")
         model = self.get_version(request.model_name, request.model_version)
-        if model.config.model_transaction_policy.decoupled:
+        if model.decoupled:
             raise unsupported(DECOUPLED_INFER_MESSAGE)
         model.signature.validate(request)
         return model
@@ -350,7 +352,7 @@ class Server:
         model = self.get_version(request.model_name, request.model_version)
         model.signature.validate(request)
         stream = ResponseStream(self._loop or asyncio.get_running_loop())
-        if model.config.model_transaction_policy.decoupled:
+        if model.decoupled:
             request.response_stream = stream
             task = self._track(self._run_decoupled(model, request, stream))
         else:
@@ -556,6 +558,7 @@ class Server:
             backend_model=backend_model,
             scheduler=scheduler,
             stats=stats,
+            decoupled=config.model_transaction_policy.decoupled,
         )
 
     def _backend(self, kind: str, model_name: str) -> Backend:
