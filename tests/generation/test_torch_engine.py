@@ -170,6 +170,27 @@ def test_sequences_joining_a_running_batch_get_their_own_output(models, arch):
     assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=40)
 
 
+def test_cross_attention_of_joining_rows_without_known_module_names(models):
+    """A decoder whose cross-attention modules are not known by name gets its joining rows' cross-attention
+    keys/values from one decoder run on the start token: outputs still equal generate's."""
+    model = models["bart"]
+    engine = TorchEngine(model.path)
+    engine._runner.cross_attention = []
+    try:
+        steps = threading.Semaphore(0)
+        first_ids = model.ids(TEXTS[2])
+        first = submit(engine, first_ids, DecodingOptions(max_new_tokens=20, end_ids=[]),
+                       on_tokens=lambda new: steps.release())
+        assert steps.acquire(timeout=30)
+        later = [(ids, submit(engine, ids, DecodingOptions(max_new_tokens=12, end_ids=[])))
+                 for ids in (model.ids(TEXTS[0]), model.ids(TEXTS[1]))]
+        for ids, future in later:
+            assert tokens(future.result(timeout=60)) == model.reference(ids, end_ids=[], max_new_tokens=12)
+        assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=20)
+    finally:
+        engine.close()
+
+
 def test_short_sequence_finishes_first(models):
     model = models["bart"]
     order: list[str] = []

@@ -5,8 +5,10 @@ are kept left-padded to the longest history, with a mask that hides the padding;
 position, passed to the model as `position_ids` (decoder-only models) or through `RowPositions` (encoder-decoder
 decoders with absolute position embeddings, which take no position ids: BART, Marian). Relative positions (T5) are
 unaffected by left padding. Encoder-decoder rows also carry their encoder output and its mask, and their
-cross-attention keys/values, right-padded to the longest source. Rows leave by index selection, after which
-padding no remaining row needs is trimmed away.
+cross-attention keys/values, right-padded to the longest source. New rows join with the history their first
+decoder input follows (none for encoder-decoder models: all padding; the prompt but its last token for decoder-only
+ones) and consume that input in the next step together with every other row, so joining never runs a decoder step
+of its own. Rows leave by index selection, after which padding no remaining row needs is trimmed away.
 
 The cache tensors are our own; each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`)
 whose layers the model extends by one step, and the grown tensors are read back.
@@ -76,8 +78,14 @@ class DecoderBatch:
 
         time = max(self.mask.shape[1], other.mask.shape[1])
 
+        like = self.self_kv or other.self_kv
+
         def left(batch: DecoderBatch) -> tuple[KV, torch.Tensor]:
             missing = time - batch.mask.shape[1]
+            if not batch.self_kv and like:  # rows that have consumed no token yet: all padding
+                shapes = [(batch.rows, k.shape[1], time, k.shape[3]) for k, _ in like]
+                kv = [(k.new_zeros(shape), v.new_zeros(shape)) for (k, v), shape in zip(like, shapes, strict=True)]
+                return kv, pad(batch.mask, (missing, 0))
             if missing == 0:
                 return batch.self_kv, batch.mask
             return [(pad(k, (0, 0, missing, 0)), pad(v, (0, 0, missing, 0))) for k, v in batch.self_kv], pad(
@@ -149,59 +157,88 @@ class ModelRunner:
                 self.positions = _row_positions_class()(table)
                 decoder.embed_positions = self.positions
             self.per_row_positions = table is None or self.positions is not None
-        self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        #: The decoder's cross-attention modules in layer order, where their names are known (T5, BART family).
+        self.cross_attention = _cross_attention_modules(model) if self.encoder_decoder else []
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
 
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prefill(self, inputs: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
-        """Run new sequences' prompts (decoder-only) or sources and first decoder step (encoder-decoder) together;
-        sequence i gets `repeats[i]` identical rows (its beams). Returns their batch and next-token logits."""
-        longest = max(len(ids) for ids in inputs)
-        # Decoder-only prompts are left-padded (the next token follows each row's last one); sources right-padded.
+    def admit(self, inputs: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
+        """New sequences' rows, ready to join the running batch; sequence i gets `repeats[i]` identical rows (its
+        beams). Returns their batch and each row's first decoder input ([rows]), which the next `step` consumes
+        together with every other row's token: no logits are computed here, so joining costs one encoder call
+        (encoder-decoder: the decoder starts from the start token with an empty self-attention cache) or one
+        prefill of all prompts but their last tokens (decoder-only), whatever the number of sequences."""
         if self.encoder_decoder:
-            ids = self._tensor([list(x) + [self.pad_id] * (longest - len(x)) for x in inputs])
-            mask = self._tensor([[1] * len(x) + [0] * (longest - len(x)) for x in inputs])
+            batch = self._encode(inputs)
+            first = [self.decoder_start_id] * len(inputs)
         else:
-            ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in inputs])
-            mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in inputs])
+            batch = self._prefill([list(ids[:-1]) for ids in inputs])
+            first = [ids[-1] for ids in inputs]
         index = self._tensor([i for i, count in enumerate(repeats) for _ in range(count)])
-        if self.encoder_decoder:
-            batch, logits = self._prefill_encoder_decoder(ids, mask)
-        else:
-            batch, logits = self._prefill_decoder(ids, mask)
         if len(index) != len(inputs):
             batch.select(index)
-            logits = logits.index_select(0, index)
-        return batch, logits
+        return batch, self._tensor(first).index_select(0, index)
 
-    def _prefill_decoder(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[DecoderBatch, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]]) -> DecoderBatch:
+        """Self-attention keys/values of `prompts`, left-padded (each row's next token follows its last one); the
+        model's body only (no LM head: nothing is predicted from them). Empty prompts give an empty cache."""
+        import torch
+
+        longest = max(len(ids) for ids in prompts)
+        mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
+        if longest == 0:
+            return DecoderBatch([], mask, torch.zeros(len(prompts), dtype=torch.long, device=self.device))
         from transformers import DynamicCache
 
+        ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         cache = DynamicCache()
-        extra = {"logits_to_keep": 1} if self.keep_last else {}
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+        self.model.base_model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return DecoderBatch(kv, mask, mask.sum(-1)), out.logits[:, -1, :]
+        return DecoderBatch(kv, mask, mask.sum(-1))
 
-    def _prefill_encoder_decoder(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[DecoderBatch, torch.Tensor]:
+    def _encode(self, sources: list[list[int]]) -> DecoderBatch:
+        """One encoder call for all `sources` (right-padded, masked), and their cross-attention keys/values; the
+        decoder's self-attention cache starts empty (position 0)."""
+        import torch
+
+        longest = max(len(ids) for ids in sources)
+        ids = self._tensor([list(x) + [self.pad_id] * (longest - len(x)) for x in sources])
+        mask = self._tensor([[1] * len(x) + [0] * (longest - len(x)) for x in sources])
+        hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        rows = len(sources)
+        empty = self._tensor([[]] * rows)
+        batch = DecoderBatch([], empty, torch.zeros(rows, dtype=torch.long, device=self.device), None, hidden, mask)
+        batch.cross_kv = self._cross_kv(batch)
+        return batch
+
+    def _cross_kv(self, batch: DecoderBatch) -> KV:
+        """Each decoder layer's cross-attention keys/values of `batch`'s encoder output, computed by the layers'
+        own cross-attention modules (so their projections and head layout are the model's); a decoder whose
+        modules are not known by name runs once on the start token instead, its output discarded."""
         import torch
         from transformers import DynamicCache, EncoderDecoderCache
 
-        hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        rows = ids.shape[0]
-        start = torch.full((rows,), self.decoder_start_id, dtype=torch.long, device=self.device)
-        empty = self._tensor([[]] * rows)
-        batch = DecoderBatch([], empty, torch.zeros(rows, dtype=torch.long, device=self.device), [], hidden, mask)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        logits = self._decode(batch, start, cache)
-        batch.cross_kv = [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
-        return batch, logits
+        hidden = batch.encoder_hidden
+        if self.cross_attention:
+            query = hidden[:, :1]
+            for module in self.cross_attention:
+                module(hidden_states=query, key_value_states=hidden, past_key_values=cache)
+        else:
+            start = torch.full((batch.rows, 1), self.decoder_start_id, dtype=torch.long, device=self.device)
+            if self.positions is not None:
+                self.positions.position_ids = batch.positions[:, None]
+            self.model.get_decoder()(
+                input_ids=start, encoder_hidden_states=hidden, encoder_attention_mask=batch.encoder_mask,
+                past_key_values=cache, use_cache=True,
+            )
+        return [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
 
     def step(self, batch: DecoderBatch, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row's next token ([rows]); grow `batch` by one step; return next-token logits [rows, vocab]."""
@@ -240,6 +277,23 @@ class ModelRunner:
         batch.mask = mask
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :]
+
+
+#: What encoder-decoder models of transformers name their decoder layers' cross-attention modules.
+CROSS_ATTENTION_NAMES = ("EncDecAttention", "encoder_attn")
+
+
+def _cross_attention_modules(model: Any) -> list[Any]:
+    """One cross-attention module per decoder layer, in layer order; empty when the names are not known."""
+    decoder = model.get_decoder()
+    found = [
+        module for name, module in decoder.named_modules()
+        if name.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES and isinstance(getattr(module, "layer_idx", None), int)
+    ]
+    layers = getattr(model.config, "decoder_layers", None) or getattr(model.config, "num_decoder_layers", None)
+    if [module.layer_idx for module in found] != list(range(len(found))) or (layers and len(found) != layers):
+        return []
+    return found
 
 
 def _layer(keys: torch.Tensor, values: torch.Tensor) -> Any:

@@ -1,8 +1,9 @@
 """The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
 
-One engine thread runs its own decoding loop (never `generate`): each iteration feeds every running row's last
-token through one forward pass, prefills the sequences admitted at this step (batched together) and merges them
-into the running batch (`decoder_batch`), then chooses each sequence's next token with its own options
+One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
+(all of them at once, so their encoder call or prompt prefill is one batched call), merges them into the running
+batch (`decoder_batch`), feeds every row's last token through one forward pass (a new row's first decoder input:
+the decoder start token, or its prompt's last token), then chooses each sequence's next token with its own options
 (`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once. Admission is FIFO under two
 limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum over running sequences of
 (input length + max_new_tokens) * beam width. `scheduling="request"` turns this into request-level batching for
@@ -297,25 +298,25 @@ class TorchEngine:
             _report(sequence.done, error)
 
     def _iteration(self) -> None:
-        import torch
-
         self._drop_cancelled()
-        logits = None
-        if self._batch is not None:
-            logits = self._runner.step(self._batch, self._next_tokens)
         admitted = self._admit()
         if admitted:
             self._running.extend(admitted)  # from here on a failure reaches them too
-            batch, new_logits = self._runner.prefill(
-                [s.input_ids for s in admitted], [s.rows for s in admitted]
-            )
-            if self._batch is None:
-                self._batch, logits = batch, new_logits
-            else:
-                self._batch.extend(batch)
-                logits = torch.cat((logits, new_logits))
-        if logits is not None:
-            self._advance(logits.float())
+            self._join(admitted)
+        if self._batch is not None:
+            self._advance(self._runner.step(self._batch, self._next_tokens).float())
+
+    def _join(self, admitted: list[_Sequence]) -> None:
+        """Add the rows of `admitted` (already at the end of `_running`) to the batch: their first tokens come out
+        of the next step, computed with every other row's."""
+        import torch
+
+        batch, first = self._runner.admit([s.input_ids for s in admitted], [s.rows for s in admitted])
+        if self._batch is None:
+            self._batch, self._next_tokens = batch, first
+        else:
+            self._batch.extend(batch)
+            self._next_tokens = torch.cat((self._next_tokens, first))
 
     def _drop_cancelled(self) -> None:
         if not any(s.cancelled for s in self._running):
