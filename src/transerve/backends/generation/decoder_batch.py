@@ -16,6 +16,7 @@ whose layers the model extends by one step, and the grown tensors are read back.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -245,7 +246,7 @@ class ModelRunner:
         from transformers import DynamicCache, EncoderDecoderCache
 
         cache = DynamicCache()
-        cache.layers = [_layer(k, v) for k, v in batch.self_kv]
+        cache.layers = [_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]
         if not self.encoder_decoder:
             return self._decode(batch, tokens, cache)
         cross = DynamicCache()
@@ -296,10 +297,58 @@ def _cross_attention_modules(model: Any) -> list[Any]:
     return found
 
 
-def _layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
+def _layer(keys: torch.Tensor, values: torch.Tensor, kind: type | None = None) -> Any:
     from transformers.cache_utils import DynamicLayer
 
-    layer = DynamicLayer()
+    layer = (kind or DynamicLayer)()
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values
     return layer
+
+
+#: Time steps of spare capacity a self-attention buffer gets when it has to be copied anyway.
+HEADROOM = 32
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """A self-attention cache layer whose keys/values are views of buffers with spare time capacity: a step
+        writes the new token's keys/values in place instead of concatenating (copying) the whole history, which
+        `DynamicLayer` does at every step."""
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.keys = _append(self.keys, key_states)
+            self.values = _append(self.values, value_states)
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`cache` [rows, heads, time, dim] followed by `new` along time: in place when `cache` is a view of a buffer of
+    ours with room after it, else in a new buffer with `HEADROOM` steps to spare."""
+    rows, heads, time, dim = cache.shape
+    grown_time = time + new.shape[2]
+    if _room(cache) >= grown_time:
+        grown = cache.as_strided((rows, heads, grown_time, dim), cache.stride(), cache.storage_offset())
+    else:
+        buffer = cache.new_empty((rows, heads, grown_time + HEADROOM, dim))
+        buffer[:, :, :time] = cache
+        grown = buffer[:, :, :grown_time]
+    grown[:, :, time:] = new
+    return grown
+
+
+def _room(cache: torch.Tensor) -> int:
+    """How many time steps `cache` may span in place: it must be a time slice of a contiguous buffer (the layout
+    `_append` makes; trimming the left keeps it), whose capacity past the slice's start is the answer; 0 for any
+    other layout (a contiguous tensor has no room past its end)."""
+    rows, heads, time, dim = cache.shape
+    step = cache.stride(1)
+    if cache.stride(3) != 1 or cache.stride(2) != dim or cache.stride(0) != heads * step or step % dim:
+        return 0
+    start = cache.storage_offset() % step // dim
+    return step // dim - start
