@@ -4,14 +4,17 @@ Rows join the batch at any step, so their histories differ in length. The self-a
 are kept left-padded to the longest history, with a mask that hides the padding; each row carries its own next
 position, passed to the model as `position_ids` (decoder-only models) or through `RowPositions` (encoder-decoder
 decoders with absolute position embeddings, which take no position ids: BART, Marian). Relative positions (T5) are
-unaffected by left padding. Encoder-decoder rows also carry their encoder output and its mask, and their
-cross-attention keys/values, right-padded to the longest source. New rows join with the history their first
-decoder input follows (none for encoder-decoder models: all padding; the prompt but its last token for decoder-only
-ones) and consume that input in the next step together with every other row, so joining never runs a decoder step
-of its own. Rows leave by index selection, after which padding no remaining row needs is trimmed away.
+unaffected by left padding: T5's bias depends on key position minus query position only, both counted in the padded
+layout, so a row with a shorter history (even an empty one) sees the same distances to its real keys.
+Encoder-decoder rows also carry their encoder output and its mask, and their cross-attention keys/values,
+right-padded to the longest source. New rows join with the history their first decoder input follows (none for
+encoder-decoder models: all padding; the prompt but its last token for decoder-only ones) and consume that input in
+the next step together with every other row, so joining never runs a decoder step of its own. Rows leave by index
+selection, after which padding no remaining row needs is trimmed away.
 
 The cache tensors are our own; each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`)
-whose layers the model extends by one step, and the grown tensors are read back.
+whose layers the model extends by one step (in place where the buffers have room: `GrowingLayer`), and the grown
+tensors are read back.
 """
 
 from __future__ import annotations
