@@ -14,10 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from transerve.backends.base import ExecutionResult, ModelContext
+from transerve.backends.base import BackendModel, ExecutionResult, ModelContext
 from transerve.backends.python import ipc
 from transerve.backends.python import triton_python_backend_utils as pb_utils
-from transerve.backends.python.backend import PythonBackend, PythonInstance, PythonModel
+from transerve.backends.python.backend import PythonBackend, PythonInstance
 from transerve.config import model_config
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
@@ -49,7 +49,7 @@ def write_model(repository: Path, name: str, model_py: str, config: str | None =
     return repository / name
 
 
-def with_model(ctx: ModelContext, test: Callable[[PythonModel], Awaitable[None]]) -> None:
+def with_model(ctx: ModelContext, test: Callable[[BackendModel], Awaitable[None]]) -> None:
     """Load the model, run `test` against it and always unload, all on one event loop."""
 
     async def run() -> None:
@@ -93,7 +93,7 @@ class TritonPythonModel:
 
 
 def test_add_sub_adds_and_subtracts_with_timings():
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         in0 = np.array([[1, 2, 3, 4]], dtype=np.float32)
         in1 = np.array([[10, 20, 30, 40]], dtype=np.float32)
         request = InferRequest("add_sub", [Tensor("INPUT0", "FP32", in0), Tensor("INPUT1", "FP32", in1)], id="abc")
@@ -126,7 +126,7 @@ def test_identity_round_trips_every_datatype():
         "STRING": np.array([["안녕 😀".encode(), b"", b"\x00\xff"]], dtype=np.object_),
     }
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         request = InferRequest(
             "identity",
             [Tensor(f"INPUT_{name}", "BYTES" if name == "STRING" else name, data) for name, data in arrays.items()],
@@ -144,7 +144,7 @@ def test_identity_round_trips_every_datatype():
 
 
 def test_strings_model_sees_utf8_and_returns_str_objects_as_bytes():
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         text = np.array(["héllo".encode(), b"", "straße".encode()], dtype=np.object_)
         request = InferRequest("strings", [Tensor("TEXT", "BYTES", text)])
         response = only_response(await execute(model.instances[0], request))
@@ -156,7 +156,7 @@ def test_strings_model_sees_utf8_and_returns_str_objects_as_bytes():
 
 
 def test_request_parameters_reach_the_model_as_json():
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         request = fp32_request([1.0, 2.0], parameters={"scale": 3, "note": "héllo", "flag": True})
         got = outputs(only_response(await execute(model.instances[0], request)))
         np.testing.assert_array_equal(got["OUTPUT0"], [3.0, 6.0])
@@ -172,7 +172,7 @@ def test_request_parameters_reach_the_model_as_json():
 
 
 def test_requested_outputs_are_the_only_ones_returned():
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         in0 = np.ones((1, 4), np.float32)
         request = InferRequest(
             "add_sub",
@@ -214,7 +214,7 @@ def test_initialize_receives_every_argument_triton_passes(tmp_path: Path):
         """,
     )
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         assert [instance.name for instance in model.instances] == ["grp_0", "grp_1"]
         seen = [
             json.loads(outputs(only_response(await execute(instance, fp32_request([1.0]))))["OUTPUT0"][0])
@@ -265,7 +265,7 @@ class TritonPythonModel:
 def test_auto_complete_config_fills_in_the_config(tmp_path: Path):
     write_model(tmp_path, "auto", AUTO_COMPLETE_MODEL, config='backend: "python"\n')
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         assert model.config.max_batch_size == 4
         assert model.config.HasField("dynamic_batching")
         assert [t.name for t in model.config.input] == ["INPUT0"]
@@ -276,7 +276,7 @@ def test_auto_complete_config_fills_in_the_config(tmp_path: Path):
 
     with_model(context(tmp_path, "auto"), check)
 
-    async def unchanged(model: PythonModel) -> None:
+    async def unchanged(model: BackendModel) -> None:
         assert model.config.max_batch_size == 0 and not model.config.input
 
     with_model(context(tmp_path, "auto", auto_complete=False), unchanged)
@@ -310,7 +310,7 @@ def test_async_execute_runs_on_the_workers_event_loop(tmp_path: Path):
         """,
     )
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         got = outputs(only_response(await execute(model.instances[0], fp32_request([1.0, 2.0]))))
         np.testing.assert_array_equal(got["OUTPUT0"], [2.0, 3.0])
 
@@ -320,7 +320,7 @@ def test_async_execute_runs_on_the_workers_event_loop(tmp_path: Path):
 def test_is_ready_asks_the_model_when_it_defines_it(tmp_path: Path):
     write_model(tmp_path, "ready", ECHO_MODEL + "\n    def is_ready(self):\n        return False\n")
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         assert isinstance(instance, PythonInstance)
         assert await instance.is_ready() is False
@@ -386,7 +386,7 @@ def test_model_folder_helpers_import_like_triton(tmp_path: Path):
     (model_path / "1" / "helper_module.py").write_text("FACTOR = 2\n")
     (model_path / "1" / "relative_helper.py").write_text("FACTOR = 5\n")
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         got = outputs(only_response(await execute(model.instances[0], fp32_request([1.0]))))
         np.testing.assert_array_equal(got["OUTPUT0"], [10.0])
 
@@ -429,7 +429,7 @@ class TritonPythonModel:
 def test_a_triton_error_fails_only_its_own_request(tmp_path: Path):
     write_model(tmp_path, "errs", ERRORS_MODEL)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         result = await execute(model.instances[0], fp32_request([1.0]), fp32_request([-1.0]), fp32_request([2.0]))
         first, failed, last = result.results
         assert isinstance(first, InferResponse) and isinstance(last, InferResponse)
@@ -444,7 +444,7 @@ def test_a_triton_error_fails_only_its_own_request(tmp_path: Path):
 def test_an_exception_or_a_bad_return_fails_the_whole_call(tmp_path: Path):
     write_model(tmp_path, "errs", ERRORS_MODEL)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         raised = await execute(instance, fp32_request([1.0]), fp32_request([-2.0]))
         assert all(isinstance(error, ServerError) for error in raised.results)
@@ -464,7 +464,7 @@ def test_an_exception_or_a_bad_return_fails_the_whole_call(tmp_path: Path):
 def test_a_crashed_worker_fails_its_requests_and_is_restarted(tmp_path: Path):
     write_model(tmp_path, "crashy", ERRORS_MODEL)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         crashed, queued_behind = await asyncio.gather(
             execute(instance, fp32_request([-4.0])), execute(instance, fp32_request([1.0]))
@@ -493,7 +493,7 @@ def test_large_tensors_in_and_out(tmp_path: Path):
     write_model(tmp_path, "echo", ECHO_MODEL)
     big = np.random.default_rng(0).random(16 * 1024 * 1024, dtype=np.float32)  # 64 MiB
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         got = outputs(only_response(await execute(model.instances[0], fp32_request(big))))
         np.testing.assert_array_equal(got["OUTPUT0"], big)
         medium = big[: 1024 * 1024]  # 4 MiB: fits the arena, travels as a zero-copy view
@@ -507,7 +507,7 @@ def test_bf16_travels_both_ways(tmp_path: Path):
     write_model(tmp_path, "echo", ECHO_MODEL)
     bf16 = np.dtype(ml_dtypes.bfloat16)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         for size in (3, 100_000):  # copied, then a zero-copy view
             data = np.arange(size).astype(bf16)
             request = InferRequest("echo", [Tensor("INPUT0", "BF16", data)])
@@ -522,7 +522,7 @@ def test_a_small_arena_overflows_into_one_off_regions(tmp_path: Path):
     write_model(tmp_path, "echo", ECHO_MODEL)
     data = np.arange(100_000, dtype=np.float32)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         results = await asyncio.gather(*(execute(model.instances[0], fp32_request(data + i)) for i in range(8)))
         for index, result in enumerate(results):
             np.testing.assert_array_equal(outputs(only_response(result))["OUTPUT0"], data + index)
@@ -551,7 +551,7 @@ def test_inputs_kept_by_the_model_after_execute_stay_intact(tmp_path: Path):
         """,
     )
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         for size in (4, 300_000):  # copied on arrival, then a zero-copy view into the arena
             first = np.full(size, 1.0, np.float32)
@@ -564,7 +564,7 @@ def test_inputs_kept_by_the_model_after_execute_stay_intact(tmp_path: Path):
 
 
 def test_concurrent_executes_each_get_their_own_answer():
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         async def one(index: int) -> None:
             instance = model.instances[index % len(model.instances)]
             in0 = np.full((1, 4), index, np.float32)
@@ -721,7 +721,7 @@ def test_backend_config_values_are_checked_and_applied(tmp_path: Path):
     with pytest.raises(ServerError, match="backend config shm-default-byte-size must be an integer >= 4096, got 'x'"):
         with_model(context(tmp_path, "echo", backend_config={"shm-default-byte-size": "x"}), lambda m: asyncio.sleep(0))
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         assert model.instances[0].max_inflight == 7
 
     with_model(context(tmp_path, "echo", backend_config={"max-inflight": "7"}), check)

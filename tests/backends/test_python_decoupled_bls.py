@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_python_backend import context, fp32_request, outputs, with_model, write_model
 
-from transerve.backends.python.backend import PythonModel
+from transerve.backends.base import BackendModel
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.streams import ResponseStream
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -127,7 +127,7 @@ class TritonPythonModel:
 def test_decoupled_responses_come_from_execute_and_from_threads_in_order(tmp_path: Path):
     write_model(tmp_path, "streaming", STREAMING_MODEL, DECOUPLED_CONFIG)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         (first, first_stream), (second, second_stream) = stream_request([1.0]), stream_request([10.0, 20.0])
         first.id = "a"
         result = await model.instances[0].execute([first, second])
@@ -171,7 +171,7 @@ class TritonPythonModel:
 def test_decoupled_execute_errors_and_a_dying_worker_end_the_streams(tmp_path: Path):
     write_model(tmp_path, "misuse", MISUSE_MODEL, DECOUPLED_CONFIG)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         request, stream = stream_request([1.0])
         (error,) = (await instance.execute([request])).results
@@ -221,7 +221,7 @@ def test_cancelling_a_stream_reaches_the_running_model_and_skips_waiting_request
     write_model(tmp_path, "cancellable", CANCELLABLE_MODEL, DECOUPLED_CONFIG)
     running, waiting = tmp_path / "running", tmp_path / "waiting"
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         first, first_stream = stream_request([0.0])
         first.parameters = {"marker": str(running)}
@@ -276,7 +276,7 @@ def test_async_decoupled_executes_overlap_and_others_run_one_at_a_time(tmp_path:
     write_model(tmp_path, "overlap", ASYNC_DECOUPLED_MODEL, DECOUPLED_CONFIG)
     write_model(tmp_path, "serial", ASYNC_SERIAL_MODEL)
 
-    async def overlapping(model: PythonModel) -> None:
+    async def overlapping(model: BackendModel) -> None:
         streams = [stream_request([float(i)]) for i in range(3)]
         started = time.monotonic()
         results = await asyncio.gather(*(model.instances[0].execute([request]) for request, _ in streams))
@@ -286,7 +286,7 @@ def test_async_decoupled_executes_overlap_and_others_run_one_at_a_time(tmp_path:
             assert [values(item) for item, _ in await drain(stream)] == [[float(index)]]
         assert await model.instances[0].is_ready()
 
-    async def serial(model: PythonModel) -> None:
+    async def serial(model: BackendModel) -> None:
         started = time.monotonic()
         await asyncio.gather(*(model.instances[0].execute([fp32_request([1.0])]) for _ in range(2)))
         assert time.monotonic() - started >= 0.6
@@ -354,7 +354,7 @@ def test_sync_bls_answers_errors_and_streams(tmp_path: Path):
     write_model(tmp_path, "bls", BLS_MODEL, BLS_CONFIG)
     core = FakeCore(double=double, failing=failing, stream_three=stream_three)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         assert seen(await instance.execute([fp32_request([1.5, 2.0])])) == [3.0, 4.0]
         (call,) = core.calls
@@ -377,7 +377,7 @@ def test_sync_bls_answers_errors_and_streams(tmp_path: Path):
 def test_sync_bls_while_more_executes_and_threads_arrive(tmp_path: Path):
     write_model(tmp_path, "bls", BLS_MODEL, BLS_CONFIG)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         instance = model.instances[0]
         # Eight executes for a pipeline four deep: the worker receives executes while `exec()` waits.
         results = await asyncio.gather(*(instance.execute([fp32_request([float(i)])]) for i in range(8)))
@@ -420,7 +420,7 @@ class TritonPythonModel:
 def test_async_bls_calls_run_concurrently(tmp_path: Path):
     write_model(tmp_path, "async_bls", ASYNC_BLS_MODEL)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         result = await model.instances[0].execute([fp32_request([1.0])])
         *totals, elapsed = outputs(result.results[0])["OUTPUT0"].tolist()
         assert totals == [2.0, 4.0, 6.0, 8.0, 1.0, 2.0, 3.0]
@@ -454,7 +454,7 @@ def test_a_dying_worker_cancels_its_bls_calls(tmp_path: Path):
             stopped.append(True)
             raise
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         (error,) = (await asyncio.wait_for(model.instances[0].execute([fp32_request([1.0])]), 10)).results
         assert isinstance(error, ServerError) and "process exited unexpectedly (code 9)" in error.message
         await asyncio.sleep(0.05)
@@ -494,7 +494,7 @@ class TritonPythonModel:
 def test_a_bls_iterator_dropped_early_does_not_disturb_later_calls(tmp_path: Path):
     write_model(tmp_path, "abandoning", ABANDONING_MODEL)
 
-    async def check(model: PythonModel) -> None:
+    async def check(model: BackendModel) -> None:
         for _ in range(20):
             result = await model.instances[0].execute([fp32_request([5.0])])
             assert values(result.results[0]) == [10.0]

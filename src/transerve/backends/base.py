@@ -103,12 +103,13 @@ def instance_placements(config: model_config_pb2.ModelConfig) -> list[Placement]
     return placements or [Placement(f"{config.name}_0", "CPU", 0)]
 
 
-class BackendModel(abc.ABC):
+class BackendModel:
     """A loaded model version and its instances."""
 
-    #: The final configuration, after the backend's auto-completion.
-    config: model_config_pb2.ModelConfig
-    instances: list[BackendInstance]
+    def __init__(self, config: model_config_pb2.ModelConfig, instances: list[BackendInstance]) -> None:
+        #: The final configuration, after the backend's auto-completion.
+        self.config = config
+        self.instances = list(instances)
 
     async def unload(self) -> None:
         for instance in self.instances:

@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import BackendInstance, BackendModel, ExecutionResult, Placement
+from transerve.backends.base import BackendInstance, ExecutionResult, Placement
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import ServerError, internal, unavailable
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -197,9 +197,3 @@ async def open_engines(
 def release(executors: Sequence[ThreadPoolExecutor]) -> None:
     for executor in executors:
         executor.shutdown(wait=False)
-
-
-class ThreadedModel(BackendModel):
-    def __init__(self, config: model_config_pb2.ModelConfig, instances: list[ThreadedInstance]) -> None:
-        self.config = config
-        self.instances = list(instances)

@@ -57,13 +57,7 @@ class EnsembleBackend(Backend):
         context.config.model_transaction_policy.decoupled = bool(decoupled)
         optional = {tensor.name for tensor in context.config.input if tensor.optional}
         instance = EnsembleInstance(context.name, context.version, steps, outputs, runtime, decoupled, optional)
-        return EnsembleModel(context.config, [instance])
-
-
-class EnsembleModel(BackendModel):
-    def __init__(self, config: Any, instances: list[BackendInstance]) -> None:
-        self.config = config
-        self.instances = instances
+        return BackendModel(context.config, [instance])
 
 
 class EnsembleInstance(BackendInstance):

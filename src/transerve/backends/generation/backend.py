@@ -29,16 +29,10 @@ log = logging.getLogger(__name__)
 _TORCH_LOADING = threading.Lock()
 
 
-class GenerationModel(BackendModel):
-    def __init__(self, config: Any, instances: list[GenerationInstance]) -> None:
-        self.config = config
-        self.instances = list(instances)
-
-
 class GenerationBackend(Backend):
     name = "generation"
 
-    async def load(self, context: ModelContext) -> GenerationModel:
+    async def load(self, context: ModelContext) -> BackendModel:
         where = f"failed to load '{context.name}' version {context.version}"
         config = context.config
         loop = asyncio.get_running_loop()
@@ -73,7 +67,7 @@ class GenerationBackend(Backend):
             GenerationInstance(context.name, context.version, placement.name, engine, interface, limits, loop)
             for placement, engine in zip(placements, engines, strict=True)
         ]
-        return GenerationModel(config, instances)
+        return BackendModel(config, instances)
 
 
 def _own_scheduling(config: Any, name: str) -> None:

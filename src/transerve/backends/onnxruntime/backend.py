@@ -20,8 +20,8 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends import autocomplete
-from transerve.backends.base import Backend, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, ThreadedModel, import_engine, open_engines, release
+from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines, release
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 
@@ -85,7 +85,7 @@ def _to_bytes(array: np.ndarray) -> np.ndarray:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
-    async def load(self, context: ModelContext) -> ThreadedModel:
+    async def load(self, context: ModelContext) -> BackendModel:
         ort = import_engine("onnxruntime", "onnx")
         where = f"failed to load '{context.name}' version {context.version}"
         path = _model_file(context)
@@ -121,7 +121,7 @@ class OnnxRuntimeBackend(Backend):
             ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
             for placement, (executor, engine) in zip(instance_placements(config), opened, strict=True)
         ]
-        return ThreadedModel(config, instances)
+        return BackendModel(config, instances)
 
 
 def _model_file(context: ModelContext) -> Path:

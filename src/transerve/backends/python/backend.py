@@ -475,18 +475,12 @@ def _input_groups(requests: list[InferRequest]) -> list[list[Entry]]:
     return [[(tensor.name, tensor.datatype, tensor.data) for tensor in request.inputs] for request in requests]
 
 
-class PythonModel(BackendModel):
-    def __init__(self, config: model_config_pb2.ModelConfig, instances: list[PythonInstance]) -> None:
-        self.config = config
-        self.instances = list(instances)
-
-
 class PythonBackend(Backend):
     """Loads Triton python-backend models (`model.py` with `class TritonPythonModel`)."""
 
     name = "python"
 
-    async def load(self, context: ModelContext) -> PythonModel:
+    async def load(self, context: ModelContext) -> BackendModel:
         where = f"failed to load '{context.name}' version {context.version}"
         try:
             return await self._load(context)
@@ -494,7 +488,7 @@ class PythonBackend(Backend):
             logger.error("%s: %s", where, exc.message)
             raise ServerError(exc.code, f"{where}: {exc.message}") from None
 
-    async def _load(self, context: ModelContext) -> PythonModel:
+    async def _load(self, context: ModelContext) -> BackendModel:
         config = context.config
         spec = WorkerSpec(
             model_name=context.name,
@@ -536,7 +530,7 @@ class PythonBackend(Backend):
         if failure is not None:
             await asyncio.gather(*(instance.close() for instance in instances))
             raise failure
-        return PythonModel(config, instances)
+        return BackendModel(config, instances)
 
 
 async def _auto_complete(

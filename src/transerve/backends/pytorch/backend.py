@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import Backend, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, ThreadedModel, import_engine, open_engines
+from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
@@ -129,7 +129,7 @@ def _count(config: model_config_pb2.ModelConfig, key: str) -> int:
 class PyTorchBackend(Backend):
     name = "pytorch"
 
-    async def load(self, context: ModelContext) -> ThreadedModel:
+    async def load(self, context: ModelContext) -> BackendModel:
         torch = import_engine("torch", "torch")
         where = f"failed to load '{context.name}' version {context.version}"
         config = context.config
@@ -159,7 +159,7 @@ class PyTorchBackend(Backend):
             ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
             for placement, (executor, engine) in zip(placements, opened, strict=True)
         ]
-        return ThreadedModel(config, instances)
+        return BackendModel(config, instances)
 
 
 def _open(

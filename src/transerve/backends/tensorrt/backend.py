@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from transerve.backends import autocomplete
-from transerve.backends.base import Backend, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, ThreadedModel, open_engines, release
+from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.threaded import ThreadedInstance, open_engines, release
 from transerve.config.devices import visible_gpus
 from transerve.config.model_config import ConfigError
 from transerve.core.datatypes import numpy_to_protocol, protocol_to_config
@@ -93,7 +93,7 @@ def _engine_modules() -> tuple[ModuleType, ModuleType]:
 class TensorRTBackend(Backend):
     name = "tensorrt"
 
-    async def load(self, context: ModelContext) -> ThreadedModel:
+    async def load(self, context: ModelContext) -> BackendModel:
         trt, torch = _engine_modules()
         where = f"failed to load '{context.name}' version {context.version}"
         path = context.version_path / (context.config.default_model_filename or "model.plan")
@@ -124,7 +124,7 @@ class TensorRTBackend(Backend):
             ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
             for placement, (executor, engine) in zip(placements, opened, strict=True)
         ]
-        return ThreadedModel(config, instances)
+        return BackendModel(config, instances)
 
 
 def _open(trt: ModuleType, torch: ModuleType, path: Path, placement: Placement) -> TensorRTEngine:
