@@ -679,6 +679,8 @@ def main() -> None:
     parser.add_argument("--ct2-threads", type=int, default=1,
                         help="intra_op_threads of the served CTranslate2 configs (0: the engine's default; on two "
                              "cores, whose other one the server's loop and the clients need, 1 served far more)")
+    parser.add_argument("--ct2-calls", type=int, default=2,
+                        help="max_concurrent_calls of the served CTranslate2 configs (1: one call at a time)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra_op_threads of the served torch configs (0: the engine's default; as above)")
     parser.add_argument("--ttft-requests", type=int, default=20)
@@ -776,6 +778,8 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
         for suffix in wanted:  # links: one repository for the server, the models converted once per workdir
             source = model.repository / f"{model.name}_{suffix}"
             set_parameter(source / "config.pbtxt", "intra_op_threads", str(threads[engines[suffix]]))
+            if engines[suffix] == "ctranslate2":
+                set_parameter(source / "config.pbtxt", "max_concurrent_calls", str(args.ct2_calls))
             (repository / source.name).symlink_to(source)
     print(f"starting transerve with {len(models) * len(wanted)} models...", file=sys.stderr)
     with start_transerve(repository, ready_timeout=600.0) as process:  # loading every model takes a while

@@ -239,13 +239,14 @@ def test_requests_it_can_never_serve_are_refused(models):
 
 
 def test_close_fails_pending_sequences(models):
-    """The running sequence stops at its next token and, like those still waiting, gets UNAVAILABLE."""
+    """Running sequences (stopped at their next token, or at the end of a beam-search call) and waiting ones get
+    UNAVAILABLE."""
     model = models["gpt2"]
     engine = CTranslate2Engine(model.ct2_dir, intra_op_threads=1)
     ids = model.ids(TEXTS[0])
     running = threading.Event()
     futures = []
-    for beam_width in (1, 2, 3):  # each beam width is a call of its own: two are still waiting at close()
+    for beam_width in (1, 2, 3):  # a call each: with two callers, one more runs and one waits at close()
         future: Future = Future()
         options = DecodingOptions(max_new_tokens=150, beam_width=beam_width, end_ids=[engine.vocab_size - 1],
                                   bad_words=[[engine.vocab_size - 1]])
@@ -285,3 +286,40 @@ def test_engine_describes_the_model(models):
     assert models["t5"].engine.vocab_size == models["t5"].hf.config.vocab_size
     # CTranslate2's Marian converter drops the trailing <pad>, which is only ever the decoder's start token.
     assert models["marian"].engine.vocab_size == models["marian"].hf.config.vocab_size - 1
+
+
+def test_calls_run_concurrently(models):
+    """A short request whose options cannot join a running long call starts at once on the second replica."""
+    model = models["gpt2"]
+    engine = model.engine  # max_concurrent_calls 2 (the default)
+    ids = model.ids(TEXTS[1])
+    started = threading.Event()
+    long: Future = Future()
+    # No end token: the long sequence would run its whole length; its end ids put it in a call of its own.
+    options = DecodingOptions(max_new_tokens=200, end_ids=[engine.vocab_size - 1], bad_words=[[engine.vocab_size - 1]])
+    handle = engine.submit(GenerationRequest(ids, options, stream=True), lambda tokens: started.set(), long.set_result)
+    assert started.wait(30)
+    short, _ = generate(engine, ids, max_new_tokens=3)
+    assert not long.done()
+    assert 1 <= len(short.hypotheses[0].token_ids) <= 3
+    handle.cancel()
+    assert long.result(timeout=60).finish_reason == "cancelled"
+
+
+def test_one_call_at_a_time_when_configured(models):
+    """With max_concurrent_calls 1, the short request waits for the long call to end."""
+    model = models["gpt2"]
+    engine = CTranslate2Engine(model.ct2_dir, intra_op_threads=1, max_concurrent_calls=1)
+    try:
+        ids = model.ids(TEXTS[1])
+        long: Future = Future()
+        started = threading.Event()
+        options = DecodingOptions(max_new_tokens=60, end_ids=[engine.vocab_size - 1],
+                                  bad_words=[[engine.vocab_size - 1]])
+        engine.submit(GenerationRequest(ids, options, stream=True), lambda tokens: started.set(), long.set_result)
+        assert started.wait(30)
+        generate(engine, ids, max_new_tokens=3)
+        assert long.done()
+        assert len(long.result().hypotheses[0].token_ids) == 60
+    finally:
+        engine.close()

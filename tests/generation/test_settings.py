@@ -33,6 +33,7 @@ def test_defaults_and_the_engine_a_folder_implies(version):
     hf = settings(version)
     assert (hf.engine, hf.model_dir, hf.compute_type) == ("torch", version / "model", "float32")
     assert (hf.intra_op_threads, hf.max_batch_rows, hf.kv_cache_tokens, hf.max_new_tokens) == (0, 16, 65536, 64)
+    assert hf.max_concurrent_calls == 2
     (version / "model" / "model.bin").write_bytes(b"")
     assert settings(version).engine == "ctranslate2"  # a converted CTranslate2 model
     assert settings(version, engine="torch").engine == "torch"
@@ -41,7 +42,9 @@ def test_defaults_and_the_engine_a_folder_implies(version):
 def test_values_are_read(version):
     (version / "weights").mkdir()
     read = settings(version, model_dir="weights", engine="ctranslate2", compute_type="int8_float16",
-                    intra_op_threads="2", max_batch_rows="32", max_new_tokens="128", unknown_key="ignored")
+                    intra_op_threads="2", max_batch_rows="32", max_new_tokens="128", max_concurrent_calls="3",
+                    unknown_key="ignored")
+    assert read.max_concurrent_calls == 3
     assert read.model_dir == version / "weights"
     assert (read.compute_type, read.intra_op_threads, read.max_batch_rows, read.max_new_tokens) == (
         "int8_float16", 2, 32, 128)
@@ -56,6 +59,7 @@ def test_values_are_read(version):
         ({"max_batch_rows": "0"}, "parameter 'max_batch_rows' must be at least 1, got 0"),
         ({"intra_op_threads": "-1"}, "parameter 'intra_op_threads' must be at least 0"),
         ({"max_new_tokens": "0"}, "parameter 'max_new_tokens' must be at least 1"),
+        ({"max_concurrent_calls": "0"}, "parameter 'max_concurrent_calls' must be at least 1"),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(version, parameters, words):

@@ -89,7 +89,7 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
         return CTranslate2Engine(
             settings.model_dir, device="cuda" if on_gpu else "cpu", device_index=placement.device_id if on_gpu else 0,
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
-            max_batch_rows=settings.max_batch_rows,
+            max_batch_rows=settings.max_batch_rows, max_concurrent_calls=settings.max_concurrent_calls,
         )
     from transerve.backends.generation.torch_engine import TorchEngine
 

@@ -1,11 +1,13 @@
 """The CTranslate2 engine: `Translator` for encoder-decoder models, `Generator` for decoder-only ones.
 
-CTranslate2 has no step-level API, so this engine batches whole requests: its thread takes the waiting sequences
-whose options CTranslate2 can run in one call (beam width, sampling settings, penalties, end tokens and
+CTranslate2 has no step-level API, so this engine batches whole requests: a caller thread takes the waiting
+sequences whose options CTranslate2 can run in one call (beam width, sampling settings, penalties, end tokens and
 suppressed words are per call there), sorts them by input length, and decodes up to `max_batch_rows` rows
 (beams count each) in one `translate_batch`/`generate_batch`. Rows leave the batch inside CTranslate2 as they
-finish, but a sequence that arrives meanwhile waits for the next call; joining the running batch at the next
-step (in-flight batching) is the torch engine's.
+finish, and a sequence that arrives meanwhile cannot join that call (joining the running batch at the next step,
+in-flight batching, is the torch engine's). So that it need not wait for the whole call, the engine runs up to
+`max_concurrent_calls` calls at once: as many caller threads, over as many CTranslate2 replicas of the model
+(`inter_threads`, which shares the weights), and a free thread starts the next call as soon as sequences wait.
 
 With beam width 1, CTranslate2 calls back per produced token; that callback streams tokens, stops a row at its
 own `max_new_tokens` (so requests asking for different lengths share a call), at a stop sequence, or when it is
@@ -70,7 +72,7 @@ class _Sequence:
     on_tokens: TokenCallback | None
     done: DoneCallback
     key: _CallKey | None
-    #: Set when the request can never be served; reported from the engine thread.
+    #: Set when the request can never be served; reported from a caller thread.
     error: ServerError | None = None
     cancelled: bool = False
     #: What the callback saw this call (beam width 1).
@@ -89,7 +91,7 @@ class _Sequence:
 
 
 class CTranslate2Engine:
-    """One CTranslate2 model on one device, driven by a thread of its own."""
+    """One CTranslate2 model on one device, driven by `max_concurrent_calls` threads of its own."""
 
     def __init__(
         self,
@@ -99,12 +101,14 @@ class CTranslate2Engine:
         compute_type: str = "float32",
         intra_op_threads: int = 0,
         max_batch_rows: int = 16,
+        max_concurrent_calls: int = 2,
     ) -> None:
         self._ct2 = import_engine("ctranslate2", "generation")
         self._info: Ct2ModelInfo = read_model_info(Path(model_dir))
         self._load_args = (str(model_dir), device, device_index, compute_type, intra_op_threads)
+        calls = max(1, max_concurrent_calls)
         try:
-            self._model = self._load()
+            self._model = self._load(replicas=calls)
         except (RuntimeError, ValueError) as exc:
             raise unavailable(f"CTranslate2 could not load {model_dir}: {exc}") from None
         self._max_batch_rows = max(1, max_batch_rows)
@@ -120,13 +124,15 @@ class CTranslate2Engine:
         self._pending: list[_Sequence] = []
         self._closed = False
         self._wakeup = threading.Condition()
-        self._thread = threading.Thread(target=self._serve, name="ctranslate2-engine", daemon=True)
-        self._thread.start()
+        self._callers = calls
+        for number in range(calls):
+            threading.Thread(target=self._serve, name=f"ctranslate2-engine-{number}", daemon=True).start()
 
-    def _load(self) -> Any:
+    def _load(self, replicas: int = 1) -> Any:
         path, device, device_index, compute_type, threads = self._load_args
         kind = self._ct2.Translator if self._info.is_encoder_decoder else self._ct2.Generator
-        return kind(path, device=device, device_index=device_index, compute_type=compute_type, intra_threads=threads)
+        return kind(path, device=device, device_index=device_index, compute_type=compute_type, intra_threads=threads,
+                    inter_threads=replicas)
 
     # -- the protocol -------------------------------------------------------------------------------------------
 
@@ -147,7 +153,7 @@ class CTranslate2Engine:
         with self._wakeup:
             self._closed = True
             pending, self._pending = self._pending, []
-            self._wakeup.notify()
+            self._wakeup.notify_all()
         for sequence in pending:
             sequence.finish(unavailable("the generation engine was closed before this sequence ran"))
 
@@ -203,7 +209,7 @@ class CTranslate2Engine:
             seed=seed,
         )
 
-    # -- the engine thread --------------------------------------------------------------------------------------
+    # -- the caller threads -------------------------------------------------------------------------------------
 
     def _serve(self) -> None:
         while True:
@@ -213,9 +219,14 @@ class CTranslate2Engine:
                 if self._closed:
                     break
                 batch = self._take_batch()
+                if self._pending:  # more than one call's worth waits: a free caller takes the next
+                    self._wakeup.notify()
             if batch:
                 self._decode(batch)
-        self._model = None
+        with self._wakeup:
+            self._callers -= 1
+            if not self._callers:
+                self._model = None
 
     def _take_batch(self) -> list[_Sequence]:
         """The oldest waiting sequence with those like it, at most `max_batch_rows` rows, similar in length."""

@@ -26,6 +26,8 @@ class GenerationSettings:
     compute_type: str
     intra_op_threads: int
     max_batch_rows: int
+    #: CTranslate2 engine: calls (and model replicas) that run at once.
+    max_concurrent_calls: int
     kv_cache_tokens: int
     #: The default when a request says nothing.
     max_new_tokens: int
@@ -54,6 +56,7 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> G
         compute_type=compute_type,
         intra_op_threads=_integer(parameters, "intra_op_threads", 0, minimum=0),
         max_batch_rows=_integer(parameters, "max_batch_rows", 16, minimum=1),
+        max_concurrent_calls=_integer(parameters, "max_concurrent_calls", 2, minimum=1),
         kv_cache_tokens=_integer(parameters, "kv_cache_tokens", 65536, minimum=1),
         max_new_tokens=_integer(parameters, "max_new_tokens", 64, minimum=1),
         scheduling=parameters.get("scheduling") or None,
