@@ -208,8 +208,11 @@ def test_a_client_that_goes_away_stops_the_decoupled_model(transerve, tmp_path: 
     assert transerve.alive()
 
 
-def grpc_stream_answers(server: ServerProcess, requests_: list, expected: int, timeout: float = TIMEOUT_S) -> list:
-    """Send requests on one tritonclient gRPC stream and collect `expected` answers: (id, outputs, final)."""
+def grpc_stream_answers(
+    server: ServerProcess, requests_: list, expected: int | None, timeout: float = TIMEOUT_S
+) -> list:
+    """Send requests on one tritonclient gRPC stream and collect `expected` answers (None: up to the first one
+    flagged final): (id, outputs, final)."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -221,7 +224,7 @@ def grpc_stream_answers(server: ServerProcess, requests_: list, expected: int, t
         for request_id, model, inputs, extra in requests_:
             client.async_stream_infer(model, inputs, request_id=request_id, **extra)
         collected: list = []
-        while len(collected) < expected:
+        while len(collected) < expected if expected is not None else not (collected and collected[-1][2]):
             result, error = answers.get(timeout=timeout)
             if error is not None:
                 collected.append(("error", str(error), True))
@@ -330,38 +333,14 @@ def test_a_decoupled_step_streams_through_its_ensemble_as_in_triton(transerve, t
         bodies[name] = events(answer.content)
     assert bodies["transerve"] == bodies["triton"]
     assert [(event["SCALED"], event["INDEX"]) for event in bodies["transerve"]] == [(8, 0), (10, 1), (12, 2)]
-    ours, theirs = stream_until_final(transerve), stream_until_final(triton)
+    requests_ = [("s", "stream_scaled", repeat_inputs([1, 2], "VALUES"), {"enable_empty_final_response": True})]
+    ours, theirs = grpc_stream_answers(transerve, requests_, None), grpc_stream_answers(triton, requests_, None)
     # Data responses equal; the final flag rides on the last one when the step had ended by the time that response
     # was through the next step (the usual case on both servers), else it comes alone, which is timing, not a rule.
     data = [(answer_id, outputs) for answer_id, outputs, _ in ours if outputs]
     assert data == [(answer_id, outputs) for answer_id, outputs, _ in theirs if outputs]
     assert data == [("s", {"SCALED": [2], "INDEX": [0]}), ("s", {"SCALED": [4], "INDEX": [1]})]
     assert [final for *_, final in ours].count(True) == 1
-
-
-def stream_until_final(server: ServerProcess) -> list:
-    """`stream_scaled`'s answers to one gRPC stream request, up to the one flagged final."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
-        client.async_stream_infer("stream_scaled", repeat_inputs([1, 2], "VALUES"), request_id="s",
-                                  enable_empty_final_response=True)
-        collected: list = []
-        while not collected or not collected[-1][2]:
-            result, error = answers.get(timeout=TIMEOUT_S)
-            assert error is None, error
-            response = result.get_response()
-            final = response.parameters["triton_final_response"].bool_param
-            collected.append((response.id, {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}, final))
-        return collected
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 def test_an_ensemble_with_a_decoupled_step_is_decoupled_as_in_triton(transerve, triton):
