@@ -594,3 +594,61 @@ def test_cancelled_beam_search_returns_its_best_hypotheses_so_far(models):
     assert all(0 < len(h.token_ids) < 120 for h in result.hypotheses)
     assert result.hypotheses[0].score >= result.hypotheses[1].score
     assert len(tokens(pacer.result(timeout=30))[0]) == 5
+
+
+def test_a_lone_prompt_gets_its_first_token_from_the_prefill(models):
+    """A decoder-only sequence's whole prompt goes through one forward pass whose last position gives its first
+    token: no decoding step runs before it."""
+    model = models["gpt2"]
+    engine = TorchEngine(model.path)
+    steps: list[int] = []
+    step = engine._runner.step
+    engine._runner.step = lambda batch, tokens: steps.append(batch.rows) or step(batch, tokens)
+    try:
+        ids = model.ids(TEXTS[0])
+        assert tokens(run(engine, ids, DecodingOptions(max_new_tokens=1))) == model.reference(ids, max_new_tokens=1)
+        assert steps == []
+        assert tokens(run(engine, ids, DecodingOptions(max_new_tokens=3))) == model.reference(ids, max_new_tokens=3)
+        assert steps == [1, 1]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("arch", "joining"), [("gpt2", "prefill"), ("t5", "encode")])
+def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, joining):
+    """With at most `latency_rows` rows running, the engine thread computes the joining work (prefill or encoder
+    call) with `latency_threads`, and everything else with `intra_op_threads`; OpenMP's count is the engine
+    thread's own, which is what torch.get_num_threads() reports there."""
+    model = models[arch]
+    engine = TorchEngine(model.path, intra_op_threads=1, latency_threads=3, latency_rows=1)
+    seen: list[tuple[str, int]] = []
+
+    def spy(name: str, method):
+        def call(*args):
+            seen.append((name, torch.get_num_threads()))
+            return method(*args)
+        return call
+
+    engine._runner.step = spy("step", engine._runner.step)
+    setattr(engine._runner, joining, spy("join", getattr(engine._runner, joining)))
+    try:
+        ids = model.ids(TEXTS[1])
+        run(engine, ids, DecodingOptions(max_new_tokens=3))
+        assert seen[0] == ("join", 3) and {threads for name, threads in seen[1:]} == {1}
+        seen.clear()
+        # A second sequence joins a running one: two rows, beyond latency_rows, so one thread throughout.
+        steps = threading.Semaphore(0)
+        first = submit(engine, ids, DecodingOptions(max_new_tokens=30, end_ids=[]), on_tokens=lambda _: steps.release())
+        assert steps.acquire(timeout=30)
+        second = submit(engine, model.ids(TEXTS[0]), DecodingOptions(max_new_tokens=3, end_ids=[]))
+        second.result(timeout=60)
+        first.result(timeout=60)
+        assert seen[0] == ("join", 3) and seen.count(("join", 1)) == 1
+        assert all(threads == 1 for name, threads in seen[1:])
+    finally:
+        engine.close()
+
+
+def test_thread_settings_are_checked(models):
+    with pytest.raises(ServerError, match="must not be negative"):
+        TorchEngine(models["t5"].path, latency_threads=-1)

@@ -7,10 +7,10 @@ decoders with absolute position embeddings, which take no position ids: BART, Ma
 unaffected by left padding: T5's bias depends on key position minus query position only, both counted in the padded
 layout, so a row with a shorter history (even an empty one) sees the same distances to its real keys.
 Encoder-decoder rows also carry their encoder output and its mask, and their cross-attention keys/values,
-right-padded to the longest source. New rows join with the history their first decoder input follows (none for
-encoder-decoder models: all padding; the prompt but its last token for decoder-only ones) and consume that input in
-the next step together with every other row, so joining never runs a decoder step of its own. Rows leave by index
-selection, after which padding no remaining row needs is trimmed away.
+right-padded to the longest source. New encoder-decoder rows join with an empty history (all padding) and consume
+the decoder start token in the next step together with every other row, so joining runs no decoder step of its
+own; new decoder-only rows join with their whole prompt in the cache and the logits after it (one forward pass
+for all of them). Rows leave by index selection, after which padding no remaining row needs is trimmed away.
 
 The cache tensors are our own; each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`)
 whose layers the model extends by one step (in place where the buffers have room: `GrowingLayer`), and the grown
@@ -161,6 +161,8 @@ class ModelRunner:
                 self.positions = _row_positions_class()(table)
                 decoder.embed_positions = self.positions
             self.per_row_positions = table is None or self.positions is not None
+        #: Whether the model computes the logits of the last positions only when asked (transformers' causal LMs).
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         #: The decoder's cross-attention modules in layer order, where their names are known (T5, BART family).
         self.cross_attention = _cross_attention_modules(model) if self.encoder_decoder else []
 
@@ -169,42 +171,43 @@ class ModelRunner:
 
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def admit(self, inputs: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
-        """New sequences' rows, ready to join the running batch; sequence i gets `repeats[i]` identical rows (its
-        beams). Returns their batch and each row's first decoder input ([rows]), which the next `step` consumes
-        together with every other row's token: no logits are computed here, so joining costs one encoder call
-        (encoder-decoder: the decoder starts from the start token with an empty self-attention cache) or one
-        prefill of all prompts but their last tokens (decoder-only), whatever the number of sequences."""
-        if self.encoder_decoder:
-            batch = self._encode(inputs)
-            first = [self.decoder_start_id] * len(inputs)
-        else:
-            batch = self._prefill([list(ids[:-1]) for ids in inputs])
-            first = [ids[-1] for ids in inputs]
-        index = self._tensor([i for i, count in enumerate(repeats) for _ in range(count)])
-        if len(index) != len(inputs):
+    def encode(self, sources: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
+        """New encoder-decoder sequences' rows, ready to join the running batch; sequence i gets `repeats[i]`
+        identical rows (its beams). Returns their batch and each row's first decoder input ([rows]: the start
+        token), which the next `step` consumes together with every other row's token: joining costs one encoder
+        call for all new sequences and no decoder step of its own (their self-attention cache starts empty)."""
+        batch = self._encode(sources)
+        index = self._repeat(repeats)
+        if len(index) != len(sources):
             batch.select(index)
-        return batch, self._tensor(first).index_select(0, index)
+        return batch, self._tensor([self.decoder_start_id] * len(sources)).index_select(0, index)
 
-    def _prefill(self, prompts: list[list[int]]) -> DecoderBatch:
-        """Self-attention keys/values of `prompts`, left-padded (each row's next token follows its last one); the
-        model's body only (no LM head: nothing is predicted from them). Empty prompts give an empty cache."""
-        import torch
+    def prefill(self, prompts: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
+        """New decoder-only sequences' rows (sequence i gets `repeats[i]` identical rows) with their whole prompts
+        in the cache, left-padded, and the next-token logits after each prompt ([rows, vocab]): one forward pass
+        for all new sequences, the LM head on the last position only. Their first tokens are chosen with the
+        running rows' next ones, so a sequence that starts alone reads the weights once before its first token."""
+        from transformers import DynamicCache
 
         longest = max(len(ids) for ids in prompts)
         mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
-        if longest == 0:
-            return DecoderBatch([], mask, torch.zeros(len(prompts), dtype=torch.long, device=self.device))
-        from transformers import DynamicCache
-
         ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         cache = DynamicCache()
-        self.model.base_model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
         )
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return DecoderBatch(kv, mask, mask.sum(-1))
+        batch = DecoderBatch([(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1))
+        logits = out.logits[:, -1, :]
+        index = self._repeat(repeats)
+        if len(index) != len(prompts):
+            batch.select(index)
+            logits = logits.index_select(0, index)
+        return batch, logits
+
+    def _repeat(self, repeats: list[int]) -> torch.Tensor:
+        return self._tensor([i for i, count in enumerate(repeats) for _ in range(count)])
 
     def _encode(self, sources: list[list[int]]) -> DecoderBatch:
         """One encoder call for all `sources` (right-padded, masked), and their cross-attention keys/values; the

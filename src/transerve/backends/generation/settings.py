@@ -33,6 +33,9 @@ class GenerationSettings:
     max_new_tokens: int
     #: The torch engine's scheduling ("inflight" unless the config says otherwise), None when not set.
     scheduling: str | None
+    #: Torch engine: threads of the joining work while at most `latency_rows` rows run (0: the CPUs it may use).
+    latency_threads: int = 0
+    latency_rows: int = 1
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
@@ -60,6 +63,8 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> G
         kv_cache_tokens=_integer(parameters, "kv_cache_tokens", 65536, minimum=1),
         max_new_tokens=_integer(parameters, "max_new_tokens", 64, minimum=1),
         scheduling=parameters.get("scheduling") or None,
+        latency_threads=_integer(parameters, "latency_threads", 0, minimum=0),
+        latency_rows=_integer(parameters, "latency_rows", 1, minimum=0),
     )
 
 

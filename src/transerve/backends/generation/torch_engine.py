@@ -2,8 +2,9 @@
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
 (all of them at once, so their encoder call or prompt prefill is one batched call), merges them into the running
-batch (`decoder_batch`), feeds every row's last token through one forward pass (a new row's first decoder input:
-the decoder start token, or its prompt's last token), then chooses each sequence's next token with its own options
+batch (`decoder_batch`), feeds every row's last token through one forward pass (a new encoder-decoder row's first
+decoder input is the decoder start token; a new decoder-only row's whole prompt went through the prefill, whose
+last position's logits join the step's), then chooses each sequence's next token with its own options
 (`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once. Admission is FIFO under two
 limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum over running sequences of
 (input length + max_new_tokens) * beam width. `scheduling="request"` turns this into request-level batching for
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import random
 import threading
 from dataclasses import dataclass, field
@@ -107,6 +109,8 @@ class TorchEngine:
         max_batch_rows: int = 16,
         kv_cache_tokens: int = 65536,
         scheduling: str = "inflight",
+        latency_threads: int = 0,
+        latency_rows: int = 1,
     ) -> None:
         torch = import_engine("torch", "generation")
         transformers = import_engine("transformers", "generation")
@@ -116,8 +120,14 @@ class TorchEngine:
             raise invalid_arg(f"scheduling {scheduling!r} is not one of {', '.join(SCHEDULING)}")
         if max_batch_rows < 1 or kv_cache_tokens < 1:
             raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
-        if intra_op_threads > 0:
-            torch.set_num_threads(intra_op_threads)
+        if intra_op_threads < 0 or latency_threads < 0 or latency_rows < 0:
+            raise invalid_arg("intra_op_threads, latency_threads and latency_rows must not be negative")
+        #: Threads under load, and while at most `latency_rows` rows run (see `_set_threads`).
+        self.load_threads = intra_op_threads or torch.get_num_threads()
+        self.latency_threads = latency_threads or _cpu_count()
+        self.latency_rows = latency_rows
+        #: What the engine thread last set (0: nothing yet).
+        self.threads = 0
         model_dir = Path(model_dir)
         config = transformers.AutoConfig.from_pretrained(model_dir)
         self.is_encoder_decoder = bool(config.is_encoder_decoder)
@@ -272,6 +282,7 @@ class TorchEngine:
     def _run(self) -> None:
         import torch
 
+        torch.get_num_threads()  # torch's lazy per-thread setup first, so that it cannot undo _set_threads later
         with torch.inference_mode():
             while True:
                 with self._cond:
@@ -297,21 +308,55 @@ class TorchEngine:
         for sequence in running:
             _report(sequence.done, error)
 
+    def _set_threads(self, joining: bool) -> None:
+        """Joining work (the encoder call or prompt prefill: compute-bound) while at most `latency_rows` rows run
+        (a lone request: idle cores, and its time to first token waits on it) runs on `latency_threads`; the rest
+        on `load_threads` (intra_op_threads), which leaves other cores to the server and its clients: a step of a
+        few rows reads every weight for little arithmetic and gains nothing from more threads. OpenMP's thread count
+        (and MKL's) belongs to the calling thread, so the engine thread itself sets it."""
+        import torch
+
+        wanted = self.latency_threads if joining and self._used_rows <= self.latency_rows else self.load_threads
+        if wanted != self.threads:
+            torch.set_num_threads(wanted)
+            self.threads = wanted
+
     def _iteration(self) -> None:
+        import torch
+
         self._drop_cancelled()
         admitted = self._admit()
         if admitted:
             self._running.extend(admitted)  # from here on a failure reaches them too
-            self._join(admitted)
+        if self.is_encoder_decoder:
+            if admitted:
+                self._set_threads(joining=True)
+                self._join(admitted)
+            if self._batch is not None:
+                self._set_threads(joining=False)
+                self._advance(self._runner.step(self._batch, self._next_tokens).float())
+            return
+        logits = None
         if self._batch is not None:
-            self._advance(self._runner.step(self._batch, self._next_tokens).float())
+            self._set_threads(joining=False)
+            logits = self._runner.step(self._batch, self._next_tokens)
+        if admitted:
+            self._set_threads(joining=True)
+            batch, first = self._runner.prefill([s.input_ids for s in admitted], [s.rows for s in admitted])
+            if self._batch is None:
+                self._batch, logits = batch, first
+            else:
+                self._batch.extend(batch)
+                logits = torch.cat((logits, first))
+        if logits is not None:
+            self._advance(logits.float())
 
     def _join(self, admitted: list[_Sequence]) -> None:
-        """Add the rows of `admitted` (already at the end of `_running`) to the batch: their first tokens come out
-        of the next step, computed with every other row's."""
+        """Encoder-decoder models: add the rows of `admitted` (already at the end of `_running`) to the batch;
+        their first tokens come out of the next step, computed with every other row's."""
         import torch
 
-        batch, first = self._runner.admit([s.input_ids for s in admitted], [s.rows for s in admitted])
+        batch, first = self._runner.encode([s.input_ids for s in admitted], [s.rows for s in admitted])
         if self._batch is None:
             self._batch, self._next_tokens = batch, first
         else:
@@ -479,6 +524,14 @@ class TorchEngine:
             log_probs = sequence.log_probs if options.return_log_probs else None
             hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs)]
         _report(sequence.done, GenerationResult(hypotheses, reason))
+
+
+def _cpu_count() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _model_rules(generation: Any, encoder_decoder: bool) -> ModelRules:
