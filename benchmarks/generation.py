@@ -60,6 +60,8 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 import embedding_batching as python_bench  # noqa: E402  (the quiet-machine wait and the other-work measure)
 
+from transerve.backends.generation.ctranslate2_engine import threads_per_call  # noqa: E402
+
 PARTS = ("ceiling", "baseline", "served", "ttft")
 #: Served configurations: (suffix, engine, quantization, torch scheduling).
 SERVED = (
@@ -271,8 +273,9 @@ def ct2_vocabulary(model_dir: Path) -> list[str]:
 
 
 def ceiling_ct2(model: Model, precision: str, requests: list[Request], batch: int, threads: int,
-                rounds: int, quiet: float, patience: float) -> Measured:
-    """CTranslate2 called directly on batches of `batch` requests: best of `rounds` passes over the requests."""
+                rounds: int, quiet: float, patience: float, calls: int = 1) -> Measured:
+    """CTranslate2 called directly on batches of `batch` requests: best of `rounds` passes over the requests.
+    With `calls` > 1, that many threads take the batches in turn, each call on its own replica (`inter_threads`)."""
     import ctranslate2
 
     model_dir = model.ct2_dir(precision)
@@ -280,25 +283,48 @@ def ceiling_ct2(model: Model, precision: str, requests: list[Request], batch: in
     end = vocabulary[model.end_id]
     groups = [([[vocabulary[t] for t in r.prompt] for r in group], max(r.new_tokens for r in group))
               for group in batches(requests, batch)]
+    kind = ctranslate2.Translator if model.encoder_decoder else ctranslate2.Generator
+    engine = kind(str(model_dir), device="cpu", compute_type="default", intra_threads=threads, inter_threads=calls)
     if model.encoder_decoder:
-        engine = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="default", intra_threads=threads)
-
         def decode(tokens: list[list[str]], length: int) -> list[int]:
             results = engine.translate_batch(tokens, beam_size=1, max_decoding_length=length, end_token=end,
                                              max_input_length=0)
             return [len(result.hypotheses[0]) for result in results]
     else:
-        engine = ctranslate2.Generator(str(model_dir), device="cpu", compute_type="default", intra_threads=threads)
-
         def decode(tokens: list[list[str]], length: int) -> list[int]:
             results = engine.generate_batch(tokens, beam_size=1, max_length=length, end_token=end,
                                             include_prompt_in_result=False)
             return [len(result.sequences_ids[0]) for result in results]
 
+    def run() -> int:
+        if calls == 1:
+            return sum(sum(decode(tokens, length)) for tokens, length in groups)
+        waiting = list(reversed(groups))
+        produced: list[int] = []
+
+        def caller() -> None:
+            while waiting:
+                try:
+                    tokens, length = waiting.pop()
+                except IndexError:
+                    return
+                produced.append(sum(decode(tokens, length)))
+
+        callers = [threading.Thread(target=caller) for _ in range(calls)]
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join()
+        return sum(produced)
+
     decode(groups[0][0][:2], 4)  # warm-up
-    label = f"CTranslate2 {precision}, direct, batch {batch}, intra_threads {threads or 'default'}"
-    return best_of(rounds, quiet, patience, model, f"ceiling_{precision}_t{threads}", label,
-                   lambda: sum(sum(decode(tokens, length)) for tokens, length in groups),
+    if calls == 1:
+        key, label = f"ceiling_{precision}_t{threads}", f"CTranslate2 {precision}, direct, batch {batch}, " \
+            f"intra_threads {threads or 'default'}"
+    else:
+        key, label = f"ceiling_{precision}_c{calls}", f"CTranslate2 {precision}, direct, batch {batch}, {calls} " \
+            f"calls at once x intra_threads {threads}"
+    return best_of(rounds, quiet, patience, model, key, label, run,
                    sum(len(tokens) * length for tokens, length in groups))
 
 
@@ -533,6 +559,35 @@ async def time_to_first_token(grpc_url: str, model_name: str, requests: list[Req
         await client.close()
 
 
+def ttft_direct_ct2(model: Model, precision: str, requests: list[Request], new: int, threads: int) -> FirstToken:
+    """CTranslate2 called directly, one request at a time, `new` tokens each: the time from the call to its
+    first token (step callback) and per token after that; the engine's own floor under the served numbers. The
+    first request is not counted, as in `time_to_first_token`."""
+    import ctranslate2
+
+    model_dir = model.ct2_dir(precision)
+    vocabulary = ct2_vocabulary(model_dir)
+    end = vocabulary[model.end_id]
+    kind = ctranslate2.Translator if model.encoder_decoder else ctranslate2.Generator
+    engine = kind(str(model_dir), device="cpu", compute_type="default", intra_threads=threads)
+    result = FirstToken(model.name, f"direct_{precision}_t{threads}",
+                        f"CTranslate2 {precision} called directly, intra_threads {threads}")
+    for index, request in enumerate(requests):
+        tokens = [[vocabulary[t] for t in request.prompt]]
+        times: list[float] = []
+        options = {"beam_size": 1, "end_token": end,
+                   "callback": lambda step, stamps=times: stamps.append(time.perf_counter())}
+        sent = time.perf_counter()
+        if model.encoder_decoder:
+            engine.translate_batch(tokens, max_decoding_length=new, max_input_length=0, **options)
+        else:
+            engine.generate_batch(tokens, max_length=new, include_prompt_in_result=False, **options)
+        if index and times:
+            result.ttft_ms.append((times[0] - sent) * 1000)
+            result.per_token_ms.append((times[-1] - times[0]) * 1000 / max(len(times) - 1, 1))
+    return result
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -540,9 +595,10 @@ def precision_of(key: str) -> str:
     return "int8" if "int8" in key else "float32"
 
 
-def best_ceiling(rows: list[Measured], precision: str) -> float:
-    """The fastest CTranslate2 ceiling at `precision` (of its thread settings): what served rows are held to."""
-    return max((r.rate for r in rows if r.key.startswith(f"ceiling_{precision}_")), default=0.0)
+def best_ceiling(rows: list[Measured], precision: str, calls: str = "t") -> float:
+    """The fastest CTranslate2 ceiling at `precision`: of one call at a time (the issue's ceiling, `calls` "t": the
+    best of its thread settings), or of several calls at once (`calls` "c")."""
+    return max((r.rate for r in rows if r.key.startswith(f"ceiling_{precision}_{calls}")), default=0.0)
 
 
 def throughput_table(model: Model, rows: list[Measured]) -> str:
@@ -557,6 +613,9 @@ def throughput_table(model: Model, rows: list[Measured]) -> str:
         ceiling = best_ceiling(rows, precision)
         own = row.key.startswith(("ceiling_float32", "ceiling_int8"))
         vs_ceiling = f"{row.rate / ceiling:.0%} of {precision}" if ceiling and not own else ""
+        several = best_ceiling(rows, precision, "c")
+        if several and row.key.startswith("ct2_"):
+            vs_ceiling += f"; {row.rate / several:.0%} of calls at once"
         vs_baseline = f"{row.rate / best_baseline:.2f}x" if best_baseline and not row.key.startswith("baseline") \
             else ""
         latency = (f"{row.percentile(50):.0f} | {row.percentile(99):.0f}" if row.latencies_ms else " | ")
@@ -592,6 +651,10 @@ def goals(results: dict[str, dict[str, Measured]], ttft: list[FirstToken]) -> st
             if served and ceiling:
                 add(f"served CT2 {precision} >= 90% of the CT2 {precision} ceiling", model, served / ceiling, 0.9,
                     f"{served / ceiling:.0%}")
+            several = best_ceiling(list(rows.values()), precision, "c")
+            if served and several:
+                add(f"(stricter) served CT2 {precision} >= 90% of CT2 {precision} calls at once", model,
+                    served / several, 0.9, f"{served / several:.0%}")
         baseline = max((r.rate for k, r in rows.items() if k.startswith("baseline_")), default=0.0)
         for key in ("ct2_float32", "ct2_int8", "torch_inflight"):
             if rate(key) and baseline:
@@ -602,6 +665,8 @@ def goals(results: dict[str, dict[str, Measured]], ttft: list[FirstToken]) -> st
             add("torch in-flight >= 1.5x request-level throughput", model, inflight / request, 1.5,
                 f"{inflight / request:.2f}x")
     for row in ttft:
+        if row.key.startswith("direct_"):
+            continue
         add(f"TTFT p50 < 100 ms at concurrency 1 ({row.label})", row.model, row.percentile(50), 100.0,
             f"{row.percentile(50):.1f} ms", higher=False)
     return "\n".join(lines)
@@ -676,9 +741,12 @@ def main() -> None:
                         help="CTranslate2 intra_threads of the ceiling, one row each (0: its default)")
     parser.add_argument("--baseline-torch-threads", default="0",
                         help="torch intra-op threads of the baseline, one run each (0: torch's default)")
-    parser.add_argument("--ct2-threads", type=int, default=1,
-                        help="intra_op_threads of the served CTranslate2 configs (0: the engine's default; on two "
-                             "cores, whose other one the server's loop and the clients need, 1 served far more)")
+    parser.add_argument("--ct2-threads", type=int, default=0,
+                        help="intra_op_threads of the served CTranslate2 configs (0: the engine's default, the cores "
+                             "divided among its --ct2-calls calls)")
+    parser.add_argument("--ceiling-calls", type=int, default=2,
+                        help="also a CTranslate2 ceiling with this many calls at once, the cores divided among them "
+                             "(0 or 1: none)")
     parser.add_argument("--ct2-calls", type=int, default=2,
                         help="max_concurrent_calls of the served CTranslate2 configs (1: one call at a time)")
     parser.add_argument("--torch-threads", type=int, default=1,
@@ -731,10 +799,13 @@ def main() -> None:
             if "ceiling" in parts:
                 print(f"{model.name}: ceilings on {len(subset)} requests...", file=sys.stderr)
                 torch.set_num_threads(torch_default)
-                for precision, threads in itertools.product(("float32", "int8"),
-                                                            [int(t) for t in args.engine_threads.split(",")]):
-                    record(ceiling_ct2(model, precision, subset, args.batch, threads, args.ceiling_rounds,
-                                       args.quiet, args.patience))
+                for precision in ("float32", "int8"):
+                    for threads in [int(t) for t in args.engine_threads.split(",")]:
+                        record(ceiling_ct2(model, precision, subset, args.batch, threads, args.ceiling_rounds,
+                                           args.quiet, args.patience))
+                    if args.ceiling_calls > 1:
+                        record(ceiling_ct2(model, precision, subset, args.batch, threads_per_call(args.ceiling_calls),
+                                           args.ceiling_rounds, args.quiet, args.patience, args.ceiling_calls))
                 record(ceiling_transformers(model, subset, args.batch, args.ceiling_rounds, args.quiet,
                                             args.patience))
             if "baseline" in parts:
@@ -804,6 +875,16 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
                       f"{measured.background:.2f} cores", file=sys.stderr)
                 record(measured)
         for model in models:
+            if "ttft" in parts:  # the engine's own floor, with the served engine's threads and with all cores
+                for precision in [p for p in ("float32", "int8") if f"ct2_{p}" in configs]:
+                    served_threads = args.ct2_threads or threads_per_call(args.ct2_calls)
+                    for threads in sorted({served_threads, threads_per_call(1)}):
+                        python_bench.wait_for_quiet(args.quiet, args.patience)
+                        measured = ttft_direct_ct2(model, precision, loads[model.name][:args.ttft_requests + 1],
+                                                   args.ttft_tokens, threads)
+                        print(f"{model.name} {measured.label}: time to first token p50 "
+                              f"{measured.percentile(50):.1f} ms", file=sys.stderr)
+                        ttft.append(measured)
             for suffix in streamed:
                 name = f"{model.name}_{suffix}"
                 python_bench.wait_for_quiet(args.quiet, args.patience)

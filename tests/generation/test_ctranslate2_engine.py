@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -293,17 +294,41 @@ def test_calls_run_concurrently(models):
     model = models["gpt2"]
     engine = model.engine  # max_concurrent_calls 2 (the default)
     ids = model.ids(TEXTS[1])
-    started = threading.Event()
+    started, release = threading.Event(), threading.Event()
+
+    def hold(tokens: list[int]) -> None:  # the long call stays inside its first step until released
+        started.set()
+        release.wait(30)
+
     long: Future = Future()
     # No end token: the long sequence would run its whole length; its end ids put it in a call of its own.
     options = DecodingOptions(max_new_tokens=200, end_ids=[engine.vocab_size - 1], bad_words=[[engine.vocab_size - 1]])
-    handle = engine.submit(GenerationRequest(ids, options, stream=True), lambda tokens: started.set(), long.set_result)
-    assert started.wait(30)
-    short, _ = generate(engine, ids, max_new_tokens=3)
-    assert not long.done()
-    assert 1 <= len(short.hypotheses[0].token_ids) <= 3
-    handle.cancel()
+    handle = engine.submit(GenerationRequest(ids, options, stream=True), hold, long.set_result)
+    try:
+        assert started.wait(30)
+        short, _ = generate(engine, ids, max_new_tokens=3)
+        assert not long.done()
+        assert 1 <= len(short.hypotheses[0].token_ids) <= 3
+    finally:
+        handle.cancel()
+        release.set()
     assert long.result(timeout=60).finish_reason == "cancelled"
+
+
+def test_cores_are_divided_among_concurrent_calls(models):
+    """Unless configured, each replica computes with its share of the cores, so calls at once do not oversubscribe."""
+    cores = len(os.sched_getaffinity(0))
+    for calls, expected in ((1, cores), (2, max(1, cores // 2)), (cores * 2, 1)):
+        engine = CTranslate2Engine(models["gpt2"].ct2_dir, max_concurrent_calls=calls)
+        try:
+            assert engine.intra_threads == expected
+        finally:
+            engine.close()
+    engine = CTranslate2Engine(models["gpt2"].ct2_dir, intra_op_threads=3, max_concurrent_calls=2)
+    try:
+        assert engine.intra_threads == 3
+    finally:
+        engine.close()
 
 
 def test_one_call_at_a_time_when_configured(models):

@@ -8,6 +8,9 @@ finish, and a sequence that arrives meanwhile cannot join that call (joining the
 in-flight batching, is the torch engine's). So that it need not wait for the whole call, the engine runs up to
 `max_concurrent_calls` calls at once: as many caller threads, over as many CTranslate2 replicas of the model
 (`inter_threads`, which shares the weights), and a free thread starts the next call as soon as sequences wait.
+Unless `intra_op_threads` says otherwise, the CPU's cores are divided among the replicas (at least one thread
+each): CTranslate2's own default gives every replica several OpenMP threads, and replicas computing at once then
+wait at each other's barriers.
 
 With beam width 1, CTranslate2 calls back per produced token; that callback streams tokens, stops a row at its
 own `max_new_tokens` (so requests asking for different lengths share a call), at a stop sequence, or when it is
@@ -24,6 +27,7 @@ once more for that request. Seeds are taken modulo 2**32 - 1 (CTranslate2 seeds 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +94,11 @@ class _Sequence:
             logger.exception("generation done callback failed")
 
 
+def threads_per_call(calls: int) -> int:
+    """This process's CPU cores shared among `calls` calls computing at once, at least one thread each."""
+    return max(1, len(os.sched_getaffinity(0)) // calls)
+
+
 class CTranslate2Engine:
     """One CTranslate2 model on one device, driven by `max_concurrent_calls` threads of its own."""
 
@@ -105,8 +114,11 @@ class CTranslate2Engine:
     ) -> None:
         self._ct2 = import_engine("ctranslate2", "generation")
         self._info: Ct2ModelInfo = read_model_info(Path(model_dir))
-        self._load_args = (str(model_dir), device, device_index, compute_type, intra_op_threads)
         calls = max(1, max_concurrent_calls)
+        threads = intra_op_threads or (threads_per_call(calls) if device == "cpu" else 0)
+        #: OpenMP threads of each replica (0: CTranslate2's default, on GPUs).
+        self.intra_threads = threads
+        self._load_args = (str(model_dir), device, device_index, compute_type, threads)
         try:
             self._model = self._load(replicas=calls)
         except (RuntimeError, ValueError) as exc:
