@@ -420,7 +420,10 @@ class TorchEngine:
             if sequence.generator is not None:
                 choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
             row += sequence.rows
-        chosen_log_probs = (logits.gather(1, choice[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+        # One log-softmax for every row: logsumexp alone costs several times more on CPU (its exp of the whole
+        # vocabulary is slow where most values underflow); beams search on these log-probabilities.
+        log_probs = torch.log_softmax(logits, dim=-1)
+        chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
         tokens = choice.tolist()
 
         keep: list[int] = []
@@ -431,7 +434,7 @@ class TorchEngine:
         row = 0
         for sequence in self._running:
             if sequence.beam is not None:
-                rows = self._beam_step(sequence, logits[row:row + sequence.rows])
+                rows = self._beam_step(sequence, log_probs[row:row + sequence.rows])
                 if rows is None:
                     finished.append((sequence, "end"))
                 else:
@@ -466,12 +469,10 @@ class TorchEngine:
         for sequence, reason in finished:
             self._finish(sequence, reason)
 
-    def _beam_step(self, sequence: _Sequence, logits: torch.Tensor) -> list[int] | None:
-        """Beam search processes log-probabilities, not logits, as transformers' does."""
-        import torch
-
+    def _beam_step(self, sequence: _Sequence, scores: torch.Tensor) -> list[int] | None:
+        """Beam search processes log-probabilities (`scores`, the sequence's rows), not logits, as transformers'
+        does; the rules apply to them in place."""
         beam = sequence.beam
-        scores = torch.log_softmax(logits, dim=-1)
         if sequence.rules.active:
             contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
             apply_rules(scores, contexts, beam.generated, sequence.rules)
