@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import queue
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -156,6 +157,8 @@ def server(built, tmp_path_factory):
         # A KV budget one long sequence fills: what comes next waits for it to leave.
         "t5_torch_budget_stream": ("t5", FT_INTERFACE, "torch", True,
                                    f'parameters {{ key: "kv_cache_tokens" value {{ string_value: "{BUDGET}" }} }}\n'),
+        "t5_torch_budget": ("t5", FT_INTERFACE, "torch", False,
+                            f'parameters {{ key: "kv_cache_tokens" value {{ string_value: "{BUDGET}" }} }}\n'),
     }
     for name, (source, interface, engine, decoupled, *extra) in models.items():
         shutil.copytree(built[source], repo / name / "1" / "model")
@@ -355,6 +358,49 @@ def test_cancelling_a_stream_stops_its_decoding(server, references, model, long,
     assert waited < 0.25 * (long - produced) * per_token, (waited, per_token)
 
 
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_request_whose_client_goes_away_stops_decoding(server, references, transport):
+    """Not streamed: the client of a request asked for thousands of tokens goes away while it decodes (closes
+    its HTTP connection; its gRPC deadline passes); a request follows that can only start once that sequence is
+    gone (the KV budget holds one such sequence), and it does not wait for the thousands."""
+    reference = references["t5"]
+    ids = reference.ids(PROMPT)
+    long, probe = BUDGET - len(ids), 100
+
+    def body(tokens: int) -> bytes:
+        return json.dumps({"inputs": [
+            {"name": "input_ids", "datatype": "UINT32", "shape": [1, len(ids)], "data": ids},
+            {"name": "sequence_length", "datatype": "UINT32", "shape": [1, 1], "data": [len(ids)]},
+        ], "parameters": {"max_tokens": tokens, "min_length": tokens}}).encode()
+
+    url = f"{server.base_url}/v2/models/t5_torch_budget/infer"
+    started = time.monotonic()  # the model's decoding speed, alone
+    assert requests.post(url, data=body(probe), timeout=60).status_code == 200
+    per_token = (time.monotonic() - started) / probe
+    decoding = 20 * per_token + 0.2
+    if transport == "http":
+        host, port = server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as connection:
+            payload = body(long)
+            connection.sendall(b"POST /v2/models/t5_torch_budget/infer HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(payload), payload))
+            time.sleep(decoding)
+    else:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client, \
+                pytest.raises(InferenceServerException) as caught:
+            client.infer("t5_torch_budget", ft_inputs(grpcclient, ids), client_timeout=decoding,
+                         parameters={"max_tokens": long, "min_length": long})
+        assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    asked = time.monotonic()
+    answer = requests.post(url, data=body(4), timeout=60)
+    waited = time.monotonic() - asked
+    assert answer.status_code == 200, answer.text
+    lengths = next(output for output in answer.json()["outputs"] if output["name"] == "sequence_length")
+    assert lengths["data"] == [4]
+    assert waited < 0.25 * long * per_token, (waited, per_token)
+
+
 def test_generate_stream_sends_server_sent_events(server, references):
     reference = references["t5"]
     ids = reference.ids(PROMPT)
@@ -411,7 +457,7 @@ def test_models_that_cannot_load_are_unavailable_with_the_reason_and_the_rest_se
         assert words in states[name]["reason"]
     assert "runtime_top_k" in states["bad_input"]["reason"]  # the supported names are listed
     ready = ("fastertransformer", "fastertransformer_torch", "t5", "t5_stream", "gpt2", "t5_torch", "t5_torch_stream",
-             "gpt2_torch", "t5_torch_request_stream", "t5_torch_budget_stream")
+             "gpt2_torch", "t5_torch_request_stream", "t5_torch_budget_stream", "t5_torch_budget")
     assert all(states[name]["state"] == "READY" for name in ready)
 
 

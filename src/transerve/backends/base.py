@@ -59,6 +59,8 @@ class BackendInstance(abc.ABC):
 
     name: str
     max_inflight: int = 1
+    #: Whether `cancel` can stop a running request; schedulers only watch for client cancellation when it can.
+    cancellable: bool = False
 
     @abc.abstractmethod
     def execute(self, requests: list[InferRequest]) -> Awaitable[ExecutionResult]:
@@ -76,6 +78,12 @@ class BackendInstance(abc.ABC):
         future's callback costs. By default it returns `execute`'s awaitable and never calls `done`.
         """
         return self.execute(requests)
+
+    def cancel(self, request: InferRequest) -> None:
+        """The client of `request`, which this instance is executing, went away (a decoupled request hears of it
+        through its response stream instead). Instances that set `cancellable` stop its work early; the
+        execution still completes, and whatever it returns for the request is dropped."""
+        return None  # by default the execution runs to its end
 
     @abc.abstractmethod
     async def close(self) -> None:

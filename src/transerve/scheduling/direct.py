@@ -64,6 +64,8 @@ class DirectScheduler:
         request = pending[0]
         self._stats.queue.add(time.monotonic_ns() - request.arrival_ns)
         self._running += 1
+        if instance.cancellable:
+            pending[1].add_done_callback(functools.partial(_cancel_if_cancelled, instance, request))
         try:
             execution = instance.execute_then([request], functools.partial(self._finish, instance, pending))
             if execution is None:
@@ -115,3 +117,9 @@ class DirectScheduler:
         """Wait until nothing is queued or running (used before unloading)."""
         while self._queue or self._running:
             await asyncio.sleep(0.005)
+
+
+def _cancel_if_cancelled(instance: BackendInstance, request: InferRequest, future: asyncio.Future) -> None:
+    """Tell the instance when the client of a request it runs cancels it (its connection went away)."""
+    if future.cancelled():
+        instance.cancel(request)

@@ -8,7 +8,8 @@ The engine calls back from its own thread; each call is moved onto the event loo
 Streaming (a decoupled model, `stream` true): each response carries every row's output ids so far and
 `prefix_length`, the ids the client already has; tokens that arrive within one loop iteration go out in one
 response. The last response carries the final flag. A cancelled stream cancels its sequences in the engine,
-which stops decoding them at its next step.
+which stops decoding them at its next step; so does the scheduler's `cancel` when the client of a one-response
+request goes away.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ Outcome = InferResponse | ServerError | None
 
 class GenerationInstance(BackendInstance):
     max_inflight = MAX_INFLIGHT
+    cancellable = True
 
     def __init__(self, model_name: str, version: str, name: str, engine: GenerationEngine,
                  interface: TensorInterface, limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
@@ -44,6 +46,8 @@ class GenerationInstance(BackendInstance):
         self.limits = limits
         #: Kept: engine callbacks hop onto it from the engine's thread.
         self.loop = loop
+        #: The requests running, by identity: what `cancel` finds them by.
+        self._runs: dict[int, _RequestRun] = {}
 
     def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
         future: asyncio.Future[ExecutionResult] = self.loop.create_future()
@@ -52,14 +56,22 @@ class GenerationInstance(BackendInstance):
         remaining = [len(requests)]
 
         def finish(index: int, outcome: Outcome) -> None:
+            self._runs.pop(id(requests[index]), None)
             outcomes[index] = outcome
             remaining[0] -= 1
             if remaining[0] == 0 and not future.done():
                 future.set_result(ExecutionResult(outcomes, compute_infer_ns=time.monotonic_ns() - started))
 
         for index, request in enumerate(requests):
-            _RequestRun(self, request, lambda outcome, index=index: finish(index, outcome)).start()
+            run = _RequestRun(self, request, lambda outcome, index=index: finish(index, outcome))
+            self._runs[id(request)] = run
+            run.start()
         return future
+
+    def cancel(self, request: InferRequest) -> None:
+        run = self._runs.get(id(request))
+        if run is not None:
+            run.cancel()
 
     async def close(self) -> None:
         self.engine.close()
@@ -110,7 +122,7 @@ class _RequestRun:
                 self._done(row, exc)
                 return
         if self._stream is not None:
-            self._stream.on_cancel(self._cancel)
+            self._stream.on_cancel(self.cancel)
 
     def _sequences(self) -> list[GenerationRequest]:
         """One engine sequence per row, every row's options checked before any is submitted."""
@@ -206,7 +218,7 @@ class _RequestRun:
         tensors = interface.response_tensors(results, interface.wanted(self._request, log_probs))
         return InferResponse(self._instance.model_name, self._instance.version, tensors, id=self._request.id)
 
-    def _cancel(self) -> None:
+    def cancel(self) -> None:
         """The client went away: stop every row at the engine's next step."""
         self._cancelled = True
         for handle in self._handles:
