@@ -652,3 +652,57 @@ def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, join
 def test_thread_settings_are_checked(models):
     with pytest.raises(ServerError, match="must not be negative"):
         TorchEngine(models["t5"].path, latency_threads=-1)
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
+    """The joining thread computes a waiting sequence's rows (encoder call or prefill) while the engine thread
+    decodes; the sequence joins with them and its output is still generate's."""
+    model = models[arch]
+    engine = TorchEngine(model.path, max_batch_rows=1)
+    prepared = threading.Event()
+    new_rows = engine._runner.new_rows
+
+    def spy(inputs, repeats):
+        rows = new_rows(inputs, repeats)
+        if threading.current_thread() is engine.joining_thread:
+            prepared.set()
+        return rows
+
+    engine._runner.new_rows = spy
+    try:
+        first_ids, second_ids = model.ids(TEXTS[2]), model.ids(TEXTS[0])
+        steps = threading.Semaphore(0)
+        first = submit(engine, first_ids, DecodingOptions(max_new_tokens=30, end_ids=[]),
+                       on_tokens=lambda _: steps.release())
+        assert steps.acquire(timeout=30)
+        second = submit(engine, second_ids, DecodingOptions(max_new_tokens=6, end_ids=[]))
+        assert prepared.wait(30)
+        assert not first.done()  # prepared while the first one still ran: max_batch_rows 1 kept it waiting
+        assert tokens(second.result(timeout=60)) == model.reference(second_ids, end_ids=[], max_new_tokens=6)
+        assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=30)
+    finally:
+        engine.close()
+        engine.join(30)
+    assert not engine.joining_thread.is_alive()
+
+
+def test_no_joining_thread_work_for_a_model_that_changes_in_its_forward(models):
+    """RoPE of type dynamic rescales its frequencies inside the forward pass: such a model's rows are computed by
+    the engine thread only."""
+    from transerve.backends.generation.decoder_batch import _mutable_forward
+
+    assert _mutable_forward(transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert not _mutable_forward(transformers.LlamaConfig())
+    engine = TorchEngine(models["gpt2"].path, max_batch_rows=1)
+    engine._runner.mutable_forward = True
+    callers: list[threading.Thread] = []
+    new_rows = engine._runner.new_rows
+    engine._runner.new_rows = lambda *args: callers.append(threading.current_thread()) or new_rows(*args)
+    try:
+        futures = [submit(engine, [5, 6, 7], DecodingOptions(max_new_tokens=8, end_ids=[])) for _ in range(3)]
+        for future in futures:
+            assert len(tokens(future.result(timeout=60))[0]) == 8
+        assert callers == [engine.thread] * 3
+    finally:
+        engine.close()

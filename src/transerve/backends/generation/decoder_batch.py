@@ -165,11 +165,23 @@ class ModelRunner:
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         #: The decoder's cross-attention modules in layer order, where their names are known (T5, BART family).
         self.cross_attention = _cross_attention_modules(model) if self.encoder_decoder else []
+        self.mutable_forward = _mutable_forward(model.config.get_text_config(decoder=True))
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
 
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @property
+    def concurrent_joins(self) -> bool:
+        """Whether new rows may be computed in another thread while `step` runs: not when their cross-attention
+        keys/values come from a decoder run, which shares `positions` with the step, nor when the model's forward
+        changes the model (dynamic or longrope RoPE rescale their frequencies in place)."""
+        return not self.mutable_forward and (not self.encoder_decoder or bool(self.cross_attention))
+
+    def new_rows(self, inputs: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
+        """`encode` (encoder-decoder) or `prefill` (decoder-only)."""
+        return self.encode(inputs, repeats) if self.encoder_decoder else self.prefill(inputs, repeats)
 
     def encode(self, sources: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
         """New encoder-decoder sequences' rows, ready to join the running batch; sequence i gets `repeats[i]`
@@ -284,6 +296,15 @@ class ModelRunner:
         batch.mask = mask
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :]
+
+
+def _mutable_forward(config: Any) -> bool:
+    """Whether the model's forward changes the model: RoPE of type dynamic or longrope recomputes its frequencies."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(parameters, dict):
+        return False
+    kinds = [parameters.get("rope_type")] + [v.get("rope_type") for v in parameters.values() if isinstance(v, dict)]
+    return any(kind in ("dynamic", "longrope") for kind in kinds)
 
 
 #: What encoder-decoder models of transformers name their decoder layers' cross-attention modules.

@@ -1,14 +1,14 @@
 """The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
-(all of them at once, so their encoder call or prompt prefill is one batched call), merges them into the running
-batch (`decoder_batch`), feeds every row's last token through one forward pass (a new encoder-decoder row's first
-decoder input is the decoder start token; a new decoder-only row's whole prompt went through the prefill, whose
-last position's logits join the step's), then chooses each sequence's next token with its own options
-(`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once. Admission is FIFO under two
-limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum over running sequences of
-(input length + max_new_tokens) * beam width. `scheduling="request"` turns this into request-level batching for
-comparison: new sequences are admitted only when the batch is empty.
+(their encoder call or prompt prefill done ahead by the joining thread while the batch decoded, or done now in one
+batched call), merges them into the running batch (`decoder_batch`), feeds every row's last token through one
+forward pass (a new encoder-decoder row's first decoder input is the decoder start token; a new decoder-only row's
+whole prompt went through the prefill, whose last position's logits join the step's), then chooses each sequence's
+next token with its own options (`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once.
+Admission is FIFO under two limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum
+over running sequences of (input length + max_new_tokens) * beam width. `scheduling="request"` turns this into
+request-level batching for comparison: new sequences are admitted only when the batch is empty.
 
 What a result holds: the new tokens, the end token or stop sequence included. Log-probabilities are those of the
 distribution each token was chosen from, as transformers' `output_scores` (log-softmaxed) reports them: after the
@@ -74,6 +74,10 @@ class _Sequence:
     prefix: list[int]
     generator: torch.Generator | None = None
     beam: BeamSearch | None = None
+    #: Its rows, prepared ahead by the joining thread (batch, first decoder inputs or first logits), and whether
+    #: that thread is at it now.
+    prepared: tuple[DecoderBatch, torch.Tensor] | None = None
+    preparing: bool = False
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     score: float = 0.0
@@ -177,6 +181,11 @@ class TorchEngine:
         self._used_rows = 0
         self.thread = threading.Thread(target=self._run, name=f"torch-generation:{model_dir.name}", daemon=True)
         self.thread.start()
+        #: Prepares waiting sequences' rows while the engine thread decodes (see `_prepare_ahead`).
+        self.joining_thread = threading.Thread(
+            target=self._prepare_ahead, name=f"torch-generation-join:{model_dir.name}", daemon=True
+        )
+        self.joining_thread.start()
 
     # -- the contract --------------------------------------------------------------------------------------------
 
@@ -193,7 +202,7 @@ class TorchEngine:
             closed = self._closed
             if not closed:
                 self._queue.append(sequence)
-                self._cond.notify()
+                self._cond.notify_all()
         if closed:
             _report(done, unavailable("the generation engine is closed"))
             return _Refused()
@@ -202,11 +211,12 @@ class TorchEngine:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the engine thread to end (after `close`)."""
+        """Wait for the engine's threads to end (after `close`)."""
         self.thread.join(timeout)
+        self.joining_thread.join(timeout)
 
     # -- submit-time checks --------------------------------------------------------------------------------------
 
@@ -277,7 +287,7 @@ class TorchEngine:
 
     def _wake(self) -> None:
         with self._cond:
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _run(self) -> None:
         import torch
@@ -326,12 +336,15 @@ class TorchEngine:
 
         self._drop_cancelled()
         admitted = self._admit()
+        new: tuple[DecoderBatch, torch.Tensor] | None = None
         if admitted:
+            admitted = self._await_prepared(admitted)
             self._running.extend(admitted)  # from here on a failure reaches them too
-        if self.is_encoder_decoder:
-            if admitted:
-                self._set_threads(joining=True)
-                self._join(admitted)
+            new = self._new_rows(admitted)
+        if self.is_encoder_decoder:  # new rows' first decoder inputs go through this step with the others'
+            if new is not None:
+                self._merge(new[0])
+                self._next_tokens = new[1] if self._next_tokens is None else torch.cat((self._next_tokens, new[1]))
             if self._batch is not None:
                 self._set_threads(joining=False)
                 self._advance(self._runner.step(self._batch, self._next_tokens).float())
@@ -340,28 +353,83 @@ class TorchEngine:
         if self._batch is not None:
             self._set_threads(joining=False)
             logits = self._runner.step(self._batch, self._next_tokens)
-        if admitted:
-            self._set_threads(joining=True)
-            batch, first = self._runner.prefill([s.input_ids for s in admitted], [s.rows for s in admitted])
-            if self._batch is None:
-                self._batch, logits = batch, first
-            else:
-                self._batch.extend(batch)
-                logits = torch.cat((logits, first))
+        if new is not None:  # their prompts are in the cache already, and `new[1]` holds their first logits
+            self._merge(new[0])
+            logits = new[1] if logits is None else torch.cat((logits, new[1]))
         if logits is not None:
             self._advance(logits.float())
 
-    def _join(self, admitted: list[_Sequence]) -> None:
-        """Encoder-decoder models: add the rows of `admitted` (already at the end of `_running`) to the batch;
-        their first tokens come out of the next step, computed with every other row's."""
+    def _await_prepared(self, admitted: list[_Sequence]) -> list[_Sequence]:
+        """`admitted` once the joining thread is done with any of them, those it prepared first (the batch's row
+        order: admission order does not matter past this point)."""
+        with self._cond:
+            while any(s.preparing for s in admitted):
+                self._cond.wait()
+        return [s for s in admitted if s.prepared is not None] + [s for s in admitted if s.prepared is None]
+
+    def _new_rows(self, admitted: list[_Sequence]) -> tuple[DecoderBatch, torch.Tensor]:
+        """The rows of `admitted` (prepared ones first, as `_await_prepared` ordered them): what the joining thread
+        prepared, and one batched encoder call or prefill here for the rest. Returns their batch and their first
+        decoder inputs (encoder-decoder) or first logits (decoder-only)."""
         import torch
 
-        batch, first = self._runner.encode([s.input_ids for s in admitted], [s.rows for s in admitted])
+        parts = [s.prepared for s in admitted if s.prepared is not None]
+        fresh = [s for s in admitted if s.prepared is None]
+        for sequence in admitted:
+            sequence.prepared = None
+        if fresh:
+            self._set_threads(joining=True)
+            parts.append(self._runner.new_rows([s.input_ids for s in fresh], [s.rows for s in fresh]))
+        batch = parts[0][0]
+        for other, _ in parts[1:]:
+            batch.extend(other)
+        return batch, torch.cat([first for _, first in parts]) if len(parts) > 1 else parts[0][1]
+
+    def _merge(self, batch: DecoderBatch) -> None:
         if self._batch is None:
-            self._batch, self._next_tokens = batch, first
+            self._batch = batch
         else:
             self._batch.extend(batch)
-            self._next_tokens = torch.cat((self._next_tokens, first))
+
+    def _prepare_ahead(self) -> None:
+        """The joining thread: while the engine thread decodes, compute the rows (encoder call or prompt prefill)
+        of the sequences next in the queue, one at a time, so that they join without the decoding waiting for that
+        work; it runs on a core the decoding does not use (`intra_op_threads` threads, set here for this thread).
+        When nothing runs the engine thread does the joining itself, at once and on `latency_threads`."""
+        import torch
+
+        torch.get_num_threads()
+        torch.set_num_threads(self.load_threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._closed and (sequence := self._next_to_prepare()) is None:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    sequence.preparing = True
+                prepared = None
+                try:
+                    prepared = self._runner.new_rows([sequence.input_ids], [sequence.rows])
+                except Exception:  # the engine thread tries again, and reports a failure to the sequence
+                    logger.exception("preparing a sequence failed")
+                with self._cond:
+                    sequence.prepared, sequence.preparing = prepared, False
+                    self._cond.notify_all()
+
+    def _next_to_prepare(self) -> _Sequence | None:
+        """While the engine decodes, the first waiting sequence not prepared yet among those that fill the next
+        `max_batch_rows` rows (called under `_cond`)."""
+        if not self._running or not self._runner.concurrent_joins:
+            return None
+        rows = 0
+        for sequence in self._queue:
+            rows += sequence.rows
+            if rows > self.max_batch_rows:
+                return None
+            if not (sequence.cancelled or sequence.preparing or sequence.prepared is not None):
+                return sequence
+        return None
 
     def _drop_cancelled(self) -> None:
         if not any(s.cancelled for s in self._running):
@@ -397,6 +465,8 @@ class TorchEngine:
                     self._used_rows += sequence.rows
                     self._used_tokens += sequence.need
                     admitted.append(sequence)
+            if self._queue:
+                self._cond.notify_all()  # the joining thread: sequences wait while the batch runs
         for sequence in cancelled:
             _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
         return admitted
