@@ -1,11 +1,13 @@
 """The torch engine's in-flight batching against its request-level batching, called directly (no server), on a
-random-weight model of t5-small shape (d_model 512, 6+6 layers, vocab 32128; built as benchmarks/generation.py
-builds it) under a mixed-length load; optionally the same for the engine of another git revision, side by side.
+random-weight model of t5-small shape (d_model 512, 6+6 layers, vocab 32128) or, with `--arch gpt2`, GPT-2 small
+shape (d_model 768, 12 layers, vocab 50257), built as benchmarks/generation.py builds them, under a mixed-length
+load; optionally the same for the engine of another git revision, side by side.
 
     python benchmarks/inflight_vs_request.py                        # this checkout, 2 rounds
     python benchmarks/inflight_vs_request.py --compare-with HEAD~3  # and the engine as it was at HEAD~3
     python benchmarks/inflight_vs_request.py --compare-with A --compare-with B --no-checkout   # revisions only
     python benchmarks/inflight_vs_request.py --quick                # tiny model, short windows: checks the script
+    python benchmarks/inflight_vs_request.py --arch gpt2 --threads 1  # the decoder-only model
 
 The load: `--in-flight` closed-loop clients submit sequences (prompts of 8 to 64 token ids, the last one the end
 token as T5's tokenizer writes it; 8 to 128 new tokens, uniform, seeded) to one engine with `max_batch_rows` 16;
@@ -33,25 +35,28 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS.parent
-#: t5-small's shape, as benchmarks/generation.py builds it.
-SIZES = {"d_model": 512, "layers": 6, "vocab_size": 32128}
-CONFIG = {"d_ff": 2048, "num_heads": 8, "d_kv": 64}
+#: t5-small's and GPT-2 small's shapes, as benchmarks/generation.py builds them.
+SIZES = {
+    "t5": {"d_model": 512, "layers": 6, "vocab_size": 32128},
+    "gpt2": {"d_model": 768, "layers": 12, "vocab_size": 50257},
+}
+CONFIG = {"t5": {"d_ff": 2048, "num_heads": 8, "d_kv": 64}, "gpt2": {"n_head": 12, "n_positions": 1024}}
 QUICK_SIZES = {"d_model": 64, "layers": 2, "vocab_size": 2000}
 PROMPT_LENGTHS = (8, 64)
 NEW_TOKENS = (8, 128)
 PROMPT_IDS = (3, 259)
 
 
-def build_model(workdir: Path, quick: bool) -> Path:
-    """The random-weight T5 (built once per workdir)."""
-    sizes = QUICK_SIZES if quick else SIZES
-    path = workdir / f"t5-{sizes['d_model']}x{sizes['layers']}-{sizes['vocab_size']}"
+def build_model(workdir: Path, arch: str, quick: bool) -> Path:
+    """The random-weight model (built once per workdir)."""
+    sizes = QUICK_SIZES if quick else SIZES[arch]
+    path = workdir / f"{arch}-{sizes['d_model']}x{sizes['layers']}-{sizes['vocab_size']}"
     if not (path / "complete").exists():
         sys.path.insert(0, str(REPO_ROOT / "tests"))
         from support.generation_models import build_generation_model
 
         print(f"building the model in {path}...", file=sys.stderr)
-        build_generation_model("t5", path, **sizes, config={} if quick else CONFIG)
+        build_generation_model(arch, path, **sizes, config={} if quick else CONFIG[arch])
         (path / "complete").touch()
     return path
 
@@ -148,6 +153,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-inflight-bench")
     parser.add_argument("--quick", action="store_true", help="tiny model, short windows")
+    parser.add_argument("--arch", choices=sorted(SIZES), default="t5", help="the model's architecture and shape")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--scheduling", help=argparse.SUPPRESS)
@@ -158,12 +164,12 @@ def main() -> None:
     if args.quick:
         args.warmup, args.seconds = 2.0, 5.0
     args.workdir.mkdir(parents=True, exist_ok=True)
-    model = build_model(args.workdir, args.quick)
+    model = build_model(args.workdir, args.arch, args.quick)
     with tempfile.TemporaryDirectory() as scratch:
         trees = [(revision, source_tree(revision, Path(scratch))) for revision in args.compare_with]
         if not args.no_checkout:
             trees.append(("this checkout", REPO_ROOT / "src"))
-        print(f"in flight {args.in_flight}, max_batch_rows {args.rows}, {args.threads} torch threads, "
+        print(f"{model.name}: in flight {args.in_flight}, max_batch_rows {args.rows}, {args.threads} torch threads, "
               f"window {args.seconds:.0f} s after {args.warmup:.0f} s warm-up; tok/s: per wall-clock second, "
               f"tok/cpu-s: per second of the process's CPU time (less sensitive to other load)")
         print("| round | engine | scheduling | load avg | tok/s | tok/cpu-s |")
