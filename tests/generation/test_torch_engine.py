@@ -19,7 +19,7 @@ from transerve.backends.generation.engine import (  # noqa: E402
     GenerationRequest,
     GenerationResult,
 )
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch_engine import TorchEngine, _cpu_count  # noqa: E402
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 
 TEXTS = [
@@ -127,6 +127,26 @@ def test_beam_search_matches_transformers(models, arch):
             assert tokens(result) == model.reference(ids, end_ids=[end], **kwargs), (text, length_penalty)
             assert len(result.hypotheses) == 2
             assert result.hypotheses[0].score >= result.hypotheses[1].score
+
+
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
+    """The default engines compute their linear layers on oneDNN (GPT-2's Conv1D modules included); with
+    `onednn_linear=False` the model keeps torch's own modules, and both decode as `generate` does."""
+    from transerve.backends.generation.onednn_linear import onednn_available
+
+    model = models[arch]
+    kinds = {type(m).__name__ for m in model.engine._runner.model.modules()}
+    if onednn_available(torch):
+        assert model.engine.onednn_linear and "OneDnnLinear" in kinds and not kinds & {"Linear", "Conv1D"}
+    engine = TorchEngine(model.path, onednn_linear=False)
+    try:
+        assert not engine.onednn_linear
+        assert "OneDnnLinear" not in {type(m).__name__ for m in engine._runner.model.modules()}
+        ids = model.ids(TEXTS[1])
+        assert tokens(run(engine, ids, DecodingOptions(max_new_tokens=12))) == model.reference(ids, max_new_tokens=12)
+    finally:
+        engine.close()
 
 
 def test_beam_scores_match_transformers(models):
@@ -649,6 +669,18 @@ def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, join
         engine.close()
 
 
+def test_no_joining_thread_when_decoding_uses_every_core(models):
+    """Its work would only compete with decoding's: waiting sequences join in one batched call instead."""
+    engine = TorchEngine(models["gpt2"].path, intra_op_threads=_cpu_count(), max_batch_rows=2)
+    try:
+        assert engine.joining_thread is None and engine.joining_threads == 0
+        futures = [submit(engine, [5, 6, 7 + i], DecodingOptions(max_new_tokens=4 + i, end_ids=[])) for i in range(5)]
+        assert [len(tokens(f.result(timeout=60))[0]) for f in futures] == [4, 5, 6, 7, 8]
+    finally:
+        engine.close()
+        engine.join(30)
+
+
 def test_thread_settings_are_checked(models):
     with pytest.raises(ServerError, match="must not be negative"):
         TorchEngine(models["t5"].path, latency_threads=-1)
@@ -658,8 +690,10 @@ def test_thread_settings_are_checked(models):
 def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
     """The joining thread computes a waiting sequence's rows (encoder call or prefill) while the engine thread
     decodes; the sequence joins with them and its output is still generate's."""
+    if _cpu_count() < 2:
+        pytest.skip("the joining thread needs a core that decoding leaves idle")
     model = models[arch]
-    engine = TorchEngine(model.path, max_batch_rows=1)
+    engine = TorchEngine(model.path, max_batch_rows=1, intra_op_threads=1)
     prepared = threading.Event()
     new_rows = engine._runner.new_rows
 
@@ -694,7 +728,7 @@ def test_no_joining_thread_work_for_a_model_that_changes_in_its_forward(models):
 
     assert _mutable_forward(transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert not _mutable_forward(transformers.LlamaConfig())
-    engine = TorchEngine(models["gpt2"].path, max_batch_rows=1)
+    engine = TorchEngine(models["gpt2"].path, max_batch_rows=1, intra_op_threads=1)
     engine._runner.mutable_forward = True
     callers: list[threading.Thread] = []
     new_rows = engine._runner.new_rows

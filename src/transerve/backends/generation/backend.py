@@ -99,7 +99,8 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
             settings.model_dir, device=f"cuda:{placement.device_id}" if on_gpu else "cpu",
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
             max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
-            latency_threads=settings.latency_threads, latency_rows=settings.latency_rows, **extra,
+            latency_threads=settings.latency_threads, latency_rows=settings.latency_rows,
+            onednn_linear=settings.onednn_linear, **extra,
         )
 
 

@@ -36,6 +36,8 @@ class GenerationSettings:
     #: Torch engine: threads of the joining work while at most `latency_rows` rows run (0: the CPUs it may use).
     latency_threads: int = 0
     latency_rows: int = 1
+    #: Torch engine on CPU, float32: linear layers on oneDNN's GEMM (see `onednn_linear`).
+    onednn_linear: bool = True
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
@@ -65,7 +67,17 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> G
         scheduling=parameters.get("scheduling") or None,
         latency_threads=_integer(parameters, "latency_threads", 0, minimum=0),
         latency_rows=_integer(parameters, "latency_rows", 1, minimum=0),
+        onednn_linear=_boolean(parameters, "onednn_linear", True),
     )
+
+
+def _boolean(parameters: dict[str, str], key: str, default: bool) -> bool:
+    text = parameters.get(key, "").strip().lower()
+    if not text:
+        return default
+    if text not in ("true", "false"):
+        raise invalid_arg(f"parameter '{key}' must be true or false, got '{text}'")
+    return text == "true"
 
 
 def _integer(parameters: dict[str, str], key: str, default: int, minimum: int) -> int:

@@ -1,8 +1,8 @@
 """The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
-(their encoder call or prompt prefill done ahead by the joining thread while the batch decoded, or done now in one
-batched call), merges them into the running batch (`decoder_batch`), feeds every row's last token through one
+(their encoder call or prompt prefill done ahead by the joining thread while the batch decoded, where decoding
+leaves cores idle, or done now in one batched call), merges them into the running batch (`decoder_batch`), feeds every row's last token through one
 forward pass (a new encoder-decoder row's first decoder input is the decoder start token; a new decoder-only row's
 whole prompt went through the prefill, whose last position's logits join the step's), then chooses each sequence's
 next token with its own options (`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once.
@@ -115,6 +115,7 @@ class TorchEngine:
         scheduling: str = "inflight",
         latency_threads: int = 0,
         latency_rows: int = 1,
+        onednn_linear: bool = True,
     ) -> None:
         torch = import_engine("torch", "generation")
         transformers = import_engine("transformers", "generation")
@@ -138,6 +139,15 @@ class TorchEngine:
         loader = transformers.AutoModelForSeq2SeqLM if self.is_encoder_decoder else transformers.AutoModelForCausalLM
         model = loader.from_pretrained(model_dir, dtype=getattr(torch, compute_type))
         model.to(torch.device(device)).eval()
+        #: Whether the model's linear layers compute on oneDNN (`onednn_linear`: CPU float32 only).
+        self.onednn_linear = False
+        if onednn_linear and model.device.type == "cpu" and compute_type == "float32":
+            from transerve.backends.generation.onednn_linear import onednn_available, use_onednn_linears
+
+            if onednn_available(torch):
+                self.onednn_linear = use_onednn_linears(model) > 0
+            else:
+                logger.warning("%s: this torch build has no working oneDNN linear; using torch's own", model_dir)
         generation = model.generation_config
         eos = generation.eos_token_id if generation.eos_token_id is not None else getattr(config, "eos_token_id", None)
         self.eos_token_ids: list[int] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -181,11 +191,18 @@ class TorchEngine:
         self._used_rows = 0
         self.thread = threading.Thread(target=self._run, name=f"torch-generation:{model_dir.name}", daemon=True)
         self.thread.start()
-        #: Prepares waiting sequences' rows while the engine thread decodes (see `_prepare_ahead`).
-        self.joining_thread = threading.Thread(
-            target=self._prepare_ahead, name=f"torch-generation-join:{model_dir.name}", daemon=True
+        #: Prepares waiting sequences' rows while the engine thread decodes (see `_prepare_ahead`), on the cores
+        #: decoding leaves idle (on a GPU: the device's work, `load_threads` for the CPU side); there is no such
+        #: thread when decoding uses every core.
+        self.joining_threads = (
+            self.load_threads if self.device.type != "cpu" else min(self.load_threads, _cpu_count() - self.load_threads)
         )
-        self.joining_thread.start()
+        self.joining_thread: threading.Thread | None = None
+        if self.joining_threads > 0:
+            self.joining_thread = threading.Thread(
+                target=self._prepare_ahead, name=f"torch-generation-join:{model_dir.name}", daemon=True
+            )
+            self.joining_thread.start()
 
     # -- the contract --------------------------------------------------------------------------------------------
 
@@ -216,7 +233,8 @@ class TorchEngine:
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine's threads to end (after `close`)."""
         self.thread.join(timeout)
-        self.joining_thread.join(timeout)
+        if self.joining_thread is not None:
+            self.joining_thread.join(timeout)
 
     # -- submit-time checks --------------------------------------------------------------------------------------
 
@@ -394,12 +412,13 @@ class TorchEngine:
     def _prepare_ahead(self) -> None:
         """The joining thread: while the engine thread decodes, compute the rows (encoder call or prompt prefill)
         of the sequences next in the queue, one at a time, so that they join without the decoding waiting for that
-        work; it runs on a core the decoding does not use (`intra_op_threads` threads, set here for this thread).
-        When nothing runs the engine thread does the joining itself, at once and on `latency_threads`."""
+        work; it runs on cores the decoding does not use (`joining_threads`, set here for this thread). When nothing
+        runs, or there is no joining thread, the engine thread does the joining itself: at once, for every admitted
+        sequence in one batched call, and on `latency_threads` while few rows run."""
         import torch
 
         torch.get_num_threads()
-        torch.set_num_threads(self.load_threads)
+        torch.set_num_threads(self.joining_threads)
         with torch.inference_mode():
             while True:
                 with self._cond:
