@@ -9,6 +9,10 @@ load; optionally the same for the engine of another git revision, side by side.
     python benchmarks/inflight_vs_request.py --quick                # tiny model, short windows: checks the script
     python benchmarks/inflight_vs_request.py --arch gpt2 --threads 1  # the decoder-only model
 
+Request-level batching is measured two ways: `request` (finished rows leave the batch at once; new sequences join
+only an empty batch) and `static` (finished rows decode on, their tokens discarded, until the batch's last sequence
+ends: how FasterTransformer's backend and transformers' `generate` batch).
+
 The load: `--in-flight` closed-loop clients submit sequences (prompts of 8 to 64 token ids, the last one the end
 token as T5's tokenizer writes it; 8 to 128 new tokens, uniform, seeded) to one engine with `max_batch_rows` 16;
 end tokens are off (`end_ids=[]`), so every sequence is exactly as long as asked. Each configuration runs in a
@@ -45,6 +49,9 @@ QUICK_SIZES = {"d_model": 64, "layers": 2, "vocab_size": 2000}
 PROMPT_LENGTHS = (8, 64)
 NEW_TOKENS = (8, 128)
 PROMPT_IDS = (3, 259)
+#: The engine's schedulings: in-flight, and request-level with finished rows leaving at once (`request`) or decoding
+#: on until the batch ends (`static`, as FasterTransformer's backend and transformers' `generate` do).
+SCHEDULINGS = ("inflight", "request", "static")
 
 
 def build_model(workdir: Path, arch: str, quick: bool) -> Path:
@@ -153,11 +160,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-inflight-bench")
     parser.add_argument("--quick", action="store_true", help="tiny model, short windows")
+    parser.add_argument("--schedulings", default=",".join(SCHEDULINGS),
+                        help="those to measure; in-flight is always one (revisions before static: inflight,request)")
     parser.add_argument("--arch", choices=sorted(SIZES), default="t5", help="the model's architecture and shape")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--scheduling", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    schedulings = ["inflight", *(s for s in args.schedulings.split(",") if s != "inflight")]
     if args.worker:
         worker(args)
         return
@@ -177,22 +187,23 @@ def main() -> None:
         results: dict[tuple[str, str], list[dict]] = {}
         for round_ in range(1, args.rounds + 1):
             for label, src in trees:
-                for scheduling in ("inflight", "request"):
+                for scheduling in schedulings:
                     load_average = os.getloadavg()[0]
                     result = measure(src, scheduling, model, args)
                     results.setdefault((label, scheduling), []).append(result)
                     print(f"| {round_} | {label} | {scheduling} | {load_average:.1f} | {result['tokens_per_s']:.1f} "
                           f"| {result['tokens_per_cpu_s']:.1f} |", flush=True)
         print("\nin-flight / request-level, from the rounds' median and best tok/s (and tok/cpu-s)")
-        print("| engine | median tok/s | best tok/s | median tok/cpu-s | best tok/cpu-s |")
-        print("|---|---|---|---|---|")
+        print("| engine | against | median tok/s | best tok/s | median tok/cpu-s | best tok/cpu-s |")
+        print("|---|---|---|---|---|---|")
         for label, _ in trees:
-            cells = []
-            for key in ("tokens_per_s", "tokens_per_cpu_s"):
-                for pick in (statistics.median, max):
-                    inflight, request = (pick(r[key] for r in results[(label, s)]) for s in ("inflight", "request"))
-                    cells.append(f"{inflight:.0f} / {request:.0f} = {inflight / request:.2f}x")
-            print(f"| {label} | {' | '.join(cells)} |")
+            for other in schedulings[1:]:
+                cells = []
+                for key in ("tokens_per_s", "tokens_per_cpu_s"):
+                    for pick in (statistics.median, max):
+                        inflight, request = (pick(r[key] for r in results[(label, s)]) for s in ("inflight", other))
+                        cells.append(f"{inflight:.0f} / {request:.0f} = {inflight / request:.2f}x")
+                print(f"| {label} | {other} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

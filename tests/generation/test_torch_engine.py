@@ -347,6 +347,34 @@ def test_request_level_scheduling_admits_only_into_an_empty_batch(models):
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_static_scheduling_decodes_finished_rows_until_the_batch_ends(models, arch):
+    """Request-level batching as FasterTransformer and `generate` run it: the short sequence's result comes when it
+    ends, but its row keeps decoding (past the model's last position, for GPT-2's long prompt) until the long one
+    ends; neither output changes."""
+    model = models[arch]
+    engine = TorchEngine(model.path, scheduling="static")
+    rows: list[int] = []
+    step = engine._runner.step
+    engine._runner.step = lambda batch, next_tokens: rows.append(batch.rows) or step(batch, next_tokens)
+    try:
+        long_ids = model.ids(TEXTS[0])
+        short_ids = model.ids(TEXTS[1]) if arch == "t5" else [5, 9, 11] * 80
+        order: list[str] = []
+        with engine._cond:  # both queued before the engine thread looks: one batch
+            long = submit(engine, long_ids, DecodingOptions(max_new_tokens=60, end_ids=[]))
+            short = submit(engine, short_ids, DecodingOptions(max_new_tokens=3, end_ids=[]))
+        long.add_done_callback(lambda _: order.append("long"))
+        short.add_done_callback(lambda _: order.append("short"))
+        assert tokens(short.result(timeout=60)) == model.reference(short_ids, end_ids=[], max_new_tokens=3)
+        assert tokens(long.result(timeout=60)) == model.reference(long_ids, end_ids=[], max_new_tokens=60)
+        assert order == ["short", "long"]
+        assert set(rows) == {2}  # the short sequence's row decoded on to the end
+        assert engine._batch is None and engine._running == []
+    finally:
+        engine.close()
+
+
 def test_engine_describes_its_model(models):
     assert models["t5"].engine.is_encoder_decoder and not models["gpt2"].engine.is_encoder_decoder
     assert models["t5"].engine.eos_token_ids == [1] and models["gpt2"].engine.eos_token_ids == [0]

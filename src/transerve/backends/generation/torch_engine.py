@@ -2,13 +2,17 @@
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
 (their encoder call or prompt prefill done ahead by the joining thread while the batch decoded, where decoding
-leaves cores idle, or done now in one batched call), merges them into the running batch (`decoder_batch`), feeds every row's last token through one
-forward pass (a new encoder-decoder row's first decoder input is the decoder start token; a new decoder-only row's
-whole prompt went through the prefill, whose last position's logits join the step's), then chooses each sequence's
-next token with its own options (`sampling`, `beam`). A finished or cancelled sequence leaves the batch at once.
+leaves cores idle, or done now in one batched call), merges them into the running batch (`decoder_batch`), feeds
+every row's last token through one forward pass (a new encoder-decoder row's first decoder input is the decoder
+start token; a new decoder-only row's whole prompt went through the prefill, whose last position's logits join the
+step's), then chooses each sequence's next token with its own options (`sampling`, `beam`). A finished or cancelled
+sequence leaves the batch at once.
 Admission is FIFO under two limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum
-over running sequences of (input length + max_new_tokens) * beam width. `scheduling="request"` turns this into
-request-level batching for comparison: new sequences are admitted only when the batch is empty.
+over running sequences of (input length + max_new_tokens) * beam width. Two other schedulings exist for
+comparison: `scheduling="request"` admits new sequences only when the batch is empty (request-level batching whose
+finished rows still leave at once), and `scheduling="static"` is request-level batching as FasterTransformer's
+backend and transformers' `generate` run it: a finished sequence's result is sent, but its rows decode on (their
+tokens discarded) until the last sequence of the batch ends.
 
 What a result holds: the new tokens, the end token or stop sequence included. Log-probabilities are those of the
 distribution each token was chosen from, as transformers' `output_scores` (log-softmaxed) reports them: after the
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COMPUTE_TYPES = ("float32", "float16", "bfloat16")
-SCHEDULING = ("inflight", "request")
+SCHEDULING = ("inflight", "request", "static")
 #: Longest source of a model without absolute positions (T5) whose tokenizer does not say.
 DEFAULT_MAX_INPUT_LENGTH = 512
 
@@ -82,6 +86,8 @@ class _Sequence:
     log_probs: list[float] = field(default_factory=list)
     score: float = 0.0
     cancelled: bool = False
+    #: Static scheduling: finished and reported, its rows decoding on until the batch ends.
+    retired: bool = False
 
 
 class _Handle:
@@ -334,7 +340,8 @@ class TorchEngine:
         self._batch, self._next_tokens = None, None
         self._used_tokens = self._used_rows = 0
         for sequence in running:
-            _report(sequence.done, error)
+            if not sequence.retired:
+                _report(sequence.done, error)
 
     def _set_threads(self, joining: bool) -> None:
         """Joining work (the encoder call or prompt prefill: compute-bound) while at most `latency_rows` rows run
@@ -451,16 +458,16 @@ class TorchEngine:
         return None
 
     def _drop_cancelled(self) -> None:
-        if not any(s.cancelled for s in self._running):
+        if not any(s.cancelled and not s.retired for s in self._running):
             return
         keep, finished, row = [], [], 0
         for sequence in self._running:
-            if sequence.cancelled:
+            if sequence.cancelled and not sequence.retired:
                 finished.append(sequence)
             else:
                 keep.extend(range(row, row + sequence.rows))
             row += sequence.rows
-        self._running = [s for s in self._running if not s.cancelled]
+        self._running = [s for s in self._running if not (s.cancelled and not s.retired)]
         self._select(keep)
         for sequence in finished:
             self._finish(sequence, "cancelled")
@@ -473,7 +480,7 @@ class TorchEngine:
             for sequence in [s for s in self._queue if s.cancelled]:
                 self._queue.remove(sequence)
                 cancelled.append(sequence)
-            if self.scheduling == "inflight" or not self._running:
+            if self.scheduling == "inflight" or not self._running:  # request-level: only into an empty batch
                 while self._queue:
                     sequence = self._queue[0]
                     if self._used_rows + sequence.rows > self.max_batch_rows:
@@ -496,7 +503,7 @@ class TorchEngine:
 
         row = 0
         for sequence in self._running:
-            if sequence.beam is None:
+            if sequence.beam is None and not sequence.retired:
                 scores = logits[row:row + 1]
                 if sequence.rules.active:
                     apply_rules(scores, [sequence.prefix + sequence.tokens], len(sequence.tokens), sequence.rules)
@@ -506,7 +513,7 @@ class TorchEngine:
         choice = logits.argmax(dim=-1)
         row = 0
         for sequence in self._running:
-            if sequence.generator is not None:
+            if sequence.generator is not None and not sequence.retired:
                 choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
             row += sequence.rows
         # One log-softmax for every row: logsumexp alone costs several times more on CPU (its exp of the whole
@@ -522,7 +529,11 @@ class TorchEngine:
         streamed: list[tuple[_Sequence, int]] = []
         row = 0
         for sequence in self._running:
-            if sequence.beam is not None:
+            if sequence.retired:
+                keep.extend(range(row, row + sequence.rows))
+                next_tokens.extend(tokens[row:row + sequence.rows])
+                still.append(sequence)
+            elif sequence.beam is not None:
                 rows = self._beam_step(sequence, log_probs[row:row + sequence.rows])
                 if rows is None:
                     finished.append((sequence, "end"))
@@ -544,12 +555,21 @@ class TorchEngine:
                     still.append(sequence)
                 else:
                     finished.append((sequence, reason))
+            if self.scheduling == "static" and finished and finished[-1][0] is sequence:  # decodes on, discarded
+                sequence.retired = True
+                keep.extend(range(row, row + sequence.rows))
+                next_tokens.extend(tokens[row:row + sequence.rows])
+                still.append(sequence)
             row += sequence.rows
+        if all(s.retired for s in still):  # static scheduling: the batch ends with its last sequence
+            still, keep, next_tokens = [], [], []
         self._running = still
         self._next_tokens = None
         self._select(keep, same_sequences=not finished)
         if self._batch is not None:
             self._next_tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
+            if self.scheduling == "static" and self.max_positions is not None:  # retired rows may run past the end
+                self._batch.positions.clamp_(max=self.max_positions - 1)
         for sequence, token in streamed:
             try:
                 sequence.on_tokens([token])
