@@ -67,6 +67,25 @@ output [
 STREAM_TOKENS = 200
 #: The torch budget model's kv_cache_tokens.
 BUDGET = 3000
+#: A one-step ensemble over the budget model: how a one-response text request reaches a generator.
+BUDGET_ENSEMBLE = """
+name: "t5_budget_ensemble" platform: "ensemble" max_batch_size: 16
+input [
+  { name: "input_ids" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "sequence_length" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+output [
+  { name: "output_ids" data_type: TYPE_UINT32 dims: [ -1, -1 ] },
+  { name: "output_length" data_type: TYPE_UINT32 dims: [ -1 ] }
+]
+ensemble_scheduling { step [ {
+  model_name: "t5_torch_budget" model_version: -1
+  input_map { key: "input_ids" value: "input_ids" }
+  input_map { key: "sequence_length" value: "sequence_length" }
+  output_map { key: "output_ids" value: "output_ids" }
+  output_map { key: "sequence_length" value: "output_length" }
+} ] }
+"""
 PROMPT = "translate English to German: The house is wonderful."
 PROMPTS = [PROMPT, "Hello world", "The quick brown fox jumps over the lazy dog."]
 
@@ -175,6 +194,8 @@ def server(built, tmp_path_factory):
     for name, text in broken.items():
         shutil.copytree(built["t5_ct2"], repo / name / "1" / "model")
         (repo / name / "config.pbtxt").write_text(text)
+    (repo / "t5_budget_ensemble" / "1").mkdir(parents=True)
+    (repo / "t5_budget_ensemble" / "config.pbtxt").write_text(BUDGET_ENSEMBLE)
     # Not strictly ready: one model is meant to fail its load.
     with start_transerve(repo, "--strict-readiness=false") as running:
         yield running
@@ -358,11 +379,13 @@ def test_cancelling_a_stream_stops_its_decoding(server, references, model, long,
     assert waited < 0.25 * (long - produced) * per_token, (waited, per_token)
 
 
-@pytest.mark.parametrize("transport", ["http", "grpc"])
-def test_a_request_whose_client_goes_away_stops_decoding(server, references, transport):
+@pytest.mark.parametrize(("transport", "model"), [
+    ("http", "t5_torch_budget"), ("grpc", "t5_torch_budget"), ("http", "t5_budget_ensemble")])
+def test_a_request_whose_client_goes_away_stops_decoding(server, references, transport, model):
     """Not streamed: the client of a request asked for thousands of tokens goes away while it decodes (closes
     its HTTP connection; its gRPC deadline passes); a request follows that can only start once that sequence is
-    gone (the KV budget holds one such sequence), and it does not wait for the thousands."""
+    gone (the KV budget holds one such sequence), and it does not wait for the thousands. Through an ensemble
+    too: the ensemble request's cancellation cancels its running generation step."""
     reference = references["t5"]
     ids = reference.ids(PROMPT)
     long, probe = BUDGET - len(ids), 100
@@ -374,22 +397,23 @@ def test_a_request_whose_client_goes_away_stops_decoding(server, references, tra
         ], "parameters": {"max_tokens": tokens, "min_length": tokens}}).encode()
 
     url = f"{server.base_url}/v2/models/t5_torch_budget/infer"
-    started = time.monotonic()  # the model's decoding speed, alone
-    assert requests.post(url, data=body(probe), timeout=60).status_code == 200
+    started = time.monotonic()  # the model's decoding speed, alone, through `model`
+    answer = requests.post(f"{server.base_url}/v2/models/{model}/infer", data=body(probe), timeout=60)
+    assert answer.status_code == 200, answer.text
     per_token = (time.monotonic() - started) / probe
     decoding = 20 * per_token + 0.2
     if transport == "http":
         host, port = server.base_url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as connection:
             payload = body(long)
-            connection.sendall(b"POST /v2/models/t5_torch_budget/infer HTTP/1.1\r\nHost: x\r\n"
+            connection.sendall(b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: x\r\n"
                                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                               % (len(payload), payload))
+                               % (model.encode(), len(payload), payload))
             time.sleep(decoding)
     else:
         with grpcclient.InferenceServerClient(server.grpc_url) as client, \
                 pytest.raises(InferenceServerException) as caught:
-            client.infer("t5_torch_budget", ft_inputs(grpcclient, ids), client_timeout=decoding,
+            client.infer(model, ft_inputs(grpcclient, ids), client_timeout=decoding,
                          parameters={"max_tokens": long, "min_length": long})
         assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     asked = time.monotonic()

@@ -64,6 +64,9 @@ class EnsembleInstance(BackendInstance):
     """Executes ensemble requests concurrently, each as its own graph walk (`walk.Walk`)."""
 
     max_inflight = MAX_CONCURRENT_REQUESTS
+    #: A one-response request whose client goes away ends its walk, which cancels the steps still running (a
+    #: generation step then stops decoding); decoupled requests are cancelled through their streams instead.
+    cancellable = True
 
     def __init__(
         self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Any, decoupled: set[int],
@@ -80,6 +83,8 @@ class EnsembleInstance(BackendInstance):
         #: Optional ensemble inputs: when a request leaves one out, the steps it feeds run without it.
         self._optional = frozenset(optional)
         self._streaming = StreamingWalk(self, decoupled) if decoupled else None
+        #: The one-response walks running, by their request's identity: what `cancel` finds them by.
+        self._walks: dict[int, Walk] = {}
 
     def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
         """A future the walks' callbacks resolve: no task per ensemble request."""
@@ -111,6 +116,7 @@ class EnsembleInstance(BackendInstance):
         starting = True
 
         def walked(index: int, result: InferResponse | ServerError) -> None:
+            self._walks.pop(id(requests[index]), None)
             results[index] = result
             remaining[0] -= 1
             if remaining[0]:
@@ -121,8 +127,15 @@ class EnsembleInstance(BackendInstance):
                 done(ExecutionResult(results))
 
         for index, request in enumerate(requests):
-            Walk(self, request, functools.partial(walked, index)).start()
+            walk = Walk(self, request, functools.partial(walked, index))
+            self._walks[id(request)] = walk
+            walk.start()
         starting = False
+
+    def cancel(self, request: InferRequest) -> None:
+        walk = self._walks.get(id(request))
+        if walk is not None:
+            walk.cancel()
 
     async def close(self) -> None:
         """Nothing to release: the composing models have their own lifecycles."""

@@ -5,7 +5,7 @@ its callback stores the outputs and submits every step they make ready, so a req
 coroutine, and a chain hands one step's outputs to the next in the callback that receives them (with the
 direct scheduler and the python backend, the one that read the worker's reply: no loop turn between steps).
 Independent steps run concurrently. The first step to fail ends the request with its error, naming the step, and the
-steps still running are cancelled.
+steps still running are cancelled; so does the request's cancellation (its client went away).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from transerve.backends.ensemble.graph import Step
-from transerve.core.errors import ServerError, internal
+from transerve.core.errors import ErrorCode, ServerError, internal
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,10 @@ class Walk:
 
     def start(self) -> None:
         self._advance()
+
+    def cancel(self) -> None:
+        """The client went away: end with CANCELLED, cancelling the steps still running."""
+        self._finish(ServerError(ErrorCode.CANCELLED, f"ensemble '{self._ensemble.name}' request was cancelled"))
 
     def _advance(self) -> None:
         """Submit every step whose inputs exist; answer once nothing is left to run."""
