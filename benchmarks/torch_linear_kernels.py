@@ -1,0 +1,124 @@
+"""The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's
+(`onednn_linear`, the default on CPU float32), on the random-weight t5-small and GPT-2 small shapes that
+benchmarks/inflight_vs_request.py builds, called the way the engine calls them (`decoder_batch.ModelRunner`), and
+how often greedy decoding with each agrees with transformers' `generate` (which uses torch's kernels).
+
+    python benchmarks/torch_linear_kernels.py                  # both shapes, 1 and 2 threads
+    python benchmarks/torch_linear_kernels.py --quick          # tiny models: checks the script
+
+Rows: a decoding step of 1 and of 16 rows (after 60 steps, so the cache holds 60 steps past the prompts), and
+the new rows of one prompt or source of 36 tokens (the prefill with its first logits, or the encoder call with
+the cross-attention keys/values); median of `--repeats` calls after warm-up calls (oneDNN builds a kernel per new
+shape on first use). Each kernel runs in a process of its own, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+
+from inflight_vs_request import build_model  # noqa: E402
+
+PROMPT_TOKENS = 36
+STEPS_BEFORE = 60
+
+
+def measure(model_dir: Path, onednn: bool, threads: int, repeats: int, agreement: int) -> dict[str, float]:
+    """This process: the timings of one kernel choice, and greedy agreement with `generate`."""
+    import torch
+    import transformers
+
+    from transerve.backends.generation.decoder_batch import ModelRunner
+    from transerve.backends.generation.onednn_linear import use_onednn_linears
+
+    torch.set_num_threads(threads)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    loader = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    reference = loader.from_pretrained(model_dir).eval()
+    model = loader.from_pretrained(model_dir).eval()
+    if onednn:
+        use_onednn_linears(model)
+    start = model.generation_config.decoder_start_token_id
+    runner = ModelRunner(model, start, config.pad_token_id or 0)
+    rng = random.Random(0)
+    result: dict[str, float] = {}
+
+    def timed(call) -> float:
+        for _ in range(3):
+            call()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times) * 1000
+
+    with torch.inference_mode():
+        for rows in (1, 16):
+            inputs = [[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))] for _ in range(rows)]
+            batch, first = runner.new_rows(inputs, [1] * rows)
+            state = {"tokens": first if config.is_encoder_decoder else first.argmax(-1)}
+
+            def step(batch=batch, state=state) -> None:
+                state["tokens"] = runner.step(batch, state["tokens"]).argmax(-1)
+
+            for _ in range(STEPS_BEFORE):
+                step()
+            result[f"step {rows} rows"] = timed(step)
+        prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
+        result[f"new rows, {PROMPT_TOKENS} tokens"] = timed(lambda: runner.new_rows([prompt], [1]))
+        equal = 0
+        for _ in range(agreement):
+            ids = torch.tensor([[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))]])
+            kwargs = {"max_new_tokens": 64, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+            equal += bool(torch.equal(reference.generate(ids, **kwargs), model.generate(ids, **kwargs)))
+        result["greedy equal to generate"] = equal
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", default="t5,gpt2")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--agreement", type=int, default=8, help="greedy outputs of 64 tokens compared with generate")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-inflight-bench")
+    parser.add_argument("--quick", action="store_true", help="tiny models, few repeats")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        model_dir, onednn, threads = args.worker.split(",")
+        print(json.dumps(measure(Path(model_dir), onednn == "1", int(threads), args.repeats, args.agreement)))
+        return
+    if args.quick:
+        args.repeats, args.agreement = 3, 2
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"median ms of {args.repeats} calls; greedy: of {args.agreement} outputs of 64 tokens")
+    print("| model | threads | kernels | step 1 row | step 16 rows | new rows, 36 tokens | greedy equal to generate |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for arch in args.archs.split(","):
+        model = build_model(args.workdir, arch, args.quick)
+        for threads in args.threads.split(","):
+            for onednn in ("0", "1"):
+                command = [sys.executable, __file__, "--worker", f"{model},{onednn},{threads}",
+                           "--repeats", str(args.repeats), "--agreement", str(args.agreement)]
+                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+                got = json.loads(out.strip().splitlines()[-1])
+                print(f"| {model.name} | {threads} | {'oneDNN' if onednn == '1' else 'torch default (MKL)'} | "
+                      f"{got['step 1 rows']:.1f} | {got['step 16 rows']:.1f} | "
+                      f"{got[f'new rows, {PROMPT_TOKENS} tokens']:.1f} | "
+                      f"{got['greedy equal to generate']:.0f} / {args.agreement} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
