@@ -2,10 +2,10 @@
 
 Decoding multiplies a few rows by every weight matrix. At those shapes torch's CPU `linear` (MKL's sgemm) reaches a
 fraction of what the cores can do, and barely gains from a second thread; oneDNN's, which torch ships as
-`torch.ops.mkldnn._linear_pointwise`, is faster and scales (measured on the GPT-2 small shape, 2 cores, float32:
-a 16-row decoding step 108 -> 59 ms, a 36-token prefill 103 -> 71 ms; see benchmarks/README.md). Both are float32
-GEMMs: results differ from MKL's in the last bits (summation order), so a near-tie between two tokens may break the
-other way than in transformers' own `generate` on the same machine; `onednn_linear: false` keeps torch's kernels.
+`torch.ops.mkldnn._linear_pointwise`, is faster and gains from a second thread (benchmarks/torch_linear_kernels.py,
+2 threads, float32: a 16-row decoding step of the GPT-2 small shape 116 -> 85 ms, of the t5-small shape 45 -> 36
+ms). Both are float32 GEMMs, summing in different orders: results differ in the last bits, so a near-tie between
+two tokens may break the other way than in transformers' own `generate`; `onednn_linear: false` keeps torch's.
 
 Swapped: `torch.nn.Linear` and transformers' `Conv1D` (GPT-2's, whose weight is stored [in, out]: it gets a
 transposed copy in place of the original, so memory does not grow). Tied weights (an LM head sharing the embedding
