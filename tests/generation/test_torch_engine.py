@@ -137,7 +137,9 @@ def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
 
     model = models[arch]
     kinds = {type(m).__name__ for m in model.engine._runner.model.modules()}
+    state = torch.get_rng_state()
     if onednn_available(torch):
+        assert torch.equal(torch.get_rng_state(), state)  # the check draws no random numbers
         assert model.engine.onednn_linear and "OneDnnLinear" in kinds and not kinds & {"Linear", "Conv1D"}
     engine = TorchEngine(model.path, onednn_linear=False)
     try:

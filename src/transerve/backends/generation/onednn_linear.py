@@ -23,7 +23,9 @@ def onednn_available(torch: Any) -> bool:
     op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
         return False
-    x, weight, bias = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    # Fixed values, not random ones: loading a model must not move torch's global random state.
+    x = torch.linspace(-1, 1, 24).reshape(3, 8)
+    weight, bias = torch.linspace(-2, 2, 40).reshape(5, 8), torch.linspace(0, 1, 5)
     try:
         got = op(x, weight, bias, "none", [], "")
     except RuntimeError:
