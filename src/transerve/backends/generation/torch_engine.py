@@ -89,6 +89,11 @@ class _Sequence:
     #: Static scheduling: finished and reported, its rows decoding on until the batch ends.
     retired: bool = False
 
+    @property
+    def dropped(self) -> bool:
+        """Cancelled while it still decodes for its client (a retired sequence was answered already)."""
+        return self.cancelled and not self.retired
+
 
 class _Handle:
     def __init__(self, engine: TorchEngine, sequence: _Sequence) -> None:
@@ -458,16 +463,16 @@ class TorchEngine:
         return None
 
     def _drop_cancelled(self) -> None:
-        if not any(s.cancelled and not s.retired for s in self._running):
+        if not any(s.dropped for s in self._running):
             return
         keep, finished, row = [], [], 0
         for sequence in self._running:
-            if sequence.cancelled and not sequence.retired:
+            if sequence.dropped:
                 finished.append(sequence)
             else:
                 keep.extend(range(row, row + sequence.rows))
             row += sequence.rows
-        self._running = [s for s in self._running if not (s.cancelled and not s.retired)]
+        self._running = [s for s in self._running if not s.dropped]
         self._select(keep)
         for sequence in finished:
             self._finish(sequence, "cancelled")
