@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -175,6 +176,28 @@ def test_sampling_with_a_seed_is_reproducible(models):
     assert first == again
     assert first != other
     assert first != generate(model.engine, ids, max_new_tokens=16)[0].hypotheses[0].token_ids
+
+
+def test_seeded_requests_after_the_first_use_the_replica_loaded_ahead(models, monkeypatch):
+    model = models["gpt2"]
+    ids = model.ids(TEXTS[1])
+    options = {"max_new_tokens": 12, "sampling": True, "top_k": 0, "temperature": 1.5, "random_seed": 77}
+    first = generate(model.engine, ids, **options)[0].hypotheses[0].token_ids
+    deadline = time.monotonic() + 60
+    while not model.engine.seeded_replica_ready:
+        assert time.monotonic() < deadline, "no replica was loaded ahead after a seeded request"
+        time.sleep(0.05)
+
+    def no_load(*args, **kwargs):
+        raise RuntimeError("loading is off in this test")
+
+    # With loading off, the next seeded request can only run on the replica loaded ahead; the load after it fails
+    # and is only logged.
+    monkeypatch.setattr(model.engine, "_load", no_load)
+    assert generate(model.engine, ids, **options)[0].hypotheses[0].token_ids == first
+    assert not model.engine.seeded_replica_ready
+    monkeypatch.undo()
+    assert generate(model.engine, ids, **options)[0].hypotheses[0].token_ids == first
 
 
 def test_int8(models, tmp_path):

@@ -19,9 +19,11 @@ the call's options and single-token stop sequences are added to the end tokens (
 
 Seeds: CTranslate2 samples from one random generator per worker thread, seeded from the global seed
 (`ctranslate2.set_random_seed`) when that thread first samples and never again. A seeded sampling request
-therefore runs alone, in its own call, on a fresh replica of the model (a new worker thread) loaded after the
-seed is set: the same seed gives the same tokens whatever else is running, at the cost of loading the model
-once more for that request. Seeds are taken modulo 2**32 - 1 (CTranslate2 seeds are 32-bit).
+therefore runs alone, in its own call, on a replica of the model (a worker thread) that has never sampled, with
+the seed set for the call: the same seed gives the same tokens whatever else is running. The first seeded
+request loads that replica itself; from then on the engine keeps one such replica loaded ahead (the model's
+weights once more in memory), loaded again after each seeded call, so later seeded requests do not wait for a
+load. Seeds are taken modulo 2**32 - 1 (CTranslate2 seeds are 32-bit).
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ class CTranslate2Engine:
             positions = self._info.decoder_positions
             self.max_input_length = positions - 1 if positions else self._info.default_max_input
         self._pending: list[_Sequence] = []
+        #: A replica whose worker thread has never sampled, for the next seeded sampling request.
+        self._spare: Any | None = None
+        self._spare_lock = threading.Lock()
         self._closed = False
         self._wakeup = threading.Condition()
         self._callers = calls
@@ -238,7 +243,7 @@ class CTranslate2Engine:
         with self._wakeup:
             self._callers -= 1
             if not self._callers:
-                self._model = None
+                self._model = self._spare = None
 
     def _take_batch(self) -> list[_Sequence]:
         """The oldest waiting sequence with those like it, at most `max_batch_rows` rows, similar in length."""
@@ -266,15 +271,7 @@ class CTranslate2Engine:
     def _decode(self, batch: list[_Sequence]) -> None:
         key = batch[0].key
         try:
-            if key.seed is None:
-                results = self._call(self._model, batch)
-            else:
-                with _SEED_LOCK:
-                    self._ct2.set_random_seed(key.seed)
-                    try:
-                        results = self._call(self._load(), batch)
-                    finally:
-                        self._ct2.set_random_seed(_UNSEEDED)
+            results = self._call(self._model, batch) if key.seed is None else self._seeded_call(batch, key.seed)
         except Exception as exc:  # noqa: BLE001 - a failed call fails its sequences, not the engine
             logger.exception("CTranslate2 call failed")
             error = exc if isinstance(exc, ServerError) else internal(f"CTranslate2 failed: {exc}")
@@ -286,6 +283,41 @@ class CTranslate2Engine:
                 sequence.finish(unavailable("the generation engine was closed while this sequence ran"))
             else:
                 sequence.finish(self._result(sequence, result, batch[0].key))
+        if key.seed is not None:
+            self._load_spare()
+
+    @property
+    def seeded_replica_ready(self) -> bool:
+        """Whether a replica is loaded ahead for the next seeded sampling request."""
+        return self._spare is not None
+
+    def _seeded_call(self, batch: list[_Sequence], seed: int) -> list[Any]:
+        """`batch` (one seeded sampling sequence) on a replica that has never sampled, so that its worker thread's
+        generator starts from `seed`: the spare one when it is ready, else one loaded now."""
+        with self._spare_lock:
+            replica, self._spare = self._spare, None
+        if replica is None:
+            replica = self._load()
+        with _SEED_LOCK:
+            self._ct2.set_random_seed(seed)
+            try:
+                return self._call(replica, batch)
+            finally:
+                self._ct2.set_random_seed(_UNSEEDED)
+
+    def _load_spare(self) -> None:
+        """Load the replica the next seeded request will use, after this one's results went out; a failure only
+        means that request loads its own."""
+        if self._spare is not None or self._closed:
+            return
+        try:
+            spare = self._load()
+        except (RuntimeError, ValueError):
+            logger.warning("CTranslate2 could not load a replica ahead for seeded sampling", exc_info=True)
+            return
+        with self._spare_lock:
+            if self._spare is None and not self._closed:
+                self._spare = spare
 
     def _call(self, model: Any, batch: list[_Sequence]) -> list[Any]:
         key = batch[0].key
