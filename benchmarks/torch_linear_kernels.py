@@ -1,5 +1,6 @@
-"""The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's
-(`onednn_linear`, the default on CPU float32), on the random-weight t5-small and GPT-2 small shapes that
+"""The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's on plain
+weights and on weights packed ahead (`onednn_linear`, the default on CPU float32, packs them), on the random-weight
+t5-small and GPT-2 small shapes that
 benchmarks/inflight_vs_request.py builds, called the way the engine calls them (`decoder_batch.ModelRunner`), and
 how often greedy decoding with each agrees with transformers' `generate` (which uses torch's kernels).
 
@@ -33,7 +34,11 @@ PROMPT_TOKENS = 36
 STEPS_BEFORE = 60
 
 
-def measure(model_dir: Path, onednn: bool, threads: int, repeats: int, agreement: int) -> dict[str, float]:
+#: The kernel choices, by the name the table gives them.
+KERNELS = {"mkl": "torch default (MKL)", "onednn": "oneDNN, plain weights", "packed": "oneDNN, packed weights"}
+
+
+def measure(model_dir: Path, kernel: str, threads: int, repeats: int, agreement: int) -> dict[str, float]:
     """This process: the timings of one kernel choice, and greedy agreement with `generate`."""
     import torch
     import transformers
@@ -46,8 +51,8 @@ def measure(model_dir: Path, onednn: bool, threads: int, repeats: int, agreement
     loader = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     reference = loader.from_pretrained(model_dir).eval()
     model = loader.from_pretrained(model_dir).eval()
-    if onednn:
-        use_onednn_linears(model)
+    if kernel != "mkl":
+        use_onednn_linears(model, pack=kernel == "packed")
     start = model.generation_config.decoder_start_token_id
     runner = ModelRunner(model, start, config.pad_token_id or 0)
     rng = random.Random(0)
@@ -97,8 +102,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        model_dir, onednn, threads = args.worker.split(",")
-        print(json.dumps(measure(Path(model_dir), onednn == "1", int(threads), args.repeats, args.agreement)))
+        model_dir, kernel, threads = args.worker.split(",")
+        print(json.dumps(measure(Path(model_dir), kernel, int(threads), args.repeats, args.agreement)))
         return
     if args.quick:
         args.repeats, args.agreement = 3, 2
@@ -109,12 +114,12 @@ def main() -> None:
     for arch in args.archs.split(","):
         model = build_model(args.workdir, arch, args.quick)
         for threads in args.threads.split(","):
-            for onednn in ("0", "1"):
-                command = [sys.executable, __file__, "--worker", f"{model},{onednn},{threads}",
+            for kernel, label in KERNELS.items():
+                command = [sys.executable, __file__, "--worker", f"{model},{kernel},{threads}",
                            "--repeats", str(args.repeats), "--agreement", str(args.agreement)]
                 out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 got = json.loads(out.strip().splitlines()[-1])
-                print(f"| {model.name} | {threads} | {'oneDNN' if onednn == '1' else 'torch default (MKL)'} | "
+                print(f"| {model.name} | {threads} | {label} | "
                       f"{got['step 1 rows']:.1f} | {got['step 16 rows']:.1f} | "
                       f"{got[f'new rows, {PROMPT_TOKENS} tokens']:.1f} | "
                       f"{got['greedy equal to generate']:.0f} / {args.agreement} |", flush=True)

@@ -141,6 +141,12 @@ def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
     if onednn_available(torch):
         assert torch.equal(torch.get_rng_state(), state)  # the check draws no random numbers
         assert model.engine.onednn_linear and "OneDnnLinear" in kinds and not kinds & {"Linear", "Conv1D"}
+        hf = model.engine._runner.model
+        embedding = hf.get_input_embeddings().weight
+        linears = [m for m in hf.modules() if type(m).__name__ == "OneDnnLinear"]
+        # Every weight is packed in oneDNN's layout; a tied LM head as a copy, the embedding table staying plain.
+        assert all(linear.packed and linear.weight.is_mkldnn for linear in linears)
+        assert not embedding.is_mkldnn and hf.get_output_embeddings().weight.is_mkldnn
     engine = TorchEngine(model.path, onednn_linear=False)
     try:
         assert not engine.onednn_linear
