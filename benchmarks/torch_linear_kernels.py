@@ -1,16 +1,17 @@
 """The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's on plain
 weights and on weights packed ahead (`onednn_linear`, the default on CPU float32, packs them), on the random-weight
-t5-small and GPT-2 small shapes that
-benchmarks/inflight_vs_request.py builds, called the way the engine calls them (`decoder_batch.ModelRunner`), and
-how often greedy decoding with each agrees with transformers' `generate` (which uses torch's kernels).
+t5-small and GPT-2 small shapes that benchmarks/inflight_vs_request.py builds, called the way the engine calls
+them (`decoder_batch.ModelRunner`), and how often greedy decoding with each agrees with transformers' `generate`
+(which uses torch's kernels).
 
     python benchmarks/torch_linear_kernels.py                  # both shapes, 1 and 2 threads
     python benchmarks/torch_linear_kernels.py --quick          # tiny models: checks the script
 
-Rows: a decoding step of 1 and of 16 rows (after 60 steps, so the cache holds 60 steps past the prompts), and
+Rows: a decoding step of 1, 4 and 16 rows (after 60 steps, so the cache holds 60 steps past the prompts), and
 the new rows of one prompt or source of 36 tokens (the prefill with its first logits, or the encoder call with
-the cross-attention keys/values); median of `--repeats` calls after warm-up calls (oneDNN builds a kernel per new
-shape on first use). Each kernel runs in a process of its own, one after the other.
+the cross-attention keys/values). The three kernel choices are three copies of the model in one process (one per
+thread count), timed in turn call by call, so that the machine's noise falls on all three alike: the median of
+`--repeats` calls each, after warm-up calls (oneDNN builds a kernel per new shape on first use).
 """
 
 from __future__ import annotations
@@ -32,14 +33,13 @@ from inflight_vs_request import build_model  # noqa: E402
 
 PROMPT_TOKENS = 36
 STEPS_BEFORE = 60
-
-
+STEP_ROWS = (1, 4, 16)
 #: The kernel choices, by the name the table gives them.
 KERNELS = {"mkl": "torch default (MKL)", "onednn": "oneDNN, plain weights", "packed": "oneDNN, packed weights"}
 
 
-def measure(model_dir: Path, kernel: str, threads: int, repeats: int, agreement: int) -> dict[str, float]:
-    """This process: the timings of one kernel choice, and greedy agreement with `generate`."""
+def measure(model_dir: Path, threads: int, repeats: int, agreement: int) -> dict[str, dict[str, float]]:
+    """This process: each kernel choice's timings, taken in turn, and its greedy agreement with `generate`."""
     import torch
     import transformers
 
@@ -50,44 +50,49 @@ def measure(model_dir: Path, kernel: str, threads: int, repeats: int, agreement:
     config = transformers.AutoConfig.from_pretrained(model_dir)
     loader = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     reference = loader.from_pretrained(model_dir).eval()
-    model = loader.from_pretrained(model_dir).eval()
-    if kernel != "mkl":
-        use_onednn_linears(model, pack=kernel == "packed")
-    start = model.generation_config.decoder_start_token_id
-    runner = ModelRunner(model, start, config.pad_token_id or 0)
+    runners = {}
+    for kernel in KERNELS:
+        model = loader.from_pretrained(model_dir).eval()
+        if kernel != "mkl":
+            use_onednn_linears(model, pack=kernel == "packed")
+        runners[kernel] = ModelRunner(model, model.generation_config.decoder_start_token_id, config.pad_token_id or 0)
     rng = random.Random(0)
-    result: dict[str, float] = {}
+    result: dict[str, dict[str, float]] = {kernel: {} for kernel in KERNELS}
 
-    def timed(call) -> float:
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times) * 1000
+    def in_turn(name: str, calls: dict[str, object]) -> None:
+        times: dict[str, list[float]] = {kernel: [] for kernel in calls}
+        for round_ in range(3 + repeats):
+            for kernel, call in calls.items():
+                started = time.perf_counter()
+                call()
+                if round_ >= 3:
+                    times[kernel].append(time.perf_counter() - started)
+        for kernel, measured in times.items():
+            result[kernel][name] = statistics.median(measured) * 1000
 
     with torch.inference_mode():
-        for rows in (1, 16):
+        for rows in STEP_ROWS:
             inputs = [[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))] for _ in range(rows)]
-            batch, first = runner.new_rows(inputs, [1] * rows)
-            state = {"tokens": first if config.is_encoder_decoder else first.argmax(-1)}
+            steps = {}
+            for kernel, runner in runners.items():
+                batch, first = runner.new_rows(inputs, [1] * rows)
+                state = {"tokens": first if config.is_encoder_decoder else first.argmax(-1)}
 
-            def step(batch=batch, state=state) -> None:
-                state["tokens"] = runner.step(batch, state["tokens"]).argmax(-1)
+                def step(runner=runner, batch=batch, state=state) -> None:
+                    state["tokens"] = runner.step(batch, state["tokens"]).argmax(-1)
 
-            for _ in range(STEPS_BEFORE):
-                step()
-            result[f"step {rows} rows"] = timed(step)
+                for _ in range(STEPS_BEFORE):
+                    step()
+                steps[kernel] = step
+            in_turn(f"step {rows} rows", steps)
         prompt = [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
-        result[f"new rows, {PROMPT_TOKENS} tokens"] = timed(lambda: runner.new_rows([prompt], [1]))
-        equal = 0
-        for _ in range(agreement):
-            ids = torch.tensor([[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))]])
-            kwargs = {"max_new_tokens": 64, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-            equal += bool(torch.equal(reference.generate(ids, **kwargs), model.generate(ids, **kwargs)))
-        result["greedy equal to generate"] = equal
+        in_turn("new rows", {kernel: lambda r=runner: r.new_rows([prompt], [1]) for kernel, runner in runners.items()})
+        prompts = [torch.tensor([[rng.randrange(3, 259) for _ in range(rng.randint(8, 64))]]) for _ in range(agreement)]
+        kwargs = {"max_new_tokens": 64, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+        expected = [reference.generate(ids, **kwargs) for ids in prompts]
+        for kernel, runner in runners.items():
+            outputs = [runner.model.generate(ids, **kwargs) for ids in prompts]
+            result[kernel]["greedy equal to generate"] = sum(map(torch.equal, outputs, expected))
     return result
 
 
@@ -102,27 +107,28 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        model_dir, kernel, threads = args.worker.split(",")
-        print(json.dumps(measure(Path(model_dir), kernel, int(threads), args.repeats, args.agreement)))
+        model_dir, threads = args.worker.split(",")
+        print(json.dumps(measure(Path(model_dir), int(threads), args.repeats, args.agreement)))
         return
     if args.quick:
         args.repeats, args.agreement = 3, 2
     args.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"median ms of {args.repeats} calls; greedy: of {args.agreement} outputs of 64 tokens")
-    print("| model | threads | kernels | step 1 row | step 16 rows | new rows, 36 tokens | greedy equal to generate |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(f"median ms of {args.repeats} calls each, the three kernels in turn; greedy: of {args.agreement} outputs "
+          "of 64 tokens")
+    steps = " | ".join(f"step {rows} row{'s' if rows > 1 else ''}" for rows in STEP_ROWS)
+    print(f"| model | threads | kernels | {steps} | new rows, {PROMPT_TOKENS} tokens | greedy equal to generate |")
+    print("|---|---:|---|" + "---:|" * (len(STEP_ROWS) + 2))
     for arch in args.archs.split(","):
         model = build_model(args.workdir, arch, args.quick)
         for threads in args.threads.split(","):
+            command = [sys.executable, __file__, "--worker", f"{model},{threads}",
+                       "--repeats", str(args.repeats), "--agreement", str(args.agreement)]
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            got = json.loads(out.strip().splitlines()[-1])
             for kernel, label in KERNELS.items():
-                command = [sys.executable, __file__, "--worker", f"{model},{kernel},{threads}",
-                           "--repeats", str(args.repeats), "--agreement", str(args.agreement)]
-                out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-                got = json.loads(out.strip().splitlines()[-1])
-                print(f"| {model.name} | {threads} | {label} | "
-                      f"{got['step 1 rows']:.1f} | {got['step 16 rows']:.1f} | "
-                      f"{got[f'new rows, {PROMPT_TOKENS} tokens']:.1f} | "
-                      f"{got['greedy equal to generate']:.0f} / {args.agreement} |", flush=True)
+                times = " | ".join(f"{got[kernel][f'step {rows} rows']:.1f}" for rows in STEP_ROWS)
+                print(f"| {model.name} | {threads} | {label} | {times} | {got[kernel]['new rows']:.1f} | "
+                      f"{got[kernel]['greedy equal to generate']:.0f} / {args.agreement} |", flush=True)
 
 
 if __name__ == "__main__":
