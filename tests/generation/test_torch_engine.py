@@ -129,6 +129,33 @@ def test_beam_search_matches_transformers(models, arch):
             assert result.hypotheses[0].score >= result.hypotheses[1].score
 
 
+def test_the_model_loads_on_a_thread_that_has_ended(models, monkeypatch):
+    """Loading runs OpenMP parallel regions (packing weights does); a thread that lives on would keep an OpenMP
+    pool that slows the engine thread's decoding (see `_on_own_thread`), so the load runs on a thread of its own.
+    A failure there still reaches the caller."""
+    loaded_on: list[threading.Thread] = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    engine = TorchEngine(models["gpt2"].path)
+    try:
+        assert loaded_on and loaded_on[0] is not threading.current_thread() and not loaded_on[0].is_alive()
+    finally:
+        engine.close()
+        engine.join(timeout=30)
+
+    def fail(*args, **kwargs):
+        raise OSError("weights unreadable")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
+    with pytest.raises(OSError, match="weights unreadable"):
+        TorchEngine(models["gpt2"].path)
+
+
 @pytest.mark.parametrize("arch", ["t5", "gpt2"])
 def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
     """The default engines compute their linear layers on oneDNN (GPT-2's Conv1D modules included); with
