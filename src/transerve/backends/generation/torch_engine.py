@@ -33,6 +33,7 @@ import os
 import random
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -661,20 +662,8 @@ def _on_own_thread(function: Callable[[], Any]) -> Any:
     slower: on a 2-core machine, a 16-row GPT-2 small step (packed oneDNN weights) took 65.7 ms with 1.5 cores
     busy after the model was loaded in a thread that lived on, 55.8 ms with 2 cores busy after loading in a thread
     that had ended."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="torch-generation-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-generation-load") as loader:
+        return loader.submit(function).result()
 
 
 def _cpu_count() -> int:
