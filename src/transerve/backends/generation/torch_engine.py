@@ -528,12 +528,17 @@ class TorchEngine:
         still: list[_Sequence] = []
         finished: list[tuple[_Sequence, str]] = []
         streamed: list[tuple[_Sequence, int]] = []
+
+        def decode_on(sequence: _Sequence, row: int) -> None:
+            """Keep every row of `sequence` (retired: static scheduling), fed the token just chosen for it."""
+            keep.extend(range(row, row + sequence.rows))
+            next_tokens.extend(tokens[row:row + sequence.rows])
+            still.append(sequence)
+
         row = 0
         for sequence in self._running:
             if sequence.retired:
-                keep.extend(range(row, row + sequence.rows))
-                next_tokens.extend(tokens[row:row + sequence.rows])
-                still.append(sequence)
+                decode_on(sequence, row)
             elif sequence.beam is not None:
                 rows = self._beam_step(sequence, log_probs[row:row + sequence.rows])
                 if rows is None:
@@ -558,9 +563,7 @@ class TorchEngine:
                     finished.append((sequence, reason))
             if self.scheduling == "static" and finished and finished[-1][0] is sequence:  # decodes on, discarded
                 sequence.retired = True
-                keep.extend(range(row, row + sequence.rows))
-                next_tokens.extend(tokens[row:row + sequence.rows])
-                still.append(sequence)
+                decode_on(sequence, row)
             row += sequence.rows
         if all(s.retired for s in still):  # static scheduling: the batch ends with its last sequence
             still, keep, next_tokens = [], [], []
