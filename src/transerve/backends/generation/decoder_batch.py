@@ -12,9 +12,10 @@ the decoder start token in the next step together with every other row, so joini
 own; new decoder-only rows join with their whole prompt in the cache and the logits after it (one forward pass
 for all of them). Rows leave by index selection, after which padding no remaining row needs is trimmed away.
 
-The cache tensors are our own; each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`)
-whose layers the model extends by one step (in place where the buffers have room: `GrowingLayer`), and the grown
-tensors are read back.
+The cache tensors are our own: views of buffers with spare rows and time steps (`cache_buffers`), so that joining
+rows are written into spare rows, leaving rows are replaced by moving only the rows that change places, and each
+step writes one time step. Each forward wraps them in a transformers `DynamicCache` (`EncoderDecoderCache`) whose
+layers the model extends by one step (`GrowingLayer`), and the grown tensors are read back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +46,23 @@ class DecoderBatch:
     #: Encoder-decoder only: encoder output [rows, source, d_model] and its mask [rows, source].
     encoder_hidden: torch.Tensor | None = None
     encoder_mask: torch.Tensor | None = None
+    #: How many rows the caches' buffers should hold when (re)allocated: the most that will run together.
+    capacity: int = 0
 
     @property
     def rows(self) -> int:
         return self.positions.shape[0]
 
     def select(self, index: torch.Tensor, decoder_only: bool = False) -> None:
-        """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding.
-        `decoder_only`: rows only move among rows with the same encoder states (one sequence's beams), which
-        therefore stay as they are."""
-        self.self_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.self_kv]
+        """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding; the
+        caches change in place where they can (`cache_buffers.keep_rows`). `decoder_only`: rows only move among
+        rows with the same encoder states (one sequence's beams), which therefore stay as they are."""
+        rows = index.tolist()
+        self.self_kv = [(keep_rows(k, rows, index), keep_rows(v, rows, index)) for k, v in self.self_kv]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         if self.cross_kv is not None and not decoder_only:
-            self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
+            self.cross_kv = [(keep_rows(k, rows, index), keep_rows(v, rows, index)) for k, v in self.cross_kv]
             self.encoder_hidden = self.encoder_hidden.index_select(0, index)
             self.encoder_mask = self.encoder_mask.index_select(0, index)
         self._trim()
@@ -76,46 +82,38 @@ class DecoderBatch:
                 self.encoder_mask = self.encoder_mask[:, :end]
 
     def extend(self, other: DecoderBatch) -> None:
-        """Append `other`'s rows after ours, padding both to common lengths."""
+        """Append `other`'s rows after ours, padding both to common lengths; written into our caches' spare rows
+        where they have room (`cache_buffers.join_rows`)."""
         import torch
         from torch.nn.functional import pad
 
         time = max(self.mask.shape[1], other.mask.shape[1])
-
-        like = self.self_kv or other.self_kv
-
-        def left(batch: DecoderBatch) -> tuple[KV, torch.Tensor]:
-            missing = time - batch.mask.shape[1]
-            if not batch.self_kv and like:  # rows that have consumed no token yet: all padding
-                shapes = [(batch.rows, k.shape[1], time, k.shape[3]) for k, _ in like]
-                kv = [(k.new_zeros(shape), v.new_zeros(shape)) for (k, v), shape in zip(like, shapes, strict=True)]
-                return kv, pad(batch.mask, (missing, 0))
-            if missing == 0:
-                return batch.self_kv, batch.mask
-            return [(pad(k, (0, 0, missing, 0)), pad(v, (0, 0, missing, 0))) for k, v in batch.self_kv], pad(
-                batch.mask, (missing, 0)
-            )
-
-        (mine, my_mask), (theirs, their_mask) = left(self), left(other)
-        self.self_kv = [(torch.cat((a[0], b[0])), torch.cat((a[1], b[1]))) for a, b in zip(mine, theirs, strict=True)]
-        self.mask = torch.cat((my_mask, their_mask))
+        rows = (self.rows, other.rows)
+        capacity = max(self.capacity, other.capacity)
+        if self.self_kv or other.self_kv:  # rows that have consumed no token yet have no keys/values: all padding
+            layers = len(self.self_kv or other.self_kv)
+            mine = self.self_kv or [(None, None)] * layers
+            theirs = other.self_kv or [(None, None)] * layers
+            self.self_kv = [
+                (join_rows(a[0], b[0], rows, time, True, capacity), join_rows(a[1], b[1], rows, time, True, capacity))
+                for a, b in zip(mine, theirs, strict=True)
+            ]
+        self.mask = torch.cat([pad(batch.mask, (time - batch.mask.shape[1], 0)) for batch in (self, other)])
         self.positions = torch.cat((self.positions, other.positions))
+        self.capacity = capacity
         if self.cross_kv is None:
             return
         source = max(self.encoder_mask.shape[1], other.encoder_mask.shape[1])
+        self.cross_kv = [
+            (join_rows(a[0], b[0], rows, source, False, capacity), join_rows(a[1], b[1], rows, source, False, capacity))
+            for a, b in zip(self.cross_kv, other.cross_kv, strict=True)
+        ]
 
-        def right(batch: DecoderBatch) -> tuple[KV, torch.Tensor, torch.Tensor]:
+        def right(batch: DecoderBatch) -> tuple[torch.Tensor, torch.Tensor]:
             missing = source - batch.encoder_mask.shape[1]
-            if missing == 0:
-                return batch.cross_kv, batch.encoder_hidden, batch.encoder_mask
-            return (
-                [(pad(k, (0, 0, 0, missing)), pad(v, (0, 0, 0, missing))) for k, v in batch.cross_kv],
-                pad(batch.encoder_hidden, (0, 0, 0, missing)),
-                pad(batch.encoder_mask, (0, missing)),
-            )
+            return pad(batch.encoder_hidden, (0, 0, 0, missing)), pad(batch.encoder_mask, (0, missing))
 
-        (mine, my_hidden, my_mask), (theirs, their_hidden, their_mask) = right(self), right(other)
-        self.cross_kv = [(torch.cat((a[0], b[0])), torch.cat((a[1], b[1]))) for a, b in zip(mine, theirs, strict=True)]
+        (my_hidden, my_mask), (their_hidden, their_mask) = right(self), right(other)
         self.encoder_hidden = torch.cat((my_hidden, their_hidden))
         self.encoder_mask = torch.cat((my_mask, their_mask))
 
@@ -141,10 +139,12 @@ def _row_positions_class():
 class ModelRunner:
     """Prefill and decoding steps of one transformers model on `DecoderBatch`es."""
 
-    def __init__(self, model: Any, decoder_start_id: int | None, pad_id: int) -> None:
+    def __init__(self, model: Any, decoder_start_id: int | None, pad_id: int, capacity: int = 0) -> None:
         import torch
 
         self.model = model
+        #: The most rows the caller runs together: the rows the caches' buffers get.
+        self.capacity = capacity
         self.device = model.device
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.decoder_start_id = decoder_start_id
@@ -210,7 +210,9 @@ class ModelRunner:
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
         )
-        batch = DecoderBatch([(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1))
+        batch = DecoderBatch(
+            [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity
+        )
         logits = out.logits[:, -1, :]
         index = self._repeat(repeats)
         if len(index) != len(prompts):
@@ -232,7 +234,8 @@ class ModelRunner:
         hidden = self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         rows = len(sources)
         empty = self._tensor([[]] * rows)
-        batch = DecoderBatch([], empty, torch.zeros(rows, dtype=torch.long, device=self.device), None, hidden, mask)
+        positions = torch.zeros(rows, dtype=torch.long, device=self.device)
+        batch = DecoderBatch([], empty, positions, None, hidden, mask, self.capacity)
         batch.cross_kv = self._cross_kv(batch)
         return batch
 
@@ -265,6 +268,8 @@ class ModelRunner:
 
         cache = DynamicCache()
         cache.layers = [_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]
+        for layer in cache.layers:
+            layer.capacity = batch.capacity
         if not self.encoder_decoder:
             return self._decode(batch, tokens, cache)
         cross = DynamicCache()
@@ -333,49 +338,21 @@ def _layer(keys: torch.Tensor, values: torch.Tensor, kind: type | None = None) -
     return layer
 
 
-#: Time steps of spare capacity a self-attention buffer gets when it has to be copied anyway.
-HEADROOM = 32
-
-
 @functools.cache
 def _growing_layer_class() -> type:
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
-        """A self-attention cache layer whose keys/values are views of buffers with spare time capacity: a step
+        """A self-attention cache layer whose keys/values are views of our buffers (`cache_buffers`): a step
         writes the new token's keys/values in place instead of concatenating (copying) the whole history, which
         `DynamicLayer` does at every step."""
 
+        #: Rows a buffer this layer has to reallocate gets.
+        capacity = 0
+
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.keys = _append(self.keys, key_states)
-            self.values = _append(self.values, value_states)
+            self.keys = append(self.keys, key_states, self.capacity)
+            self.values = append(self.values, value_states, self.capacity)
             return self.keys, self.values
 
     return GrowingLayer
-
-
-def _append(cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """`cache` [rows, heads, time, dim] followed by `new` along time: in place when `cache` is a view of a buffer of
-    ours with room after it, else in a new buffer with `HEADROOM` steps to spare."""
-    rows, heads, time, dim = cache.shape
-    grown_time = time + new.shape[2]
-    if _room(cache) >= grown_time:
-        grown = cache.as_strided((rows, heads, grown_time, dim), cache.stride(), cache.storage_offset())
-    else:
-        buffer = cache.new_empty((rows, heads, grown_time + HEADROOM, dim))
-        buffer[:, :, :time] = cache
-        grown = buffer[:, :, :grown_time]
-    grown[:, :, time:] = new
-    return grown
-
-
-def _room(cache: torch.Tensor) -> int:
-    """How many time steps `cache` may span in place: it must be a time slice of a contiguous buffer (the layout
-    `_append` makes; trimming the left keeps it), whose capacity past the slice's start is the answer; 0 for any
-    other layout (a contiguous tensor has no room past its end)."""
-    rows, heads, time, dim = cache.shape
-    step = cache.stride(1)
-    if cache.stride(3) != 1 or cache.stride(2) != dim or cache.stride(0) != heads * step or step % dim:
-        return 0
-    start = cache.storage_offset() % step // dim
-    return step // dim - start

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transerve.backends.generation.cache_buffers import fewest_moves
 from transerve.backends.generation.engine import (
     DoneCallback,
     GenerationRequest,
@@ -180,7 +181,7 @@ class TorchEngine:
 
         from transerve.backends.generation.decoder_batch import ModelRunner
 
-        self._runner: ModelRunner = ModelRunner(model, start, pad)
+        self._runner: ModelRunner = ModelRunner(model, start, pad, max_batch_rows)
         if scheduling == "inflight" and not self._runner.per_row_positions:
             logger.warning(
                 "%s: the decoder's positions cannot be set per row, so sequences cannot join a running batch; "
@@ -523,17 +524,14 @@ class TorchEngine:
         chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
         tokens = choice.tolist()
 
-        keep: list[int] = []
-        next_tokens: list[int] = []
-        still: list[_Sequence] = []
+        #: The sequences that stay: each with its first row now, the rows it keeps and their next input tokens.
+        stays: list[tuple[_Sequence, int, list[int], list[int]]] = []
         finished: list[tuple[_Sequence, str]] = []
         streamed: list[tuple[_Sequence, int]] = []
 
         def decode_on(sequence: _Sequence, row: int) -> None:
             """Keep every row of `sequence` (retired: static scheduling), fed the token just chosen for it."""
-            keep.extend(range(row, row + sequence.rows))
-            next_tokens.extend(tokens[row:row + sequence.rows])
-            still.append(sequence)
+            stays.append((sequence, row, list(range(row, row + sequence.rows)), tokens[row:row + sequence.rows]))
 
         row = 0
         for sequence in self._running:
@@ -544,9 +542,8 @@ class TorchEngine:
                 if rows is None:
                     finished.append((sequence, "end"))
                 else:
-                    keep.extend(row + r for r in rows)
-                    next_tokens.extend(beam[-1] for beam in sequence.beam.running_tokens)
-                    still.append(sequence)
+                    beams = [beam[-1] for beam in sequence.beam.running_tokens]
+                    stays.append((sequence, row, [row + r for r in rows], beams))
             else:
                 token = tokens[row]
                 sequence.tokens.append(token)
@@ -556,21 +553,23 @@ class TorchEngine:
                     streamed.append((sequence, token))
                 reason = self._finish_reason(sequence)
                 if reason is None:
-                    keep.append(row)
-                    next_tokens.append(token)
-                    still.append(sequence)
+                    stays.append((sequence, row, [row], [token]))
                 else:
                     finished.append((sequence, reason))
             if self.scheduling == "static" and finished and finished[-1][0] is sequence:  # decodes on, discarded
                 sequence.retired = True
                 decode_on(sequence, row)
             row += sequence.rows
-        if all(s.retired for s in still):  # static scheduling: the batch ends with its last sequence
-            still, keep, next_tokens = [], [], []
-        self._running = still
+        if all(s.retired for s, *_ in stays):  # static scheduling: the batch ends with its last sequence
+            stays = []
+        if finished:  # the rows that stay fill the places of those that left, so that few of them move
+            order = fewest_moves([start for _, start, _, _ in stays], [len(rows) for _, _, rows, _ in stays])
+            stays = [stays[i] for i in order]
+        self._running = [sequence for sequence, *_ in stays]
         self._next_tokens = None
-        self._select(keep, same_sequences=not finished)
+        self._select([r for _, _, rows, _ in stays for r in rows], same_sequences=not finished)
         if self._batch is not None:
+            next_tokens = [token for *_, inputs in stays for token in inputs]
             self._next_tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
             if self.scheduling == "static" and self.max_positions is not None:  # retired rows may run past the end
                 self._batch.positions.clamp_(max=self.max_positions - 1)
