@@ -4,6 +4,7 @@ sequences joining and leaving a running batch (in-flight batching)."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -354,12 +355,42 @@ def test_close_fails_pending_sequences_and_ends_the_thread(models):
     pending = [submit(engine, [5, 6], DecodingOptions(max_new_tokens=100)) for _ in range(3)]
     engine.close()
     engine.join(30)
-    assert not engine.thread.is_alive()
+    assert engine.thread is not None and not engine.thread.is_alive()
     for future in [running, *pending]:
         result = future.result(timeout=10)
         assert isinstance(result, ServerError) and result.code is ErrorCode.UNAVAILABLE
     late = submit(engine, [5], DecodingOptions()).result(timeout=10)
     assert isinstance(late, ServerError) and late.code is ErrorCode.UNAVAILABLE
+
+
+def test_idle_threads_end_and_the_next_request_starts_new_ones(models):
+    """An idle engine holds no thread: torch's OpenMP runtime keeps a pool of workers for every thread that has
+    computed, and more of them than cores slow down whichever engine is busy."""
+    model = models["gpt2"]
+    engine = TorchEngine(model.path, max_batch_rows=1, intra_op_threads=1)
+    engine.idle_seconds = 0.05
+    ids = [5, 6, 7]
+    expected = model.reference(ids, end_ids=[], max_new_tokens=5)
+    try:
+        assert engine.thread is None and engine.joining_thread is None
+        decoding: list[threading.Thread] = []
+
+        def on_tokens(_: list[int]) -> None:
+            decoding.append(threading.current_thread())
+
+        for _ in range(2):
+            options = DecodingOptions(max_new_tokens=5, end_ids=[])
+            assert tokens(submit(engine, ids, options, on_tokens=on_tokens).result(timeout=60)) == expected
+            deadline = time.monotonic() + 10
+            while (engine.thread or engine.joining_thread) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.thread is None and engine.joining_thread is None
+            decoding[-1].join(10)
+            assert not decoding[-1].is_alive()
+        assert len(set(decoding)) == 2  # each request's own engine thread
+    finally:
+        engine.close()
+        engine.join(30)
 
 
 def test_request_level_scheduling_admits_only_into_an_empty_batch(models):
@@ -781,7 +812,7 @@ def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
     finally:
         engine.close()
         engine.join(30)
-    assert not engine.joining_thread.is_alive()
+    assert engine.joining_thread is None or not engine.joining_thread.is_alive()
 
 
 def test_no_joining_thread_work_for_a_model_that_changes_in_its_forward(models):

@@ -32,11 +32,12 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transerve.backends.generation.cache_buffers import fewest_moves
 from transerve.backends.generation.engine import (
@@ -62,6 +63,9 @@ COMPUTE_TYPES = ("float32", "float16", "bfloat16")
 SCHEDULING = ("inflight", "request", "static")
 #: Longest source of a model without absolute positions (T5) whose tokenizer does not say.
 DEFAULT_MAX_INPUT_LENGTH = 512
+#: Seconds an engine thread waits without work before it ends (a new one starts with the next request).
+IDLE_SECONDS = 1.0
+_Work = TypeVar("_Work")
 
 
 @dataclass(eq=False)
@@ -197,20 +201,18 @@ class TorchEngine:
         self._next_tokens: torch.Tensor | None = None
         self._used_tokens = 0
         self._used_rows = 0
-        self.thread = threading.Thread(target=self._run, name=f"torch-generation:{model_dir.name}", daemon=True)
-        self.thread.start()
-        #: Prepares waiting sequences' rows while the engine thread decodes (see `_prepare_ahead`), on the cores
-        #: decoding leaves idle (on a GPU: the device's work, `load_threads` for the CPU side); there is no such
-        #: thread when decoding uses every core.
+        self._name = model_dir.name
+        #: The engine thread, while there is work (`_await_work`): None when idle.
+        self.thread: threading.Thread | None = None
+        #: Threads the joining thread computes with: it prepares waiting sequences' rows while the engine thread
+        #: decodes (see `_prepare_ahead`), on the cores decoding leaves idle (on a GPU: the device's work,
+        #: `load_threads` for the CPU side); there is no such thread when decoding uses every core (0).
         self.joining_threads = (
             self.load_threads if self.device.type != "cpu" else min(self.load_threads, _cpu_count() - self.load_threads)
         )
         self.joining_thread: threading.Thread | None = None
-        if self.joining_threads > 0:
-            self.joining_thread = threading.Thread(
-                target=self._prepare_ahead, name=f"torch-generation-join:{model_dir.name}", daemon=True
-            )
-            self.joining_thread.start()
+        #: Seconds a thread of the engine waits without work before it ends (`_await_work`).
+        self.idle_seconds = IDLE_SECONDS
 
     # -- the contract --------------------------------------------------------------------------------------------
 
@@ -227,6 +229,7 @@ class TorchEngine:
             closed = self._closed
             if not closed:
                 self._queue.append(sequence)
+                self._start_threads()
                 self._cond.notify_all()
         if closed:
             _report(done, unavailable("the generation engine is closed"))
@@ -240,9 +243,10 @@ class TorchEngine:
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine's threads to end (after `close`)."""
-        self.thread.join(timeout)
-        if self.joining_thread is not None:
-            self.joining_thread.join(timeout)
+        with self._cond:
+            threads = [t for t in (self.thread, self.joining_thread) if t is not None]
+        for thread in threads:
+            thread.join(timeout)
 
     # -- submit-time checks --------------------------------------------------------------------------------------
 
@@ -315,17 +319,48 @@ class TorchEngine:
         with self._cond:
             self._cond.notify_all()
 
+    def _start_threads(self) -> None:
+        """Called under `_cond` with work queued: start the engine thread, and the joining thread if the engine has
+        one, where they ended while idle."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"torch-generation:{self._name}", daemon=True)
+            self.thread.start()
+        if self.joining_threads > 0 and self.joining_thread is None:
+            self.joining_thread = threading.Thread(
+                target=self._prepare_ahead, name=f"torch-generation-join:{self._name}", daemon=True
+            )
+            self.joining_thread.start()
+
+    def _await_work(self, work: Callable[[], _Work | None]) -> _Work | None:
+        """Called under `_cond`: wait until `work()` gives something and return it; None once the engine is closed,
+        or after `idle_seconds` without work, when the calling thread is to end. Threads end when idle because
+        torch's OpenMP runtime keeps a pool of worker threads for every thread that has computed, while it lives,
+        and when a process holds more of them than cores, every pool stops spinning between parallel regions:
+        an idle engine beside a busy one made the busy one's decoding a third slower (docs/generation.md)."""
+        deadline = time.monotonic() + self.idle_seconds
+        while not self._closed:
+            found = work()
+            if found:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._cond.wait(left)
+        return None
+
     def _run(self) -> None:
         import torch
 
         torch.get_num_threads()  # torch's lazy per-thread setup first, so that it cannot undo _set_threads later
+        self.threads = 0  # a new thread: nothing set yet
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._closed and not self._queue and not self._running:
-                        self._cond.wait()
-                    if self._closed:
-                        break
+                    if not self._await_work(lambda: bool(self._queue or self._running)):
+                        if self._closed:
+                            break
+                        self.thread = None  # idle: the next submit starts another
+                        return
                 try:
                     self._iteration()
                 except Exception as exc:  # a bug or a device failure: fail what runs, keep serving the rest
@@ -431,9 +466,10 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._closed and (sequence := self._next_to_prepare()) is None:
-                        self._cond.wait()
-                    if self._closed:
+                    sequence = self._await_work(self._next_to_prepare)
+                    if sequence is None:
+                        if not self._closed:
+                            self.joining_thread = None  # idle: the next submit or admission starts another
                         return
                     sequence.preparing = True
                 prepared = None
@@ -493,8 +529,9 @@ class TorchEngine:
                     self._used_rows += sequence.rows
                     self._used_tokens += sequence.need
                     admitted.append(sequence)
-            if self._queue:
-                self._cond.notify_all()  # the joining thread: sequences wait while the batch runs
+            if self._queue:  # the joining thread: sequences wait while the batch runs
+                self._start_threads()
+                self._cond.notify_all()
         for sequence in cancelled:
             _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
         return admitted
