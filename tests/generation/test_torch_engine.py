@@ -226,6 +226,42 @@ def test_sequences_joining_a_running_batch_get_their_own_output(models, arch):
     assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=40)
 
 
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_rows_join_and_leave_in_place_in_the_cache_buffers(models, arch):
+    """After the first steps, joining rows are written into the buffers' spare rows and a leaving row's place is
+    taken by the last row: the caches stay in the same buffers (that the rows still decode right, the parity tests
+    under joins and leaves check)."""
+    engine = TorchEngine(models[arch].path, max_batch_rows=4)
+    runner = engine._runner
+
+    def storages(kv):
+        return [k.untyped_storage().data_ptr() for k, _ in kv]
+
+    def first_inputs(first):  # the start tokens (encoder-decoder), or the tokens after the prompts' logits
+        return first if runner.encoder_decoder else first.argmax(-1)
+
+    try:
+        with torch.inference_mode():
+            batch, first = runner.new_rows([[5, 6, 7], [8, 9]], [1, 1])
+            inputs = first_inputs(first)
+            for _ in range(3):  # the first steps move the caches into buffers of max_batch_rows rows
+                inputs = runner.step(batch, inputs).argmax(-1)
+            self_buffers = storages(batch.self_kv)
+            joining = runner.new_rows([[10, 11]], [1])
+            batch.extend(joining[0])
+            inputs = torch.cat((inputs, first_inputs(joining[1])))
+            assert storages(batch.self_kv) == self_buffers
+            inputs = runner.step(batch, inputs).argmax(-1)
+            cross_buffers = storages(batch.cross_kv) if batch.cross_kv else []
+            batch.select(torch.tensor([2, 1]))  # row 0 leaves; row 2 takes its place
+            runner.step(batch, inputs[[2, 1]])
+            assert batch.rows == 2
+            assert storages(batch.self_kv) == self_buffers
+            assert (storages(batch.cross_kv) if batch.cross_kv else []) == cross_buffers
+    finally:
+        engine.close()
+
+
 def test_cross_attention_of_joining_rows_without_known_module_names(models):
     """A decoder whose cross-attention modules are not known by name gets its joining rows' cross-attention
     keys/values from one decoder run on the start token: outputs still equal generate's."""
