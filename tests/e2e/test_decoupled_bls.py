@@ -76,7 +76,7 @@ def events(body: bytes) -> list[dict]:
     return [orjson.loads(line[len(b"data: "):]) for line in body.split(b"\n") if line.startswith(b"data: ")]
 
 
-INTERNAL, INVALID_ARG = 1, 3
+INTERNAL, INVALID_ARG, CANCELLED = 1, 3, 7
 ADD_SUB_SUMS = {"OUTPUT0": [[11.0, 22.0, 33.0, 44.0]], "OUTPUT1": [[-9.0, -18.0, -27.0, -36.0]]}
 REPEAT = [{"outputs": {"OUT": [4], "IDX": [0]}}, {"outputs": {"OUT": [5], "IDX": [1]}},
           {"outputs": {"OUT": [6], "IDX": [2]}}, {"outputs": {}}]
@@ -251,6 +251,19 @@ def repeat_inputs(values: list[int], name: str = "IN"):
     tensor = grpcclient.InferInput(name, [len(values)], "INT32")
     tensor.set_data_from_numpy(np.array(values, np.int32))
     return [tensor]
+
+
+@pytest.mark.parametrize("how", ["cancel", "drop"])
+def test_a_bls_caller_that_cancels_or_drops_its_iterator_stops_the_decoupled_model(transerve, tmp_path, how):
+    """`cancel()` on the response iterator (the API of later Tritons; 2.51 has none), or dropping the iterator
+    before its final response: the called model sees `is_cancelled()` and stops."""
+    log = tmp_path / f"{how}.log"
+    answers = probe(transerve, f"{how}:{log}")
+    assert answers[:3] == [{"outputs": {"OUT": [index]}} for index in range(3)]
+    if how == "cancel":
+        assert answers[-1] == {"error": [CANCELLED, "the BLS request to model counter was cancelled"]}
+        assert len(answers) < 250
+    assert_counter_cancelled_early(log, transerve)
 
 
 def test_decoupled_responses_stream_over_grpc_as_triton_sends_them(transerve, triton):

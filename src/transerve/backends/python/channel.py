@@ -99,6 +99,9 @@ class Channel:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._on_call: Callable[[], None] | None = None
         self.gone = False
+        #: BLS calls whose response iterator was dropped before its final answer: their cancellations go out
+        #: with the next message sent (a finalizer appends here, as it may run while this thread holds `_io`).
+        self.dropped_bls: deque[int] = deque()
 
     # ---- sending ----------------------------------------------------------------------------------
 
@@ -106,18 +109,28 @@ class Channel:
         """Send one message (tensors into our arena), from any thread."""
         with self._io:
             endpoint = self._endpoint
-            if self._released:
-                endpoint.release(self._released)
+            self._before_send()
             data, fds = endpoint.encode(op, call_id, body, endpoint.place(groups) if groups else None)
             send_datagram(self._sock, data, fds)
 
     def send_encoded(self, build: Callable[[Endpoint], tuple[bytes, list[int]]]) -> None:
         """Send a message `build` encodes with the endpoint (it may place tensors and time that)."""
         with self._io:
-            if self._released:
-                self._endpoint.release(self._released)
+            self._before_send()
             data, fds = build(self._endpoint)
             send_datagram(self._sock, data, fds)
+
+    def _before_send(self) -> None:
+        """Under `_io`: hand the server the blocks it may reuse, and cancel the BLS calls dropped since."""
+        if self._released:
+            self._endpoint.release(self._released)
+        while self.dropped_bls:
+            data, fds = self._endpoint.encode(OP_CANCEL, self.dropped_bls.popleft(), None, None)
+            send_datagram(self._sock, data, fds)
+
+    def cancel_bls(self, call_id: int) -> None:
+        """Ask the server to cancel a BLS call: its final answer then comes at once, with a CANCELLED error."""
+        self.send(OP_CANCEL, call_id, None)
 
     def open_tokens(self, tokens: list[int]) -> None:
         """Decoupled requests the worker received: their senders may send until final."""

@@ -26,7 +26,7 @@ one datagram is spilled into shared memory the same way.
 Calls go both ways and are matched by id, not by order: the server calls the worker (load, execute,
 ...) and the worker answers with OP_REPLY under the same id; the worker calls the server for BLS
 (OP_BLS_CALL, answered by one or more OP_BLS_RESPONSE), and some messages expect no answer at all
-(a decoupled model's OP_RESPONSE, the server's OP_CANCEL).
+(a decoupled model's OP_RESPONSE, OP_CANCEL either way).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ OP_EXECUTE = 4
 OP_IS_READY = 5
 OP_FINALIZE = 6
 OP_REPLY = 7
-# server -> worker: the request with this token was cancelled (no answer)
+# server -> worker: the request with this token was cancelled; worker -> server: cancel the BLS call with this
+# id (no answer either way)
 OP_CANCEL = 8
 # worker -> server: one response of a decoupled request; the id is the request's token (no answer)
 OP_RESPONSE = 9

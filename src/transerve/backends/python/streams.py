@@ -8,6 +8,9 @@
   Triton, errors are answers, never exceptions: a request the core refuses before running it comes
   back as INTERNAL "Model <name> - Error when running inference: ...", and an error of the model it
   ran keeps its own code (Triton 2.51 turns those into INTERNAL too; later versions keep the code).
+  The worker may cancel a call (OP_CANCEL under its id, when the model calls `cancel()` on its
+  response iterator or drops it early): the called model's stream is cancelled, and the call's final
+  answer is a CANCELLED error.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class WorkerStreams:
         #: Open decoupled requests by token; warm-up requests have no stream and are not kept.
         self._requests: dict[int, tuple[InferRequest, ResponseStream]] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
+        #: The called models' streams of running BLS calls, and calls the worker cancelled before theirs opened.
+        self._call_streams: dict[int, ResponseStream] = {}
+        self._cancelled_calls: set[int] = set()
         connection.on_message = self._on_message
 
     # ---- decoupled requests -----------------------------------------------------------------------
@@ -87,9 +93,22 @@ class WorkerStreams:
             self._calls[call_id] = task
             self._connection.open_streams += 1
             task.add_done_callback(lambda _: self._call_done(call_id))
+        elif op == OP_CANCEL:  # the model cancelled a BLS call, or dropped its response iterator
+            self._cancel_call(call_id)
+
+    def _cancel_call(self, call_id: int) -> None:
+        if call_id not in self._calls:  # it has ended
+            return
+        stream = self._call_streams.get(call_id)
+        if stream is None:
+            self._cancelled_calls.add(call_id)
+        else:
+            stream.cancel()
 
     def _call_done(self, call_id: int) -> None:
         del self._calls[call_id]
+        self._call_streams.pop(call_id, None)
+        self._cancelled_calls.discard(call_id)
         self._connection.open_streams -= 1
 
     async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry]) -> None:
@@ -111,12 +130,18 @@ class WorkerStreams:
         except ServerError as exc:
             self._answer(call_id, True, ("INTERNAL", f"Model {name} - Error when running inference: {exc.message}"))
             return
+        self._call_streams[call_id] = stream
+        if call_id in self._cancelled_calls:
+            stream.cancel()
         try:
             while True:
                 try:
                     item, final = await stream.receive()
                 except StopAsyncIteration:
-                    self._answer(call_id, True, ("INTERNAL", "the BLS request ended without a response"))
+                    if stream.cancelled:
+                        self._answer(call_id, True, ("CANCELLED", f"the BLS request to model {name} was cancelled"))
+                    else:
+                        self._answer(call_id, True, ("INTERNAL", "the BLS request ended without a response"))
                     return
                 if isinstance(item, ServerError):
                     self._answer(call_id, final, (item.code.name, item.message))

@@ -496,12 +496,22 @@ class ResponseIterator:
             _require_channel().finish_bls(self._call_id)
         return response
 
+    def cancel(self) -> None:
+        """Cancel the request (as later Triton python backends do; 2.51's has no `cancel`): the called model
+        sees `is_cancelled()`, and the iterator ends with a final response carrying a CANCELLED error, after
+        any responses already received."""
+        if not self._finished:
+            _require_channel().cancel_bls(self._call_id)
+
     def __del__(self) -> None:
         if not self._finished:
-            # No lock here (a finalizer may run while this thread holds one): the flag and deque.clear()
-            # are atomic, and dropping the answers frees the shared memory their tensors hold.
+            # No lock here (a finalizer may run while this thread holds one): the flag, deque.clear() and
+            # deque.append() are atomic; dropping the answers frees the shared memory their tensors hold, and
+            # the cancellation goes out with the next message the worker sends.
             self._call.abandoned = True
             self._call.items.clear()
+            if _channel is not None:
+                _channel.dropped_bls.append(self._call_id)
 
 
 def _require_channel() -> Channel:

@@ -67,6 +67,17 @@ def run(mode):
         return describe(request("text_pipeline", inputs, ["token_count", "mean_id"]).exec())
     if mode == "ensemble_bad":
         return describe(request("text_pipeline", {"input_text": np.array([[1]], np.int32)}, ["token_count"]).exec())
+    if mode.startswith(("cancel:", "drop:")):  # stop the `counter` model after 3 of its 500 responses
+        how, log = mode.split(":", 1)
+        parameters = {"style": "thread", "log": log}
+        call = request("counter", {"N": np.array([500], np.int32)}, ["OUT"], parameters=parameters)
+        responses = call.exec(decoupled=True)
+        first = [describe(next(responses)) for _ in range(3)]
+        if how == "drop":
+            del responses
+            return first
+        responses.cancel()
+        return first + [describe(r) for r in responses]
     if mode.startswith("dec:"):
         call = request("dec_probe", {"MODE": text(mode[4:])}, ["OUT", "MSG"])
         responses = [describe(r) for r in call.exec(decoupled=True)]
