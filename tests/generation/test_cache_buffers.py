@@ -15,6 +15,7 @@ from transerve.backends.generation.cache_buffers import (  # noqa: E402
     keep_rows,
     room,
     row_capacity,
+    select_rows,
     window,
 )
 
@@ -68,7 +69,7 @@ def test_keep_rows_in_place_equals_index_select(index):
     values = kv(4, 5)
     cache = slotted(values, capacity_rows=8, capacity_time=12, start=3)
     storage = cache.untyped_storage().data_ptr()
-    kept = keep_rows(cache, index, torch.tensor(index))
+    kept = keep_rows(cache, select_rows(torch.tensor(index)))
     assert torch.equal(kept, values[index])
     assert kept.untyped_storage().data_ptr() == storage
 
@@ -83,17 +84,17 @@ def test_keep_rows_copies_only_rows_that_change_place(monkeypatch):
         return original(self, dim, index, source)
 
     monkeypatch.setattr(torch.Tensor, "index_copy_", spy)
-    keep_rows(cache, [0, 3, 2], torch.tensor([0, 3, 2]))
+    keep_rows(cache, select_rows(torch.tensor([0, 3, 2])))
     assert written == [[1]]
 
 
 def test_keep_rows_gathers_into_a_new_tensor_when_rows_grow_or_the_layout_is_not_ours():
     values = kv(2, 5)
     cache = slotted(values, 8, 12, 0)
-    more = keep_rows(cache, [0, 0, 1], torch.tensor([0, 0, 1]))
+    more = keep_rows(cache, select_rows(torch.tensor([0, 0, 1])))
     assert torch.equal(more, values[[0, 0, 1]]) and torch.equal(cache, values)
     foreign = values.transpose(0, 1).contiguous().transpose(0, 1)  # rows not outermost
-    kept = keep_rows(foreign, [1, 0], torch.tensor([1, 0]))
+    kept = keep_rows(foreign, select_rows(torch.tensor([1, 0])))
     assert torch.equal(kept, values[[1, 0]]) and torch.equal(foreign, values)
 
 

@@ -13,6 +13,7 @@ hides; padding written inside a window is zeroed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,18 +75,36 @@ def append(cache: torch.Tensor, new: torch.Tensor, rows_wanted: int) -> torch.Te
     return grown
 
 
-def keep_rows(cache: torch.Tensor, index: list[int], index_tensor: torch.Tensor) -> torch.Tensor:
-    """`cache`'s rows `index` (in that order; rows may repeat). When there are no more of them than rows now and the
-    cache is ours, in place: only the rows whose source differs from their position are copied (gathered first,
-    so sources and destinations may overlap); else gathered into a new tensor."""
-    count = len(index)
-    if count > cache.shape[0] or window(cache) is None:
-        return cache.index_select(0, index_tensor)
-    moved = [row for row in range(count) if index[row] != row]
-    if moved:
-        destinations = index_tensor.new_tensor(moved)
-        cache.index_copy_(0, destinations, cache.index_select(0, index_tensor.index_select(0, destinations)))
-    return cache[:count]
+@dataclass(frozen=True, slots=True)
+class RowSelection:
+    """Rows to keep, in order (`index`), and the moves that keep them in place: the rows whose source differs from
+    their position (`destinations`, None when none does) and those sources. Made once per selection by
+    `select_rows`, then applied to every layer's keys and values by `keep_rows`."""
+
+    index: torch.Tensor
+    count: int
+    destinations: torch.Tensor | None
+    sources: torch.Tensor | None
+
+
+def select_rows(index: torch.Tensor) -> RowSelection:
+    """The selection of the rows `index` [count] (in that order; rows may repeat)."""
+    moved = [row for row, source in enumerate(index.tolist()) if source != row]
+    if not moved:
+        return RowSelection(index, len(index), None, None)
+    destinations = index.new_tensor(moved)
+    return RowSelection(index, len(index), destinations, index.index_select(0, destinations))
+
+
+def keep_rows(cache: torch.Tensor, selection: RowSelection) -> torch.Tensor:
+    """`cache`'s rows of `selection`. When there are no more of them than rows now and the cache is ours, in place:
+    only the rows whose source differs from their position are copied (gathered first, so sources and destinations
+    may overlap); else gathered into a new tensor."""
+    if selection.count > cache.shape[0] or window(cache) is None:
+        return cache.index_select(0, selection.index)
+    if selection.destinations is not None:
+        cache.index_copy_(0, selection.destinations, cache.index_select(0, selection.sources))
+    return cache[:selection.count]
 
 
 def join_rows(

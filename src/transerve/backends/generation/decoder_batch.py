@@ -25,7 +25,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows
+from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows, select_rows
 
 if TYPE_CHECKING:
     import torch
@@ -57,12 +57,12 @@ class DecoderBatch:
         """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding; the
         caches change in place where they can (`cache_buffers.keep_rows`). `decoder_only`: rows only move among
         rows with the same encoder states (one sequence's beams), which therefore stay as they are."""
-        rows = index.tolist()
-        self.self_kv = [(keep_rows(k, rows, index), keep_rows(v, rows, index)) for k, v in self.self_kv]
+        rows = select_rows(index)
+        self.self_kv = [(keep_rows(k, rows), keep_rows(v, rows)) for k, v in self.self_kv]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         if self.cross_kv is not None and not decoder_only:
-            self.cross_kv = [(keep_rows(k, rows, index), keep_rows(v, rows, index)) for k, v in self.cross_kv]
+            self.cross_kv = [(keep_rows(k, rows), keep_rows(v, rows)) for k, v in self.cross_kv]
             self.encoder_hidden = self.encoder_hidden.index_select(0, index)
             self.encoder_mask = self.encoder_mask.index_select(0, index)
         self._trim()
