@@ -919,6 +919,7 @@ def report(args: argparse.Namespace, models: list[Model], results: dict[str, dic
           f"{args.ceiling_requests} of them, batch {args.batch}, best of {args.ceiling_rounds}; served: "
           f"{args.concurrency} clients, {args.rounds} x {args.duration:.0f} s after {args.warmup:.0f} s warm-ups, "
           f"intra_op_threads CTranslate2 {args.ct2_threads}, torch {args.torch_threads} (0: the engine's default); "
+          f"ONEDNN_MAX_CPU_ISA {os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')} (benchmarks/onednn_isa.py); "
           "other work: cores' worth of CPU other processes used during the row's runs")
     for model in models:
         rows = results[model.name]

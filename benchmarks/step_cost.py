@@ -41,7 +41,7 @@ BATCH = 16
 STEPS_BEFORE = 60
 
 
-def measure(model_dir: Path, threads: int, repeats: int) -> dict[int, float]:
+def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int, ...] = ROWS) -> dict[int, float]:
     """This process: the median ms of a step at each row count, with `STEPS_BEFORE` steps in the cache."""
     import torch
     import transformers
@@ -58,7 +58,7 @@ def measure(model_dir: Path, threads: int, repeats: int) -> dict[int, float]:
     rng = random.Random(0)
     costs = {}
     with torch.inference_mode():
-        for rows in ROWS:
+        for rows in rows_counts:
             inputs = [[rng.randrange(*PROMPT_IDS) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(rows)]
             batch, first = runner.new_rows(inputs, [1] * rows)
             tokens = first if config.is_encoder_decoder else first.argmax(-1)
