@@ -10,7 +10,8 @@ rounds so that the machine's noise falls on both alike; the best round counts.
     python benchmarks/onednn_isa.py                          # both shapes, 2 rounds
     python benchmarks/onednn_isa.py --quick                  # tiny models: checks the script
 
-Rows, with the engines' 2 threads:
+Rows, for each thread count of the engines (`--threads`, 1 and 2: the served CTranslate2 engine runs two calls
+of one thread each on 2 cores, and one call of 1 thread at concurrency 1):
 - CTranslate2 float32 and int8: batch-16 throughput on the first 32 requests of generation.py's load (prompts
   8-64 tokens, 8-128 new tokens), as its ceiling measures it; time to first token of one request at a time (p50
   of 20, prompts 8-64 tokens, called directly).
@@ -21,6 +22,7 @@ Rows, with the engines' 2 threads:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -39,21 +41,20 @@ CEILING_REQUESTS = 32
 TTFT_REQUESTS = 20
 TTFT_TOKENS = 4
 STEP_ROWS = (1, 16)
-THREADS = 2
 
 
-def measure(model_name: str, workdir: Path, quick: bool) -> dict[str, float]:
-    """This process, in whatever oneDNN setting it started with: every row of one model."""
+def measure(model_name: str, workdir: Path, threads: int, quick: bool) -> dict[str, float]:
+    """This process, in whatever oneDNN setting it started with: every row of one model at `threads` threads."""
     shapes = generation.QUICK_SHAPES if quick else generation.SHAPES
     model = generation.prepare_model(model_name, shapes[model_name], workdir)
     load = generation.make_load(CEILING_REQUESTS + TTFT_REQUESTS + 1, 7, model)
     rows: dict[str, float] = {}
     for precision in ("float32", "int8"):
-        ceiling = generation.ceiling_ct2(model, precision, load[:CEILING_REQUESTS], 16, THREADS, 1, 1.0, 0.0)
+        ceiling = generation.ceiling_ct2(model, precision, load[:CEILING_REQUESTS], 16, threads, 1, 1.0, 0.0)
         rows[f"CTranslate2 {precision}, batch 16, tokens/s"] = ceiling.rate
-        first = generation.ttft_direct_ct2(model, precision, load[CEILING_REQUESTS:], TTFT_TOKENS, THREADS)
+        first = generation.ttft_direct_ct2(model, precision, load[CEILING_REQUESTS:], TTFT_TOKENS, threads)
         rows[f"CTranslate2 {precision}, time to first token p50, ms"] = first.percentile(50)
-    steps = step_cost.measure(model.hf_dir, THREADS, 5 if quick else 20, STEP_ROWS)
+    steps = step_cost.measure(model.hf_dir, threads, 5 if quick else 20, STEP_ROWS)
     for count in STEP_ROWS:
         rows[f"torch engine, {count}-row decoding step, ms"] = steps[count]
     return rows
@@ -62,6 +63,7 @@ def measure(model_name: str, workdir: Path, quick: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="t5,gpt2")
+    parser.add_argument("--threads", default="1,2", help="the engines' threads, a row set each")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both settings; the best counts")
     parser.add_argument("--workdir", type=Path, help="keep the built and converted models here for the next run")
     parser.add_argument("--quick", action="store_true", help="tiny models: a check of the script")
@@ -70,34 +72,33 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     workdir = args.workdir or Path(tempfile.gettempdir()) / "transerve-onednn-isa"
     if args.worker:
-        print(json.dumps(measure(args.worker, workdir, args.quick)))
+        print(json.dumps(measure(args.worker, workdir, int(args.threads), args.quick)))
         return
     workdir.mkdir(parents=True, exist_ok=True)
-    best: dict[tuple[str, str, str], float] = {}
-    for round_number in range(args.rounds):
-        for model_name in args.models.split(","):
-            for setting, isa in SETTINGS.items():
-                env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
-                if isa:
-                    env["ONEDNN_MAX_CPU_ISA"] = isa
-                print(f"{model_name}, oneDNN {setting} (round {round_number + 1})...", file=sys.stderr)
-                command = [sys.executable, __file__, "--worker", model_name, "--workdir", str(workdir)]
-                command += ["--quick"] if args.quick else []
-                out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-                for row, value in json.loads(out.strip().splitlines()[-1]).items():
-                    key = (model_name, row, setting)
-                    higher_is_better = row.endswith("tokens/s")
-                    if key not in best or (value > best[key]) == higher_is_better:
-                        best[key] = value
-    print(f"best of {args.rounds} alternating rounds, {THREADS} threads; ONEDNN_MAX_CPU_ISA unset (default) "
-          "against AVX2\n")
-    print("| model | measure | default | AVX2 | AVX2 / default |")
-    print("|---|---|---:|---:|---:|")
-    for model_name in args.models.split(","):
-        for row in dict.fromkeys(r for m, r, _ in best if m == model_name):
-            default, avx2 = best[(model_name, row, "default")], best[(model_name, row, "AVX2")]
-            print(f"| {model_name} | {row} | {default:.1f} | {avx2:.1f} | {avx2 / default:.2f}x |")
-
+    best: dict[tuple[str, int, str, str], float] = {}
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    models = args.models.split(",")
+    for round_number, model_name, threads in itertools.product(range(args.rounds), models, thread_counts):
+        for setting, isa in SETTINGS.items():
+            env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+            if isa:
+                env["ONEDNN_MAX_CPU_ISA"] = isa
+            print(f"{model_name}, {threads} threads, oneDNN {setting} (round {round_number + 1})...", file=sys.stderr)
+            command = [sys.executable, __file__, "--worker", model_name, "--workdir", str(workdir),
+                       "--threads", str(threads)] + (["--quick"] if args.quick else [])
+            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+            for row, value in json.loads(out.strip().splitlines()[-1]).items():
+                key = (model_name, threads, row, setting)
+                higher_is_better = row.endswith("tokens/s")
+                if key not in best or (value > best[key]) == higher_is_better:
+                    best[key] = value
+    print(f"best of {args.rounds} alternating rounds; ONEDNN_MAX_CPU_ISA unset (default) against AVX2\n")
+    print("| model | threads | measure | default | AVX2 | AVX2 / default |")
+    print("|---|---:|---|---:|---:|---:|")
+    for model_name, threads in itertools.product(models, thread_counts):
+        for row in dict.fromkeys(r for m, t, r, _ in best if (m, t) == (model_name, threads)):
+            default, avx2 = best[(model_name, threads, row, "default")], best[(model_name, threads, row, "AVX2")]
+            print(f"| {model_name} | {threads} | {row} | {default:.1f} | {avx2:.1f} | {avx2 / default:.2f}x |")
 
 if __name__ == "__main__":
     main()
