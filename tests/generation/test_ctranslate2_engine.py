@@ -371,3 +371,42 @@ def test_one_call_at_a_time_when_configured(models):
         assert len(long.result().hypotheses[0].token_ids) == 60
     finally:
         engine.close()
+
+
+AMD_AVX512 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse4_1 avx avx2 avx512f avx512bw\n"
+AMD_AVX2 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse4_1 avx avx2\n"
+INTEL_AVX512 = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse4_1 avx avx2 avx512f avx512bw\n"
+
+
+@pytest.mark.parametrize(("device", "compute_type", "threads", "cpuinfo", "environ", "hinted"), [
+    ("cpu", "float32", 2, AMD_AVX512, {}, True),
+    ("cpu", "float32", 1, AMD_AVX512, {}, False),  # one thread: AVX2 was no faster
+    ("cpu", "float32", 2, AMD_AVX512, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),  # the operator chose
+    ("cpu", "float32", 2, AMD_AVX512, {"DNNL_MAX_CPU_ISA": "AVX2"}, False),
+    ("cpu", "int8_float32", 2, AMD_AVX512, {}, False),  # AVX2 slows int8
+    ("cuda", "float32", 0, AMD_AVX512, {}, False),
+    ("cpu", "float32", 2, AMD_AVX2, {}, False),
+    ("cpu", "float32", 2, INTEL_AVX512, {}, False),  # CTranslate2 uses MKL there
+])
+def test_isa_hint_only_for_float32_threads_on_amd_avx512_cpus(device, compute_type, threads, cpuinfo, environ,
+                                                              hinted):
+    from transerve.backends.generation.ctranslate2_engine import isa_hint
+
+    hint = isa_hint(device, compute_type, threads, cpuinfo, environ)
+    assert (hint is not None) == hinted
+    if hinted:
+        assert "ONEDNN_MAX_CPU_ISA=AVX2" in hint
+
+
+def test_loading_logs_the_isa_hint_once_where_it_applies(models, caplog, monkeypatch):
+    """The engine logs what `isa_hint` says about this machine, model and thread count, once per process."""
+    from transerve.backends.generation import ctranslate2_engine
+
+    monkeypatch.setattr(ctranslate2_engine, "_hinted", threading.Event())
+    expected = ctranslate2_engine.isa_hint("cpu", "float32", 2, Path("/proc/cpuinfo").read_text(), os.environ)
+    with caplog.at_level("INFO", logger=ctranslate2_engine.__name__):
+        CTranslate2Engine(models["gpt2"].ct2_dir, intra_op_threads=1, max_concurrent_calls=1).close()
+        for _ in range(2):
+            CTranslate2Engine(models["gpt2"].ct2_dir, intra_op_threads=2, max_concurrent_calls=1).close()
+    hints = [r.getMessage() for r in caplog.records if "ONEDNN_MAX_CPU_ISA" in r.getMessage()]
+    assert hints == ([expected] if expected else [])

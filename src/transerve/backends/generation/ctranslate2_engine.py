@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,41 @@ class _Sequence:
             logger.exception("generation done callback failed")
 
 
+def isa_hint(device: str, compute_type: str, threads: int, cpuinfo: str, environ: Mapping[str, str]) -> str | None:
+    """Advice for CTranslate2 float32 computing with several threads per call on an AMD CPU with AVX-512, where
+    it multiplies with oneDNN's sgemm (MKL only on Intel CPUs): there oneDNN's AVX-512 sgemm ran slower with 2
+    threads than with 1, and limited to AVX2 it ran 1.6-2.1x faster with 2 threads (benchmarks/onednn_isa.py).
+    The limit is process-wide and slows int8 and the torch engine, so it is the operator's call, not the
+    engine's."""
+    if device != "cpu" or compute_type != "float32" or threads < 2:
+        return None
+    if "ONEDNN_MAX_CPU_ISA" in environ or "DNNL_MAX_CPU_ISA" in environ:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    if "AuthenticAMD" not in cpuinfo or "avx512f" not in flags:
+        return None
+    return (f"CTranslate2 float32 with {threads} threads per call on an AMD CPU with AVX-512: "
+            "ONEDNN_MAX_CPU_ISA=AVX2 in the server's environment may make it much faster, and slows int8 and torch "
+            "models in the same process (docs/generation.md, 'CPU instruction set')")
+
+
+_hinted = threading.Event()
+
+
+def _log_isa_hint(device: str, compute_type: str, threads: int) -> None:
+    """Log `isa_hint`'s advice once per process."""
+    if _hinted.is_set():
+        return
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return
+    hint = isa_hint(device, compute_type, threads, cpuinfo, os.environ)
+    if hint:
+        _hinted.set()
+        logger.info(hint)
+
+
 def threads_per_call(calls: int) -> int:
     """This process's CPU cores shared among `calls` calls computing at once, at least one thread each."""
     return max(1, len(os.sched_getaffinity(0)) // calls)
@@ -125,6 +161,7 @@ class CTranslate2Engine:
             self._model = self._load(replicas=calls)
         except (RuntimeError, ValueError) as exc:
             raise unavailable(f"CTranslate2 could not load {model_dir}: {exc}") from None
+        _log_isa_hint(device, self._model.compute_type, threads)
         self._max_batch_rows = max(1, max_batch_rows)
         self._target_index = {token: i for i, token in reversed(list(enumerate(self._info.target_vocabulary)))}
         self.is_encoder_decoder = self._info.is_encoder_decoder
