@@ -100,5 +100,6 @@ def main() -> None:
             default, avx2 = best[(model_name, threads, row, "default")], best[(model_name, threads, row, "AVX2")]
             print(f"| {model_name} | {threads} | {row} | {default:.1f} | {avx2:.1f} | {avx2 / default:.2f}x |")
 
+
 if __name__ == "__main__":
     main()
