@@ -262,6 +262,78 @@ def test_rows_join_and_leave_in_place_in_the_cache_buffers(models, arch):
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("join_group", [4, 1])
+def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group):
+    """Under in-flight batching, the call that computes a joining sequence's rows computes those of the
+    sequences waiting behind it too (up to `join_group` in all), beams included; they join later with those rows
+    and their outputs are still generate's. `join_group` 1 computes each sequence's rows on its own."""
+    model = models[arch]
+    engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group)
+    calls: list[int] = []
+    new_rows = engine._runner.new_rows
+    engine._runner.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)
+    texts = [model.ids(text) for text in TEXTS]
+    # C (1 row) joins when B's 2 rows leave; D (2 rows) and E (1 row) wait behind it. Beam search keeps its end
+    # tokens (generate's beam search needs one), greedy decoding runs to max_new_tokens.
+    beam = {"beam_width": 2, "num_return_sequences": 2}
+    waiting = [(texts[0], {"max_new_tokens": 8, "end_ids": []}), (texts[1], {"max_new_tokens": 5, **beam}),
+               (texts[2][:7], {"max_new_tokens": 7, "end_ids": []})]
+    futures = []
+
+    def submit_waiting(new_tokens: list[int]) -> None:  # on A's first token, from the engine thread: before B leaves
+        if not futures:
+            futures.extend(submit(engine, ids, DecodingOptions(**options)) for ids, options in waiting)
+
+    def reference(ids: list[int], max_new_tokens: int, end_ids: list[int] | None = None, **options) -> list:
+        if "beam_width" in options:
+            options = {"num_beams": options["beam_width"], "num_return_sequences": options["num_return_sequences"]}
+        return model.reference(ids, end_ids=end_ids, max_new_tokens=max_new_tokens, **options)
+
+    try:
+        first = submit(engine, texts[2], DecodingOptions(max_new_tokens=30, end_ids=[]), on_tokens=submit_waiting)
+        beams = submit(engine, texts[0], DecodingOptions(max_new_tokens=6, **beam))
+        expected = [(first, reference(texts[2], 30, [])), (beams, reference(texts[0], 6, **beam))]
+        assert tokens(first.result(timeout=60))
+        for (ids, options), future in zip(waiting, futures, strict=True):
+            expected.append((future, reference(ids, **options)))
+        for name, (future, want) in zip("ABCDE", expected, strict=True):
+            assert tokens(future.result(timeout=60)) == want, name
+    finally:
+        engine.close()
+    assert sum(calls) == 5  # each sequence's rows computed once (A and B together, or each as it came)
+    assert max(calls) == (3 if join_group == 4 else 2 if calls[0] == 2 else 1)  # C's call: C, D and E, or C alone
+
+
+def test_sequences_prepared_ahead_are_those_nearest_in_length_within_the_next_rows(models):
+    """Of the waiting sequences that fill the next `max_batch_rows` rows (cancelled and already prepared ones
+    left out), those whose inputs are nearest in length to the joining sequence's: little padding computed."""
+    import collections
+
+    engine = TorchEngine(models["t5"].path, max_batch_rows=7, join_group=3)
+    try:
+        def sequence(length: int, beam_width: int = 1):
+            request = GenerationRequest(list(range(5, 5 + length)), DecodingOptions(beam_width=beam_width))
+            return engine._prepare(request, None, lambda outcome: None)
+
+        fresh = sequence(10)
+        far, near, cancelled, prepared, beams, near_too, beyond = (
+            sequence(30), sequence(11), sequence(10), sequence(10), sequence(8, beam_width=2), sequence(12),
+            sequence(10),
+        )
+        cancelled.cancelled = True
+        prepared.prepared = ("rows", "first")
+        engine._queue = collections.deque([far, near, cancelled, prepared, beams, near_too, beyond])  # 8 rows
+        assert engine._join_ahead([fresh]) == []  # no batch runs: the admitted sequences join in one call anyway
+        engine._batch = "running"
+        assert engine._join_ahead([fresh]) == [near, beams]  # lengths 11 and 8 (12 is as near as 8: queue order)
+        assert near.preparing and beams.preparing and not near_too.preparing
+        assert engine._join_ahead([fresh]) == [near_too, far]  # `beyond` is past the next 7 rows
+    finally:
+        engine._batch, engine._queue = None, collections.deque()
+        engine.close()
+
+
 def test_cross_attention_of_joining_rows_without_known_module_names(models):
     """A decoder whose cross-attention modules are not known by name gets its joining rows' cross-attention
     keys/values from one decoder run on the start token: outputs still equal generate's."""

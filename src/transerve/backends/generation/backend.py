@@ -100,7 +100,7 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
             max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
             latency_threads=settings.latency_threads, latency_rows=settings.latency_rows,
-            onednn_linear=settings.onednn_linear, **extra,
+            onednn_linear=settings.onednn_linear, join_group=settings.join_group, **extra,
         )
 
 

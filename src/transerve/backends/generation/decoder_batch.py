@@ -67,6 +67,28 @@ class DecoderBatch:
             self.encoder_mask = self.encoder_mask.index_select(0, index)
         self._trim()
 
+    def rows_range(self, start: int, stop: int, own: bool = False) -> DecoderBatch:
+        """A new batch of rows `start` to `stop`, trimmed of the padding its rows do not need: what one call
+        prepared for several sequences is split this way. Views of our tensors, unless `own`: copies, which
+        later in-place writes to this batch's caches (into what they take for spare rows) cannot reach."""
+
+        def rows(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor[start:stop].clone() if own else tensor[start:stop]
+
+        def part(kv: KV) -> KV:
+            return [(rows(k), rows(v)) for k, v in kv]
+
+        encoder = self.encoder_hidden is not None
+        batch = DecoderBatch(
+            part(self.self_kv), rows(self.mask), rows(self.positions),
+            part(self.cross_kv) if self.cross_kv is not None else None,
+            rows(self.encoder_hidden) if encoder else None,
+            rows(self.encoder_mask) if encoder else None,
+            self.capacity,
+        )
+        batch._trim()
+        return batch
+
     def _trim(self) -> None:
         used = self.mask.any(dim=0).nonzero()
         start = int(used[0]) if used.numel() else self.mask.shape[1]

@@ -38,6 +38,8 @@ class GenerationSettings:
     latency_rows: int = 1
     #: Torch engine on CPU, float32: linear layers on oneDNN's GEMM (see `onednn_linear`).
     onednn_linear: bool = True
+    #: Torch engine, in-flight scheduling: sequences one joining call (encoder call or prefill) computes at most.
+    join_group: int = 4
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
@@ -68,6 +70,7 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> G
         latency_threads=_integer(parameters, "latency_threads", 0, minimum=0),
         latency_rows=_integer(parameters, "latency_rows", 1, minimum=0),
         onednn_linear=_boolean(parameters, "onednn_linear", True),
+        join_group=_integer(parameters, "join_group", 4, minimum=1),
     )
 
 

@@ -65,6 +65,8 @@ SCHEDULING = ("inflight", "request", "static")
 DEFAULT_MAX_INPUT_LENGTH = 512
 #: Seconds an engine thread waits without work before it ends (a new one starts with the next request).
 IDLE_SECONDS = 1.0
+#: Sequences one joining call computes at most under in-flight scheduling (`TorchEngine._join_ahead`).
+JOIN_GROUP = 4
 _Work = TypeVar("_Work")
 
 
@@ -134,6 +136,7 @@ class TorchEngine:
         latency_threads: int = 0,
         latency_rows: int = 1,
         onednn_linear: bool = True,
+        join_group: int = JOIN_GROUP,
     ) -> None:
         torch = import_engine("torch", "generation")
         transformers = import_engine("transformers", "generation")
@@ -143,6 +146,8 @@ class TorchEngine:
             raise invalid_arg(f"scheduling {scheduling!r} is not one of {', '.join(SCHEDULING)}")
         if max_batch_rows < 1 or kv_cache_tokens < 1:
             raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
+        if join_group < 1:
+            raise invalid_arg("join_group must be positive")
         if intra_op_threads < 0 or latency_threads < 0 or latency_rows < 0:
             raise invalid_arg("intra_op_threads, latency_threads and latency_rows must not be negative")
         #: Threads under load, and while at most `latency_rows` rows run (see `_set_threads`).
@@ -170,6 +175,8 @@ class TorchEngine:
         self.early_stopping = generation.early_stopping
         self._model_rules = _model_rules(generation, self.is_encoder_decoder)
         self.max_batch_rows = max_batch_rows
+        #: Sequences whose joining work (encoder call or prefill) one call computes at most (`_join_ahead`).
+        self.join_group = join_group
         self.kv_cache_tokens = kv_cache_tokens
         self.scheduling = scheduling
         self.device = model.device
@@ -430,9 +437,10 @@ class TorchEngine:
         return [s for s in admitted if s.prepared is not None] + [s for s in admitted if s.prepared is None]
 
     def _new_rows(self, admitted: list[_Sequence]) -> tuple[DecoderBatch, torch.Tensor]:
-        """The rows of `admitted` (prepared ones first, as `_await_prepared` ordered them): what the joining thread
-        prepared, and one batched encoder call or prefill here for the rest. Returns their batch and their first
-        decoder inputs (encoder-decoder) or first logits (decoder-only)."""
+        """The rows of `admitted` (prepared ones first, as `_await_prepared` ordered them): what was prepared
+        ahead, and one batched encoder call or prefill here for the rest, which also prepares the rows of waiting
+        sequences of like length (`_join_ahead`). Returns their batch and their first decoder inputs
+        (encoder-decoder) or first logits (decoder-only)."""
         import torch
 
         parts = [s.prepared for s in admitted if s.prepared is not None]
@@ -441,11 +449,54 @@ class TorchEngine:
             sequence.prepared = None
         if fresh:
             self._set_threads(joining=True)
-            parts.append(self._runner.new_rows([s.input_ids for s in fresh], [s.rows for s in fresh]))
+            ahead = self._join_ahead(fresh)
+            prepared: list[tuple[DecoderBatch, torch.Tensor] | None] = [None] * len(ahead)
+            try:
+                group = fresh + ahead
+                batch, first = self._runner.new_rows([s.input_ids for s in group], [s.rows for s in group])
+                if ahead:
+                    rows = row = sum(s.rows for s in fresh)
+                    for index, sequence in enumerate(ahead):
+                        end = row + sequence.rows
+                        prepared[index] = (batch.rows_range(row, end, own=True), first[row:end].clone())
+                        row = end
+                    batch, first = batch.rows_range(0, rows), first[:rows]
+            finally:
+                if ahead:
+                    with self._cond:
+                        for sequence, rows_ready in zip(ahead, prepared, strict=True):
+                            sequence.prepared, sequence.preparing = rows_ready, False
+                        self._cond.notify_all()
+            parts.append((batch, first))
         batch = parts[0][0]
         for other, _ in parts[1:]:
             batch.extend(other)
         return batch, torch.cat([first for _, first in parts]) if len(parts) > 1 else parts[0][1]
+
+    def _join_ahead(self, fresh: list[_Sequence]) -> list[_Sequence]:
+        """Waiting sequences whose rows the call that computes `fresh`'s (encoder call or prefill) computes too,
+        marked as being prepared: one call for several sequences reads the weights once (on the t5-small shape,
+        2 cores, 0.59 ms per source token alone against 0.37 four at a time). Only under in-flight scheduling
+        while a batch runs (request-level scheduling computes every admitted sequence in one call anyway): up to
+        `join_group` sequences in all, those nearest in input length to `fresh`'s longest among the sequences that
+        fill the next `max_batch_rows` rows, so that little padding is computed."""
+        wanted = self.join_group - len(fresh)
+        if wanted <= 0 or self.scheduling != "inflight" or self._batch is None:
+            return []
+        longest = max(len(s.input_ids) for s in fresh)
+        with self._cond:
+            candidates, rows = [], 0
+            for sequence in self._queue:
+                rows += sequence.rows
+                if rows > self.max_batch_rows:
+                    break
+                if not (sequence.cancelled or sequence.preparing or sequence.prepared is not None):
+                    candidates.append(sequence)
+            candidates.sort(key=lambda s: abs(len(s.input_ids) - longest))
+            ahead = candidates[:wanted]
+            for sequence in ahead:
+                sequence.preparing = True
+        return ahead
 
     def _merge(self, batch: DecoderBatch) -> None:
         if self._batch is None:
