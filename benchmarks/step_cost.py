@@ -15,8 +15,13 @@ batching would reach if joining cost it nothing more than it costs request-level
 grows with its rows, rows that leave early make request-level steps cheaper, and the ratio against the stronger
 request-level batcher stays low however fast joins are.
 
+With `--joins` it times the joining work instead: one encoder call or prefill (`ModelRunner.new_rows`) of 1 to 8
+sequences, per input token, the inputs of random lengths or of like length, which is what the engine's
+`join_group` saves by computing several waiting sequences' rows in one call.
+
     python benchmarks/step_cost.py                  # both shapes, 2 threads
     python benchmarks/step_cost.py --quick          # tiny models: checks the script
+    python benchmarks/step_cost.py --joins          # joining calls instead: cost per input token by group size
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
@@ -37,12 +43,15 @@ sys.path.insert(0, str(BENCHMARKS))
 from inflight_vs_request import NEW_TOKENS, PROMPT_IDS, PROMPT_LENGTHS, build_model  # noqa: E402
 
 ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16)
+#: Sequences per joining call (`--joins`), and how far apart a like-length group's input lengths are at most.
+GROUPS = (1, 2, 4, 8)
+LIKE_SPREAD = 6
 BATCH = 16
 STEPS_BEFORE = 60
 
 
-def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int, ...] = ROWS) -> dict[int, float]:
-    """This process: the median ms of a step at each row count, with `STEPS_BEFORE` steps in the cache."""
+def load_runner(model_dir: Path, threads: int) -> tuple[Any, Any]:
+    """The model's `ModelRunner` as the engine builds it on CPU float32 (packed oneDNN weights), and its config."""
     import torch
     import transformers
 
@@ -54,7 +63,14 @@ def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int,
     loader = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
     model = loader.from_pretrained(model_dir).eval()
     use_onednn_linears(model, pack=True)  # the engine's default on CPU float32
-    runner = ModelRunner(model, model.generation_config.decoder_start_token_id, config.pad_token_id or 0, BATCH)
+    return ModelRunner(model, model.generation_config.decoder_start_token_id, config.pad_token_id or 0, BATCH), config
+
+
+def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int, ...] = ROWS) -> dict[int, float]:
+    """This process: the median ms of a step at each row count, with `STEPS_BEFORE` steps in the cache."""
+    import torch
+
+    runner, config = load_runner(model_dir, threads)
     rng = random.Random(0)
     costs = {}
     with torch.inference_mode():
@@ -69,6 +85,37 @@ def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int,
                 if step >= STEPS_BEFORE:
                     times.append(time.perf_counter() - started)
             costs[rows] = statistics.median(times) * 1000
+    return costs
+
+
+def measure_joins(model_dir: Path, threads: int, repeats: int) -> dict[str, dict[int, float]]:
+    """This process: the median ms per input token of one joining call (`ModelRunner.new_rows`: encoder call or
+    prefill) of each group size in `GROUPS`, the inputs' lengths drawn from the load's at random or of like length
+    (within `LIKE_SPREAD` tokens of each other, as the engine's `join_group` picks them)."""
+    import torch
+
+    runner, _ = load_runner(model_dir, threads)
+    rng = random.Random(0)
+    low, high = PROMPT_LENGTHS
+
+    def lengths(kind: str, group: int) -> list[int]:
+        if kind == "random":
+            return [rng.randint(low, high) for _ in range(group)]
+        base = rng.randint(low, high - LIKE_SPREAD)
+        return [base + rng.randint(0, LIKE_SPREAD) for _ in range(group)]
+
+    costs: dict[str, dict[int, float]] = {"random": {}, "like": {}}
+    with torch.inference_mode():
+        runner.new_rows([[PROMPT_IDS[0]] * high] * 2, [1, 1])  # oneDNN's first calls set up its kernels
+        for group in GROUPS:
+            for kind, by_group in costs.items():
+                per_token = []
+                for _ in range(repeats):
+                    inputs = [[rng.randrange(*PROMPT_IDS) for _ in range(n)] for n in lengths(kind, group)]
+                    started = time.perf_counter()
+                    runner.new_rows(inputs, [1] * group)
+                    per_token.append((time.perf_counter() - started) * 1000 / sum(map(len, inputs)))
+                by_group[group] = statistics.median(per_token)
     return costs
 
 
@@ -107,27 +154,42 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-inflight-bench")
     parser.add_argument("--quick", action="store_true", help="tiny models, few repeats")
+    parser.add_argument("--joins", action="store_true", help="time joining calls by group size instead of steps")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(Path(args.worker), args.threads, args.repeats)))
+        work = measure_joins if args.joins else measure
+        print(json.dumps(work(Path(args.worker), args.threads, args.repeats)))
         return
     if args.quick:
         args.repeats, args.batches = 3, 50
     args.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"decoding step, median ms of {args.repeats} steps after {STEPS_BEFORE}, {args.threads} threads; "
-          f"tokens/s of {args.batches} batches of {BATCH} (new tokens {NEW_TOKENS[0]}-{NEW_TOKENS[1]}, uniform) from "
-          "those step costs alone")
-    header = " | ".join(f"{rows} row{'s' if rows > 1 else ''}" for rows in ROWS)
-    print(f"| model | {header} | in-flight | request-level | static | in-flight / request-level "
-          "| in-flight / static |")
-    print("|---|" + "---:|" * (len(ROWS) + 5))
+    if args.joins:
+        print(f"joining call (encoder call or prefill) of 1 to {GROUPS[-1]} sequences, median ms per input token of "
+              f"{args.repeats} calls, {args.threads} threads; input lengths {PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} "
+              f"at random, or of like length (within {LIKE_SPREAD} tokens)")
+        print(f"| model | inputs | {' | '.join(f'{g} at once' for g in GROUPS)} |")
+        print("|---|---|" + "---:|" * len(GROUPS))
+    else:
+        print(f"decoding step, median ms of {args.repeats} steps after {STEPS_BEFORE}, {args.threads} threads; "
+              f"tokens/s of {args.batches} batches of {BATCH} (new tokens {NEW_TOKENS[0]}-{NEW_TOKENS[1]}, uniform) "
+              "from those step costs alone")
+        header = " | ".join(f"{rows} row{'s' if rows > 1 else ''}" for rows in ROWS)
+        print(f"| model | {header} | in-flight | request-level | static | in-flight / request-level "
+              "| in-flight / static |")
+        print("|---|" + "---:|" * (len(ROWS) + 5))
     for arch in args.archs.split(","):
         model = build_model(args.workdir, arch, args.quick)
         command = [sys.executable, __file__, "--worker", str(model), "--threads", str(args.threads),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats)] + (["--joins"] if args.joins else [])
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        costs = {int(rows): ms for rows, ms in json.loads(out.strip().splitlines()[-1]).items()}
+        measured = json.loads(out.strip().splitlines()[-1])
+        if args.joins:
+            for kind, by_group in measured.items():
+                print(f"| {model.name} | {kind} | {' | '.join(f'{by_group[str(g)]:.3f}' for g in GROUPS)} |",
+                      flush=True)
+            continue
+        costs = {int(rows): ms for rows, ms in measured.items()}
         rates = throughputs(costs, args.batches, args.seed)
         steps = " | ".join(f"{costs[rows]:.1f}" for rows in ROWS)
         print(f"| {model.name} | {steps} | {rates['in-flight']:.0f} | {rates['request']:.0f} | {rates['static']:.0f} "

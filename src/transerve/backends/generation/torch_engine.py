@@ -1,8 +1,9 @@
 """The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
-(their encoder call or prompt prefill done ahead by the joining thread while the batch decoded, where decoding
-leaves cores idle, or done now in one batched call), merges them into the running batch (`decoder_batch`), feeds
+(their encoder call or prompt prefill done ahead, by the joining thread while the batch decoded where decoding
+leaves cores idle or in an earlier joining call, or done now in one batched call that also computes waiting
+sequences' rows, `join_group`), merges them into the running batch (`decoder_batch`), feeds
 every row's last token through one forward pass (a new encoder-decoder row's first decoder input is the decoder
 start token; a new decoder-only row's whole prompt went through the prefill, whose last position's logits join the
 step's), then chooses each sequence's next token with its own options (`sampling`, `beam`). A finished or cancelled
