@@ -150,3 +150,43 @@ def test_gpu_instances_run_on_their_device(tmp_path: Path):
         assert got["OUTPUT__0"].tolist() == [[0, 11, 22, 33]]
 
     with_server(tmp_path, check)
+
+
+def test_an_idle_instance_thread_ends_and_the_next_request_starts_one_with_the_thread_count(tmp_path: Path,
+                                                                                            monkeypatch):
+    """An instance's thread ends when idle (torch's OpenMP pool with it: an idle model's pool would slow the busy
+    ones); the next request runs on a new thread, which gets INTRA_OP_THREAD_COUNT too."""
+    from transerve.backends.pytorch import backend as pytorch_backend
+
+    monkeypatch.setattr(pytorch_backend, "IDLE_SECONDS", 0.2)
+    threads = 'parameters { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "1" } }'
+    add_model(tmp_path, "add_sub", config(extra=threads))
+
+    async def check(server: Server) -> None:
+        (model,) = [m for m in server.serving_versions() if m.name == "add_sub"]
+        executor = model.backend_model.instances[0]._executor
+        loop = asyncio.get_running_loop()
+
+        async def idle() -> bool:
+            deadline = loop.time() + 10
+            while executor.thread is not None and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            return executor.thread is None
+
+        assert await idle()  # the loading thread ended
+        started = executor.threads_started
+        for _ in range(2):
+            # torch gives a new thread the count last set anywhere: another model's, here 2
+            await loop.run_in_executor(None, torch.set_num_threads, 2)
+            got = outputs(await server.infer(request("add_sub", **inputs("INPUT__0", "INPUT__1"))))
+            assert got["OUTPUT__0"].tolist() == [[0, 11, 22, 33]]
+            assert await loop.run_in_executor(executor, torch.get_num_threads) == 1
+            assert await idle()
+        assert executor.threads_started == started + 2  # a new thread for each request after an idle end
+
+    original = torch.get_num_threads()
+    try:
+        with_server(tmp_path, check)
+    finally:
+        torch.set_num_threads(original)
+

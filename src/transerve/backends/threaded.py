@@ -10,10 +10,11 @@ were padded to is taken to follow that length (a sequence axis such as `last_hid
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -22,6 +23,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult, Placement
+from transerve.backends.idle_ending_executor import IdleEndingExecutor
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import ServerError, internal, unavailable
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -77,7 +79,7 @@ class ThreadedInstance(BackendInstance):
         version: str,
         name: str,
         config: model_config_pb2.ModelConfig,
-        executor: ThreadPoolExecutor,
+        executor: Executor,
         engine: Engine,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -178,11 +180,26 @@ def _trim(array: np.ndarray, dims: tuple[int, ...], padded: dict[int, list[int]]
 
 
 async def open_engines(
-    loop: asyncio.AbstractEventLoop, placements: list[Placement], opener: Callable[[Placement], Engine], prefix: str
-) -> list[tuple[ThreadPoolExecutor, Engine]]:
+    loop: asyncio.AbstractEventLoop,
+    placements: list[Placement],
+    opener: Callable[[Placement], Engine],
+    prefix: str,
+    idle_seconds: float | None = None,
+    thread_setup: Callable[[Placement], None] | None = None,
+) -> list[tuple[Executor, Engine]]:
     """One engine per instance, each opened in the thread that will run it, all at once, off the event loop
-    (loading a model takes seconds). On failure every thread is released and the first error raised."""
-    executors = [ThreadPoolExecutor(1, thread_name_prefix=f"{prefix}-{p.name}") for p in placements]
+    (loading a model takes seconds). On failure every thread is released and the first error raised. With
+    `idle_seconds`, an instance's thread ends after that long without work and the next execution starts another
+    (`IdleEndingExecutor`), each new thread running `thread_setup` first."""
+
+    def executor(placement: Placement) -> Executor:
+        name = f"{prefix}-{placement.name}"
+        if idle_seconds is None:
+            return ThreadPoolExecutor(1, thread_name_prefix=name)
+        setup = None if thread_setup is None else functools.partial(thread_setup, placement)
+        return IdleEndingExecutor(name, idle_seconds, setup)
+
+    executors = [executor(p) for p in placements]
     try:
         engines = await asyncio.gather(*(
             loop.run_in_executor(executor, opener, placement)
@@ -194,6 +211,6 @@ async def open_engines(
     return list(zip(executors, engines, strict=True))
 
 
-def release(executors: Sequence[ThreadPoolExecutor]) -> None:
+def release(executors: Sequence[Executor]) -> None:
     for executor in executors:
         executor.shutdown(wait=False)

@@ -11,7 +11,7 @@ instances on the CPU provider.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -91,7 +91,7 @@ class OnnxRuntimeBackend(Backend):
         path = _model_file(context)
         config = context.config
         loop = asyncio.get_running_loop()
-        opened: list[tuple[ThreadPoolExecutor, OrtEngine]] = []
+        opened: list[tuple[Executor, OrtEngine]] = []
         try:
             options = _session_options(ort, config)
             opened = await open_engines(

@@ -30,6 +30,8 @@ from transerve.core.errors import ServerError, internal, invalid_arg, unavailabl
 log = logging.getLogger(__name__)
 
 _INDEXED = re.compile(r"^.+__(\d+)$")
+#: Seconds an instance's thread waits without work before it ends, its OpenMP pool with it (`IdleEndingExecutor`).
+IDLE_SECONDS = 1.0
 
 
 class TorchEngine:
@@ -147,7 +149,8 @@ class PyTorchBackend(Backend):
         try:
             settings = _Settings(config)
             opened = await open_engines(
-                loop, placements, lambda placement: _open(torch, path, placement, config, settings), "torch"
+                loop, placements, lambda placement: _open(torch, path, placement, config, settings), "torch",
+                idle_seconds=IDLE_SECONDS, thread_setup=lambda placement: _set_threads(torch, settings),
             )
         except ServerError as exc:
             raise ServerError(exc.code, f"{where}: {exc.message}") from None
@@ -162,18 +165,23 @@ class PyTorchBackend(Backend):
         return BackendModel(config, instances)
 
 
+def _set_threads(torch: ModuleType, settings: _Settings) -> None:
+    """Run first on each of an instance's threads: torch's (OpenMP's) thread count belongs to the thread."""
+    torch.get_num_threads()  # torch's lazy per-thread setup first, so that it cannot undo what is set here
+    if settings.intra_op_threads:
+        torch.set_num_threads(settings.intra_op_threads)
+
+
 def _open(
     torch: ModuleType, path: Path, placement: Placement, config: model_config_pb2.ModelConfig, settings: _Settings
 ) -> TorchEngine:
-    """Load the module in its instance's thread, with the thread settings applied there."""
+    """Load the module in its instance's thread (whose thread count `_set_threads` set)."""
     if placement.kind == "GPU":
         if not torch.cuda.is_available():
             raise unavailable(f"instance '{placement.name}' is KIND_GPU but this torch has no CUDA support")
         device = torch.device("cuda", placement.device_id)
     else:
         device = torch.device("cpu")
-    if settings.intra_op_threads:
-        torch.set_num_threads(settings.intra_op_threads)
     if settings.inter_op_threads and torch.get_num_interop_threads() != settings.inter_op_threads:
         try:
             torch.set_num_interop_threads(settings.inter_op_threads)
