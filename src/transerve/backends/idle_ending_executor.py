@@ -52,9 +52,10 @@ class IdleEndingExecutor(Executor):
                 raise RuntimeError(f"executor {self.name} is shut down")
             self._calls.append((future, fn, args, kwargs))
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._work, name=f"{self.name}_{next(self._numbers)}", daemon=True
-                )
+                # Not a daemon: at exit the interpreter waits for it (idle_seconds at most after the last call), as
+                # it waits for ThreadPoolExecutor's threads; a process that exited with such a thread as a daemon,
+                # after it had run torch, aborted ("terminate called without an active exception").
+                self._thread = threading.Thread(target=self._work, name=f"{self.name}_{next(self._numbers)}")
                 self.threads_started += 1
                 self._thread.start()
             self._cond.notify()
