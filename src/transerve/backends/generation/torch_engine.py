@@ -477,7 +477,8 @@ class TorchEngine:
     def _join_ahead(self, fresh: list[_Sequence]) -> list[_Sequence]:
         """Waiting sequences whose rows the call that computes `fresh`'s (encoder call or prefill) computes too,
         marked as being prepared: one call for several sequences reads the weights once (on the t5-small shape,
-        2 cores, 0.59 ms per source token alone against 0.37 four at a time). Only under in-flight scheduling
+        2 cores, 0.62 ms per source token alone against 0.37 four of like length at once: `step_cost.py --joins`
+        in benchmarks/README.md). Only under in-flight scheduling
         while a batch runs (request-level scheduling computes every admitted sequence in one call anyway): up to
         `join_group` sequences in all, those nearest in input length to `fresh`'s longest among the sequences that
         fill the next `max_batch_rows` rows, so that little padding is computed."""
