@@ -28,6 +28,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 SEQUENCE = 32
 CONFIG = """
@@ -80,7 +81,7 @@ def worker(repository: Path, threads: str, args: argparse.Namespace) -> dict[str
     if threads == "live":
         pytorch_backend.IDLE_SECONDS = None  # open_engines then gives each instance a ThreadPoolExecutor
 
-    async def load(name: str):
+    async def load(name: str) -> Any:
         config = text_format.Parse((repository / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
         path = repository / name
         context = ModelContext(name, "1", path, path / "1", repository, config)
@@ -94,7 +95,7 @@ def worker(repository: Path, threads: str, args: argparse.Namespace) -> dict[str
     rates = {}
 
     def window() -> float:
-        return loop.run_until_complete(_window(busy, request, args.warmup, args.duration))
+        return loop.run_until_complete(requests_per_second(busy, request, args.warmup, args.duration))
 
     time.sleep(args.settle)  # the loading threads end (when they do)
     rates["alone"] = window()
@@ -104,7 +105,7 @@ def worker(repository: Path, threads: str, args: argparse.Namespace) -> dict[str
     return rates
 
 
-async def _window(instance, request, warmup: float, seconds: float) -> float:
+async def requests_per_second(instance: Any, request: Any, warmup: float, seconds: float) -> float:
     """Requests per second of `instance` kept busy with two executions handed over at once."""
     loop = asyncio.get_running_loop()
     start = loop.time() + warmup
