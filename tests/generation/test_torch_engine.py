@@ -269,7 +269,8 @@ def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group)
     sequences waiting behind it too (up to `join_group` in all), beams included; they join later with those rows
     and their outputs are still generate's. `join_group` 1 computes each sequence's rows on its own."""
     model = models[arch]
-    engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group)
+    # decoding on every core: no joining thread, which could prepare the waiting sequences first
+    engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group, intra_op_threads=_cpu_count())
     calls: list[int] = []
     new_rows = engine._runner.new_rows
     engine._runner.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)

@@ -64,7 +64,8 @@ def output_specs(config: model_config_pb2.ModelConfig) -> list[OutputSpec]:
 
 
 class ThreadedInstance(BackendInstance):
-    """One instance: its engine lives in, and is only ever called from, a single thread of its own.
+    """One instance: its engine is only ever called from a thread of its own, one at a time (the pytorch
+    backend's ends after an idle second and the next execution starts another: `IdleEndingExecutor`).
 
     Two executions may be handed over at once: the second waits in the thread's queue, so the engine starts it
     as soon as the first ends instead of idling while the event loop answers and dispatches (the dynamic
