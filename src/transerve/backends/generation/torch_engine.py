@@ -34,7 +34,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,15 +487,7 @@ class TorchEngine:
             return []
         longest = max(len(s.input_ids) for s in fresh)
         with self._cond:
-            candidates, rows = [], 0
-            for sequence in self._queue:
-                rows += sequence.rows
-                if rows > self.max_batch_rows:
-                    break
-                if not (sequence.cancelled or sequence.preparing or sequence.prepared is not None):
-                    candidates.append(sequence)
-            candidates.sort(key=lambda s: abs(len(s.input_ids) - longest))
-            ahead = candidates[:wanted]
+            ahead = sorted(self._unprepared(), key=lambda s: abs(len(s.input_ids) - longest))[:wanted]
             for sequence in ahead:
                 sequence.preparing = True
         return ahead
@@ -539,14 +531,18 @@ class TorchEngine:
         `max_batch_rows` rows (called under `_cond`)."""
         if not self._running or not self._runner.concurrent_joins:
             return None
+        return next(self._unprepared(), None)
+
+    def _unprepared(self) -> Iterator[_Sequence]:
+        """Waiting sequences, in queue order, among those that fill the next `max_batch_rows` rows, whose rows
+        are neither computed nor being computed (called under `_cond`)."""
         rows = 0
         for sequence in self._queue:
             rows += sequence.rows
             if rows > self.max_batch_rows:
-                return None
+                return
             if not (sequence.cancelled or sequence.preparing or sequence.prepared is not None):
-                return sequence
-        return None
+                yield sequence
 
     def _drop_cancelled(self) -> None:
         if not any(s.dropped for s in self._running):
