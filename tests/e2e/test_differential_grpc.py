@@ -538,9 +538,6 @@ DELIBERATE_DIVERGENCES = [
     Divergence("uint64_parameter", params_request(big=P(uint64_param=2**64 - 1)), "INVALID_ARGUMENT", "OK",
                "InferParameter defines uint64_param and Python holds it exactly; Triton 2.51's request path only "
                "takes bool, int64, double and string for model parameters."),
-    Divergence("classification_output", edited(add_sub(), lambda m: m.outputs.add(name="OUTPUT0").parameters[
-        "classification"].CopyFrom(P(int64_param=2))), "OK", "UNIMPLEMENTED",
-               "transerve does not implement the classification extension and says so, over HTTP (501) as here."),
 ]
 
 

@@ -72,9 +72,9 @@ def test_the_cli_shows_its_progress_and_writes_a_complete_repository(tmp_path: P
     written = sorted(path.relative_to(tmp_path / "repo").as_posix() for path in (tmp_path / "repo").rglob("*")
                      if path.is_file())
     assert written == [
-        "seqcls/config.pbtxt",
+        "seqcls/config.pbtxt", "seqcls/labels.txt",
         "seqcls_model/1/model.pt", "seqcls_model/config.pbtxt",
-        "seqcls_postprocess/1/model.py", "seqcls_postprocess/config.pbtxt",
+        "seqcls_postprocess/1/model.py", "seqcls_postprocess/config.pbtxt", "seqcls_postprocess/labels.txt",
         "seqcls_tokenizer/1/model.py", "seqcls_tokenizer/1/tokenizer.json", "seqcls_tokenizer/config.pbtxt",
     ]
     for name in ("seqcls", "seqcls_model", "seqcls_postprocess", "seqcls_tokenizer"):
@@ -102,6 +102,10 @@ def test_every_task_and_format_writes_its_models(exported_repository: Path, name
     if task == "seqcls":
         assert json.loads(config_of(exported_repository, f"{name}_postprocess").parameters["labels"].string_value) \
             == LABELS
+        for folder in (f"{name}_postprocess", name):  # `probabilities` names its labels, for class_count
+            (probabilities,) = [o for o in config_of(exported_repository, folder).output if o.name == "probabilities"]
+            labels = exported_repository / folder / probabilities.label_filename
+            assert labels.read_text(encoding="utf-8").splitlines() == LABELS
     if task == "embedding":
         tokenizer = config_of(exported_repository, f"{name}_tokenizer")
         assert tokenizer.parameters["max_length"].string_value == "256"  # sentence-transformers' limit

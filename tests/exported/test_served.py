@@ -79,6 +79,14 @@ def test_sequence_classification_matches_transformers(exported_server, model_fol
     assert [label.decode() for label in result.as_numpy("label").reshape(-1)] == [LABELS[i] for i in
                                                                                  expected.argmax(axis=1)]
     np.testing.assert_allclose(result.as_numpy("score").reshape(-1), expected.max(axis=1), atol=1e-5)
+    ranked = httpclient.InferenceServerClient(exported_server.http_url).infer(
+        model, [texts_input(httpclient, "input_text", TEXTS)],
+        outputs=[httpclient.InferRequestedOutput("probabilities", class_count=2)]).as_numpy("probabilities")
+    for row, probabilities in zip(ranked.tolist(), expected, strict=True):  # "probability:index:label", likeliest first
+        order = np.argsort(-probabilities, kind="stable")[:2]
+        assert [entry.decode().split(":", 1)[1] for entry in row] == [f"{i}:{LABELS[i]}" for i in order]
+        np.testing.assert_allclose([float(entry.decode().split(":")[0]) for entry in row], probabilities[order],
+                                   atol=1e-5)
 
 
 def reference_answer(tokenizer: object, reference: object, question: str, context: str) -> tuple[str, float]:

@@ -201,16 +201,30 @@ def test_requested_outputs_with_parameters():
                                                      RequestedOutput("Z", {})]
 
 
-@pytest.mark.parametrize("where", ["input", "output_shm", "classification"])
+@pytest.mark.parametrize("where", ["input", "output_shm"])
 def test_unsupported_extensions(where: str):
     message = request(InputTensor(name="X", datatype="INT8", shape=[1]), raw=[b"\x01"])
     if where == "input":
         message.inputs[0].parameters["shared_memory_region"].string_param = "region"
-    elif where == "output_shm":
-        message.outputs.add(name="Y").parameters["shared_memory_region"].string_param = "region"
     else:
-        message.outputs.add(name="Y").parameters["classification"].int64_param = 3
+        message.outputs.add(name="Y").parameters["shared_memory_region"].string_param = "region"
     assert error_of(message).code is ErrorCode.UNSUPPORTED
+
+
+@pytest.mark.parametrize(("parameter", "error"), [
+    (service_pb2.InferParameter(int64_param=3), None),
+    (service_pb2.InferParameter(int64_param=0), "invalid value for 'classification' parameter, expected > 0, got 0"),
+    (service_pb2.InferParameter(uint64_param=3), "invalid value type for 'classification' parameter"),
+    (service_pb2.InferParameter(string_param="3"), "invalid value type for 'classification' parameter"),
+])
+def test_classification_parameter(parameter: service_pb2.InferParameter, error: str | None):
+    message = request(InputTensor(name="X", datatype="INT8", shape=[1]), raw=[b"\x01"])
+    message.outputs.add(name="Y").parameters["classification"].CopyFrom(parameter)
+    if error is None:
+        assert decode_infer_request(message).outputs == [RequestedOutput("Y", {"classification": 3})]
+    else:
+        assert error_of(message).code is ErrorCode.INVALID_ARG
+        assert error in error_of(message).message
 
 
 @pytest.mark.parametrize(("text", "ok"), [("", True), ("1", True), ("12", True), ("abc", False), ("-1", False)])

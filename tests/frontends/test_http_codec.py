@@ -66,7 +66,8 @@ SHORT_BINARY = b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32","parameter
         (b'{"inputs":[],"parameters":{"priority":-1}}', None, "'priority' must be a non-negative integer"),
         (b'{"inputs":[],"parameters":{"sequence_start":1}}', None, "'sequence_start' must be true or false"),
         (b'{"inputs":[],"parameters":{"sequence_id":1.5}}', None, "'sequence_id' must be an integer or a string"),
-        (b'{"inputs":[],"outputs":[{"name":"B","parameters":{"classification":2}}]}', None, "classification"),
+        (b'{"inputs":[],"outputs":[{"name":"B","parameters":{"classification":"2"}}]}', None,
+         "Unable to set 'classification' of output 'B': it must be a non-negative integer"),
     ],
 )
 def test_malformed_requests_are_invalid_arguments(body, length, fragment):

@@ -25,6 +25,7 @@ from transerve.config.model_config import (
     to_json_dict,
     validate,
 )
+from transerve.core.classification import class_count, classify_response, load_labels
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
@@ -99,6 +100,8 @@ class ModelVersion:
     stats: ModelStats
     #: The config's `model_transaction_policy.decoupled`, read once: a protobuf lookup per request costs more.
     decoupled: bool = False
+    #: Each output's labels from its `label_filename`, for the classification extension.
+    labels: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -353,6 +356,10 @@ class Server:
         model.signature.validate(request)
         stream = ResponseStream(self._loop or asyncio.get_running_loop())
         if model.decoupled:
+            counts = class_count(request)
+            if counts:
+                batching = model.signature.max_batch_size > 0
+                stream.shape_response = lambda response: classify_response(response, counts, model.labels, batching)
             request.response_stream = stream
             task = self._track(self._run_decoupled(model, request, stream))
         else:
@@ -408,6 +415,9 @@ class Server:
         if request.outputs is not None:
             produced = {tensor.name: tensor for tensor in response.outputs}
             response.outputs = [produced[o.name] for o in request.outputs if o.name in produced]
+            counts = class_count(request)
+            if counts:
+                classify_response(response, counts, model.labels, model.signature.max_batch_size > 0)
         return response
 
     # ---- model control ---------------------------------------------------------------------------
@@ -533,6 +543,7 @@ class Server:
             auto_complete=self.options.auto_complete,
             runtime=self,
         )
+        labels = load_labels(location.path, config)
         started = time.monotonic()
         backend_model = await backend.load(context)
         config = backend_model.config
@@ -559,6 +570,7 @@ class Server:
             scheduler=scheduler,
             stats=stats,
             decoupled=config.model_transaction_policy.decoupled,
+            labels=labels,
         )
 
     def _backend(self, kind: str, model_name: str) -> Backend:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
 
+from transerve.core.classification import PARAMETER as CLASSIFICATION
+from transerve.core.classification import check_classifiable
 from transerve.core.datatypes import config_to_protocol
 from transerve.core.errors import invalid_arg
 from transerve.core.types import InferRequest
@@ -110,7 +112,7 @@ class ModelSignature:
             return False
         if request.outputs is not None:
             for output in request.outputs:
-                if output.name not in self.outputs:
+                if output.name not in self.outputs or output.parameters.get(CLASSIFICATION):
                     return False
         return True
 
@@ -162,6 +164,8 @@ class ModelSignature:
             for output in request.outputs:
                 if output.name not in self.outputs:
                     raise invalid_arg(f"unexpected inference output '{output.name}' for model '{self.model_name}'")
+                if output.parameters.get(CLASSIFICATION):
+                    check_classifiable(self.outputs[output.name].datatype)
 
     def _apply_reshape(self, request: InferRequest) -> None:
         for tensor in request.inputs:

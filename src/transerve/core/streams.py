@@ -25,7 +25,7 @@ StreamItem = InferResponse | ServerError | None
 class ResponseStream:
     """An async iterator of InferResponse fed by callbacks on the event loop thread."""
 
-    __slots__ = ("_loop", "_items", "_waiter", "_closed", "cancelled", "_on_cancel", "final_sent")
+    __slots__ = ("_loop", "_items", "_waiter", "_closed", "cancelled", "_on_cancel", "final_sent", "shape_response")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -36,12 +36,20 @@ class ResponseStream:
         self._on_cancel: list[Callable[[], None]] = []
         #: Whether the model marked a response (or an empty message) as the last one.
         self.final_sent = False
+        #: What the core does to each response before it is queued (the classification extension), if anything.
+        self.shape_response: Callable[[InferResponse], InferResponse] | None = None
 
     # ---- producer side (backends) ------------------------------------------------------------------
 
     def send(self, response: InferResponse, final: bool = False) -> None:
         """One response; `final` ends the stream after it."""
-        self._put(response, final, final)
+        item: StreamItem = response
+        if self.shape_response is not None:
+            try:
+                item = self.shape_response(response)
+            except ServerError as exc:
+                item = exc
+        self._put(item, final, final)
 
     def send_error(self, error: ServerError, final: bool = False) -> None:
         """A response that carries an error; unless `final`, more responses may follow."""

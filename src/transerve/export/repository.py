@@ -7,6 +7,10 @@ For a name N (the task's name unless `--name` says otherwise):
 - `N_postprocess` (python, not for `encode`): pooling, softmax and labels, or answer spans;
 - `N` (ensemble): what clients call, text in and the task's outputs out.
 
+For `seqcls`, `probabilities` names a `labels.txt` (`label_filename`, in the post-processing's and the ensemble's
+folders), so that a client asking for `class_count` k gets the k likeliest classes by name (Triton's
+classification extension).
+
 With `--dynamic-batching` every model batches requests; with `--bucketed` the exported model batches only
 requests of similar token counts (transerve's length buckets, see docs/batching.md), padded by the backend.
 """
@@ -27,6 +31,9 @@ from transerve.export.convert import Task
 from transerve.export.hf import ModelFolder
 
 ModelConfig = model_config_pb2.ModelConfig
+
+#: The class names of a `seqcls` export's `probabilities`, one per line.
+LABEL_FILE = "labels.txt"
 
 #: Bucket bounds in tokens (each ~1.5x the last), cut at the model's max_length.
 BUCKET_BOUNDARIES = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -58,6 +65,10 @@ def write(repository: Path, folder: ModelFolder, task: Task, inputs: list[str], 
     if postprocess is not None:
         _write_python(repository, postprocess, f"{task.name}.py")
     _write_config(repository, _ensemble(name, tokenizer, model, postprocess, task, options))
+    if task.name == "seqcls":
+        labels = "".join(" ".join(label.split()) + "\n" for label in folder.labels)
+        for model_name in (postprocess.name, name):
+            (repository / model_name / LABEL_FILE).write_text(labels, encoding="utf-8")
     filename = "model.onnx" if options.fmt == "onnx" else "model.pt"
     return repository / model.name / "1" / filename
 
@@ -113,6 +124,7 @@ def _postprocess(name: str, folder: ModelFolder, task: Task, options: Options) -
         _tensor(config.output, "label", "TYPE_STRING", [1])
         _tensor(config.output, "score", "TYPE_FP32", [1])
         _tensor(config.output, "probabilities", "TYPE_FP32", [len(labels)])
+        config.output[-1].label_filename = LABEL_FILE
         _parameters(config, labels=json.dumps(labels))
     else:
         for logits in ("start_logits", "end_logits"):

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2
 
+from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.errors import internal, invalid_arg, unsupported
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
@@ -126,12 +127,21 @@ def _decode_outputs(
     requested = []
     for output in outputs:
         parameters = decode_parameters(output.parameters) if output.parameters else {}
-        if "classification" in parameters:
-            raise unsupported(f"output '{output.name}': the classification extension is not supported")
+        if CLASSIFICATION in parameters:
+            _check_class_count(output.parameters[CLASSIFICATION])
         if "shared_memory_region" in parameters:
             raise unsupported(f"output '{output.name}': shared memory outputs are not supported by transerve")
         requested.append(RequestedOutput(output.name, parameters))
     return requested
+
+
+def _check_class_count(parameter: service_pb2.InferParameter) -> None:
+    """Triton's checks of an output's `classification` parameter (over gRPC, unlike HTTP, 0 is refused too: the
+    client leaves the parameter out instead)."""
+    if parameter.WhichOneof("parameter_choice") != "int64_param":
+        raise invalid_arg(f"invalid value type for '{CLASSIFICATION}' parameter, expected int64_param")
+    if parameter.int64_param <= 0:
+        raise invalid_arg(f"invalid value for '{CLASSIFICATION}' parameter, expected > 0, got {parameter.int64_param}")
 
 
 def _decode_request_parameters(

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.errors import invalid_arg, unsupported
 from transerve.core.protocol_parameters import (
     FRONTEND_PARAMETERS,
@@ -127,8 +128,10 @@ def _decode_outputs(raw: Any) -> list[RequestedOutput] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise invalid_arg("Unable to parse 'outputs': each output needs a string 'name'")
         parameters = _parameters(item.get("parameters"), f"output '{item['name']}'")
-        if "classification" in parameters:
-            raise unsupported(f"output '{item['name']}': the classification extension is not supported")
+        count = parameters.get(CLASSIFICATION)
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+            raise invalid_arg(f"Unable to set '{CLASSIFICATION}' of output '{item['name']}': it must be a "
+                              f"non-negative integer, not {orjson.dumps(count).decode()}")
         if "shared_memory_region" in parameters:
             raise unsupported(f"output '{item['name']}': shared memory outputs are not supported by transerve")
         outputs.append(RequestedOutput(item["name"], parameters))
