@@ -517,14 +517,16 @@ def test_repository_index(servers: dict[str, ServerProcess], body: dict[str, Any
     assert by_name(json_body(responses["transerve"])) == by_name(json_body(responses["triton"]))
 
 
-EXERCISED_EXTENSIONS = {"binary_tensor_data", "parameters", "model_configuration", "model_repository"}
-"""The extensions these tests use; a server must advertise what it implements."""
+EXERCISED_EXTENSIONS = {"binary_tensor_data", "parameters", "model_configuration", "model_repository",
+                        "classification", "system_shared_memory"}
+"""The extensions the differential tests use (classification and shared memory in their own files); a server must
+advertise what it implements."""
 
 
 def test_server_metadata(servers: dict[str, ServerProcess]) -> None:
     """Only the shape is compared: `name` and `version` identify the implementation, and Triton lists extensions
-    transerve does not claim (cuda_shared_memory, trace, logging...). What must agree is that both advertise the
-    extensions that the other tests in this file exercise."""
+    transerve does not claim (cuda_shared_memory, trace, logging). What must agree is that both advertise the
+    extensions that the differential tests exercise."""
     responses = both(servers, "GET", "/v2")
     for name, response in responses.items():
         assert response.status_code == 200, name

@@ -484,9 +484,9 @@ def test_same_error_category_over_http_and_grpc(
         (_with(raw_add_sub(), lambda m: m.parameters["triton_x"].CopyFrom(service_pb2.InferParameter(bool_param=1))),
          "INVALID_ARGUMENT"),
         (_with(raw_add_sub(), lambda m: m.inputs[0].parameters["shared_memory_region"].CopyFrom(
-            service_pb2.InferParameter(string_param="r"))), "UNIMPLEMENTED"),
+            service_pb2.InferParameter(string_param="never_registered"))), "NOT_FOUND"),
     ],
-    ids=["no_inputs", "raw_missing_for_one_input", "raw_and_typed", "reserved_parameter", "shared_memory"],
+    ids=["no_inputs", "raw_missing_for_one_input", "raw_and_typed", "reserved_parameter", "unknown_region"],
 )
 def test_grpc_only_mistakes(stub: service_pb2_grpc.GRPCInferenceServiceStub, message: Any, code: str) -> None:
     assert grpc_code(stub, message) == code

@@ -201,14 +201,19 @@ def test_requested_outputs_with_parameters():
                                                      RequestedOutput("Z", {})]
 
 
-@pytest.mark.parametrize("where", ["input", "output_shm"])
-def test_unsupported_extensions(where: str):
+def test_shared_memory_placements():
+    """An input in a region no registry holds is not found; an output's placement is checked and kept."""
+    message = request(InputTensor(name="X", datatype="INT8", shape=[1]))
+    message.inputs[0].parameters["shared_memory_region"].string_param = "region"
+    assert error_of(message).code is ErrorCode.NOT_FOUND
     message = request(InputTensor(name="X", datatype="INT8", shape=[1]), raw=[b"\x01"])
-    if where == "input":
-        message.inputs[0].parameters["shared_memory_region"].string_param = "region"
-    else:
-        message.outputs.add(name="Y").parameters["shared_memory_region"].string_param = "region"
-    assert error_of(message).code is ErrorCode.UNSUPPORTED
+    placed = message.outputs.add(name="Y")
+    placed.parameters["shared_memory_region"].string_param = "region"
+    placed.parameters["shared_memory_byte_size"].int64_param = 8
+    assert decode_infer_request(message).outputs == [
+        RequestedOutput("Y", {"shared_memory_region": "region", "shared_memory_byte_size": 8})]
+    placed.parameters["shared_memory_byte_size"].int64_param = -8
+    assert "'shared_memory_byte_size' must be a non-negative integer" in error_of(message).message
 
 
 @pytest.mark.parametrize(("parameter", "error"), [

@@ -25,8 +25,10 @@ from transerve.config.model_config import (
     to_json_dict,
     validate,
 )
+from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response, load_labels
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
+from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
 from transerve.core.streams import ResponseStream
@@ -46,12 +48,16 @@ from transerve.scheduling.warmup import warm_up
 log = logging.getLogger("transerve")
 
 EXTENSIONS = [
+    "classification",
+    "sequence",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
     "binary_tensor_data",
     "parameters",
     "statistics",
-    "model_configuration",
-    "model_repository",
-    "model_repository(unload_dependents)",
 ]
 
 
@@ -122,6 +128,14 @@ class ModelRecord:
         return self.versions[max(self.versions)] if self.versions else None
 
 
+def _shaped_outputs(request: InferRequest) -> bool:
+    """Whether an output of `request` asks for classification or for a shared memory region."""
+    return any(
+        output.parameters and (output.parameters.get(CLASSIFICATION) or REGION in output.parameters)
+        for output in request.outputs or ()
+    )
+
+
 def _backend_registry() -> dict[str, type[Backend]]:
     from transerve.backends.ensemble.backend import EnsembleBackend
     from transerve.backends.generation.backend import GenerationBackend
@@ -153,6 +167,8 @@ class Server:
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
         self.repository = ModelRepository(options.repositories)
+        #: The system shared memory regions clients registered (Triton's shared memory extension).
+        self.shared_memory = SharedMemoryRegistry()
         self._models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._backend_types = _backend_registry()
@@ -356,10 +372,8 @@ class Server:
         model.signature.validate(request)
         stream = ResponseStream(self._loop or asyncio.get_running_loop())
         if model.decoupled:
-            counts = class_count(request)
-            if counts:
-                batching = model.signature.max_batch_size > 0
-                stream.shape_response = lambda response: classify_response(response, counts, model.labels, batching)
+            if _shaped_outputs(request):
+                stream.shape_response = lambda response: self._shape(model, request, response)
             request.response_stream = stream
             task = self._track(self._run_decoupled(model, request, stream))
         else:
@@ -405,8 +419,7 @@ class Server:
             self._inflight -= 1
         return self._answer(model, request, response)
 
-    @staticmethod
-    def _answer(model: ModelVersion, request: InferRequest, response: InferResponse) -> InferResponse:
+    def _answer(self, model: ModelVersion, request: InferRequest, response: InferResponse) -> InferResponse:
         """Count a success and shape the response to what the request asked for."""
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
         response.id = request.id
@@ -415,9 +428,16 @@ class Server:
         if request.outputs is not None:
             produced = {tensor.name: tensor for tensor in response.outputs}
             response.outputs = [produced[o.name] for o in request.outputs if o.name in produced]
-            counts = class_count(request)
-            if counts:
-                classify_response(response, counts, model.labels, model.signature.max_batch_size > 0)
+            if _shaped_outputs(request):
+                self._shape(model, request, response)
+        return response
+
+    def _shape(self, model: ModelVersion, request: InferRequest, response: InferResponse) -> InferResponse:
+        """What the request's output parameters ask of a response: classification, then shared memory."""
+        counts = class_count(request)
+        if counts:
+            classify_response(response, counts, model.labels, model.signature.max_batch_size > 0)
+        self.shared_memory.write_outputs(request, response)
         return response
 
     # ---- model control ---------------------------------------------------------------------------

@@ -16,6 +16,8 @@ class Tensor:
     datatype: str
     data: np.ndarray
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: An output written into the client's shared memory region: the frontends send its shape, not its data.
+    in_shared_memory: bool = False
 
     @property
     def shape(self) -> list[int]:

@@ -15,8 +15,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from transerve.core.classification import PARAMETER as CLASSIFICATION
-from transerve.core.errors import internal, invalid_arg, unsupported
+from transerve.core.errors import internal, invalid_arg, not_found
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
+from transerve.core.shared_memory import SharedMemoryRegistry, placement
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
@@ -57,8 +58,11 @@ def parse_version(version: str) -> str:
     return version
 
 
-def decode_infer_request(message: service_pb2.ModelInferRequest) -> InferRequest:
-    """Decode a ModelInferRequest; tensor data comes from typed `contents` or, in input order, `raw_input_contents`."""
+def decode_infer_request(
+    message: service_pb2.ModelInferRequest, regions: SharedMemoryRegistry | None = None
+) -> InferRequest:
+    """Decode a ModelInferRequest; tensor data comes from a shared memory region of `regions`, typed `contents`
+    or, in input order, `raw_input_contents`."""
     model_name = message.model_name
     raw = message.raw_input_contents
     raw_count = len(raw)
@@ -68,9 +72,14 @@ def decode_infer_request(message: service_pb2.ModelInferRequest) -> InferRequest
         name = tensor.name
         datatype = check_datatype(name, tensor.datatype)
         shape = check_shape(name, list(tensor.shape))
-        if tensor.parameters and "shared_memory_region" in tensor.parameters:
-            raise unsupported(f"input '{name}': shared memory inputs are not supported by transerve")
-        if tensor.HasField("contents"):
+        place = placement(name, decode_parameters(tensor.parameters), "input") if tensor.parameters else None
+        if place is not None:
+            if tensor.HasField("contents"):
+                raise invalid_arg(f"input '{name}' has both 'contents' and a shared memory region")
+            if regions is None:
+                raise not_found(f"Unable to find shared memory region: '{place[0]}'")
+            inputs.append(tensor_from_bytes(name, datatype, shape, regions.read(*place), model_name))
+        elif tensor.HasField("contents"):
             if raw_count:
                 raise invalid_arg(
                     f"contents field must not be specified when using raw_input_contents for '{name}' "
@@ -129,8 +138,7 @@ def _decode_outputs(
         parameters = decode_parameters(output.parameters) if output.parameters else {}
         if CLASSIFICATION in parameters:
             _check_class_count(output.parameters[CLASSIFICATION])
-        if "shared_memory_region" in parameters:
-            raise unsupported(f"output '{output.name}': shared memory outputs are not supported by transerve")
+        placement(output.name, parameters, "output")
         requested.append(RequestedOutput(output.name, parameters))
     return requested
 
@@ -209,7 +217,7 @@ def encode_infer_response(response: InferResponse) -> service_pb2.ModelInferResp
         output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
         if tensor.parameters:
             encode_parameters(output.parameters, tensor.parameters)
-        contents.append(wire_bytes(tensor))
+        contents.append(b"" if tensor.in_shared_memory else wire_bytes(tensor))
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
     return message

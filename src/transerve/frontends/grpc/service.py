@@ -20,8 +20,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, json_format, messag
 from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from transerve.core.errors import ErrorCode, ServerError, invalid_arg, unavailable, unsupported
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
+from transerve.core.types import InferRequest
 from transerve.frontends.grpc.codec import decode_infer_request, encode_infer_response, parse_version
 
 log = logging.getLogger("transerve.grpc")
@@ -135,7 +136,7 @@ class InferenceService:
     async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
         if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        return encode_infer_response(await self._server.infer(decode_infer_request(request)))
+        return encode_infer_response(await self._server.infer(self._decode(request)))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
@@ -179,6 +180,9 @@ class InferenceService:
         finally:
             outbox.put_nowait(None)
 
+    def _decode(self, request: service_pb2.ModelInferRequest) -> InferRequest:
+        return decode_infer_request(request, self._server.shared_memory)
+
     def _is_decoupled(self, request: service_pb2.ModelInferRequest) -> bool:
         try:
             model = self._server.get_version(request.model_name, request.model_version)
@@ -190,7 +194,7 @@ class InferenceService:
         self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore, in_order: _InOrder, ticket: int
     ) -> None:
         try:
-            response = encode_infer_response(await self._server.infer(decode_infer_request(request)))
+            response = encode_infer_response(await self._server.infer(self._decode(request)))
             # As Triton marks it, so that clients of decoupled models can tell the last answer to a request.
             response.parameters["triton_final_response"].bool_param = True
             message = service_pb2.ModelStreamInferResponse(infer_response=response)
@@ -212,7 +216,7 @@ class InferenceService:
         """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
         stream = None
         try:
-            infer_request = decode_infer_request(request)
+            infer_request = self._decode(request)
             stream = self._server.infer_stream(infer_request)
             empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
                 if "triton_enable_empty_final_response" in request.parameters else False
@@ -281,13 +285,51 @@ class InferenceService:
         await self._server.unload_model(request.model_name)
         return service_pb2.RepositoryModelUnloadResponse()
 
+    # ---- shared memory ---------------------------------------------------------------------------
+
+    async def SystemSharedMemoryStatus(
+        self, request: service_pb2.SystemSharedMemoryStatusRequest
+    ) -> service_pb2.SystemSharedMemoryStatusResponse:
+        regions = self._server.shared_memory.status(request.name or None)
+        status = service_pb2.SystemSharedMemoryStatusResponse.RegionStatus
+        return service_pb2.SystemSharedMemoryStatusResponse(regions={r["name"]: status(**r) for r in regions})
+
+    async def SystemSharedMemoryRegister(
+        self, request: service_pb2.SystemSharedMemoryRegisterRequest
+    ) -> service_pb2.SystemSharedMemoryRegisterResponse:
+        self._server.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(
+        self, request: service_pb2.SystemSharedMemoryUnregisterRequest
+    ) -> service_pb2.SystemSharedMemoryUnregisterResponse:
+        self._server.shared_memory.unregister(request.name or None)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(
+        self, request: service_pb2.CudaSharedMemoryStatusRequest
+    ) -> service_pb2.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise not_found(f"Unable to find cuda shared memory region: '{request.name}'")
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(
+        self, request: service_pb2.CudaSharedMemoryRegisterRequest
+    ) -> service_pb2.CudaSharedMemoryRegisterResponse:
+        raise unsupported("CUDA shared memory is not supported by transerve: use system shared memory")
+
+    async def CudaSharedMemoryUnregister(
+        self, request: service_pb2.CudaSharedMemoryUnregisterRequest
+    ) -> service_pb2.CudaSharedMemoryUnregisterResponse:
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
     def _explicit_control(self) -> None:
         if self._server.options.control_mode is not ControlMode.EXPLICIT:
             raise unavailable(_NOT_EXPLICIT)
 
     def rpcs(self) -> Iterator[Rpc]:
-        """Every method of the proto this class implements; the others (shared memory, trace and log settings)
-        are left to each transport's UNIMPLEMENTED."""
+        """Every method of the proto this class implements; the others (trace and log settings) are left to each
+        transport's UNIMPLEMENTED."""
         for method in SERVICE.methods:
             handler = getattr(self, method.name, None)
             if handler is not None:

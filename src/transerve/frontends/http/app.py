@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from transerve.core.errors import ErrorCode, ServerError, invalid_arg
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
 from transerve.core.server import ControlMode, Server
 from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
 from transerve.frontends.http.generate import (
@@ -99,6 +99,8 @@ class HttpFrontend:
             return _EMPTY_OK if ok else error_response(400, f"server is not {parts[2]}")
         if section == "repository":
             return await self._repository(request, [unquote(p) for p in parts[2:]])
+        if section in ("systemsharedmemory", "cudasharedmemory"):
+            return self._shared_memory(request, section == "cudasharedmemory", [unquote(p) for p in parts[2:]])
         return error_response(404, "Not Found")
 
     @staticmethod
@@ -147,7 +149,8 @@ class HttpFrontend:
             except ValueError as exc:
                 raise invalid_arg(str(exc)) from None
         header_length = request.headers.get("inference-header-content-length")
-        infer_request, binary_default = decode_infer_request(name, version, body, header_length)
+        infer_request, binary_default = decode_infer_request(name, version, body, header_length,
+                                                             self.server.shared_memory)
         response = await self.server.infer(infer_request)
         payload, header_length = encode_infer_response(response, infer_request, binary_default)
         if header_length is None:
@@ -173,6 +176,44 @@ class HttpFrontend:
         finally:
             if not stream.closed:
                 stream.cancel()
+
+    def _shared_memory(self, request: HttpRequest, cuda: bool, parts: list[str]) -> HttpResponse:
+        """`status`, `unregister` and `region/<name>/{status,register,unregister}` of the system shared memory
+        extension; the CUDA one has no regions and refuses to register any."""
+        if len(parts) == 1:
+            name, action = None, parts[0]
+        elif len(parts) == 3 and parts[0] == "region":
+            name, action = parts[1], parts[2]
+        else:
+            return error_response(404, "Not Found")
+        if action == "status":
+            if self._get(request.method):
+                return error_response(405, "Method Not Allowed")
+            if cuda:
+                if name is not None:
+                    raise not_found(f"Unable to find cuda shared memory region: '{name}'")
+                return _json([])
+            return _json(self.server.shared_memory.status(name))
+        if action not in ("register", "unregister") or (action == "register" and name is None):
+            return error_response(404, "Not Found")
+        if request.method != "POST":
+            return error_response(405, "Method Not Allowed")
+        if action == "unregister":
+            if not cuda:
+                self.server.shared_memory.unregister(name)
+            return _EMPTY_OK
+        if cuda:
+            raise unsupported("CUDA shared memory is not supported by transerve: use system shared memory")
+        options = _json_body(request.body)
+        key = options.get("key")
+        if not isinstance(key, str):
+            raise invalid_arg("Shared memory register request has no 'key' field")
+        offset, byte_size = options.get("offset", 0), options.get("byte_size")
+        for field, value in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise invalid_arg(f"Shared memory register request needs '{field}' as a non-negative integer")
+        self.server.shared_memory.register(name, key, offset, byte_size)
+        return _EMPTY_OK
 
     async def _repository(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
         if request.method != "POST":

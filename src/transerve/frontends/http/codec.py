@@ -8,12 +8,13 @@ import numpy as np
 import orjson
 
 from transerve.core.classification import PARAMETER as CLASSIFICATION
-from transerve.core.errors import invalid_arg, unsupported
+from transerve.core.errors import invalid_arg, not_found
 from transerve.core.protocol_parameters import (
     FRONTEND_PARAMETERS,
     SCHEDULING_PARAMETERS,
     apply_scheduling_parameter,
 )
+from transerve.core.shared_memory import SharedMemoryRegistry, placement
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
@@ -21,9 +22,11 @@ _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 def decode_infer_request(
-    model_name: str, model_version: str, body: bytes, header_length: str | None
+    model_name: str, model_version: str, body: bytes, header_length: str | None,
+    regions: SharedMemoryRegistry | None = None,
 ) -> tuple[InferRequest, bool]:
-    """Parse an infer body: JSON alone, or a JSON header followed by binary tensor data.
+    """Parse an infer body: JSON alone, or a JSON header followed by binary tensor data; inputs placed in shared
+    memory are read from `regions`.
 
     Also returns the request's `binary_data_output` flag: whether outputs default to binary.
     """
@@ -59,7 +62,7 @@ def decode_infer_request(
     offset = 0
     inputs: list[Tensor] = []
     for raw in raw_inputs:
-        tensor, offset = _decode_input(raw, binary, offset, model_name)
+        tensor, offset = _decode_input(raw, binary, offset, model_name, regions)
         inputs.append(tensor)
     if offset != len(binary):
         raise invalid_arg(f"unexpected additional input data for model '{model_name}'")
@@ -83,7 +86,9 @@ def _parameters(raw: Any, where: str) -> dict[str, Any]:
     return raw
 
 
-def _decode_input(raw: Any, binary: memoryview, offset: int, model_name: str) -> tuple[Tensor, int]:
+def _decode_input(
+    raw: Any, binary: memoryview, offset: int, model_name: str, regions: SharedMemoryRegistry | None
+) -> tuple[Tensor, int]:
     if not isinstance(raw, dict):
         raise invalid_arg("Unable to parse 'inputs': each input must be a JSON object")
     name = raw.get("name")
@@ -98,14 +103,19 @@ def _decode_input(raw: Any, binary: memoryview, offset: int, model_name: str) ->
     parameters = _parameters(raw.get("parameters"), f"input '{name}'")
     size = parameters.get("binary_data_size")
     has_data = "data" in raw
-    if "shared_memory_region" in parameters:
-        raise unsupported(f"input '{name}': shared memory inputs are not supported by transerve")
-    if (size is not None) == has_data:
+    place = placement(name, parameters, "input")
+    sources = [label for label, given in (("'data'", has_data), ("'binary_data_size'", size is not None),
+                                          ("'shared_memory_region'", place is not None)) if given]
+    if len(sources) != 1:
         raise invalid_arg(
             "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
             f"'shared_memory_region' in 'parameters'. Input '{name}' sets "
-            + ("both" if has_data else "none")
+            + (" ".join(sources) if sources else "none")
         )
+    if place is not None:
+        if regions is None:
+            raise not_found(f"Unable to find shared memory region: '{place[0]}'")
+        return tensor_from_bytes(name, datatype, shape, regions.read(*place), model_name), offset
     if has_data:
         return tensor_from_values(name, datatype, shape, raw["data"]), offset
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -132,8 +142,8 @@ def _decode_outputs(raw: Any) -> list[RequestedOutput] | None:
         if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise invalid_arg(f"Unable to set '{CLASSIFICATION}' of output '{item['name']}': it must be a "
                               f"non-negative integer, not {orjson.dumps(count).decode()}")
-        if "shared_memory_region" in parameters:
-            raise unsupported(f"output '{item['name']}': shared memory outputs are not supported by transerve")
+        if placement(item["name"], parameters, "output") is not None and parameters.get("binary_data"):
+            raise invalid_arg("Output can't set both 'shared_memory_region' and 'binary_data'")
         outputs.append(RequestedOutput(item["name"], parameters))
     return outputs
 
@@ -147,7 +157,9 @@ def encode_infer_response(
     blobs: list[bytes] = []
     for tensor in response.outputs:
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.data.shape)}
-        if wants_binary.get(tensor.name, binary_default):
+        if tensor.in_shared_memory:
+            pass  # as Triton answers: the shape alone
+        elif wants_binary.get(tensor.name, binary_default):
             blob = wire_bytes(tensor)
             entry["parameters"] = {**tensor.parameters, "binary_data_size": len(blob)}
             blobs.append(blob)

@@ -1,0 +1,144 @@
+"""Triton's system shared memory extension: a client on the same host creates a POSIX shared memory object
+(`tritonclient.utils.shared_memory`), registers it under a region name, and then passes inputs in, and has outputs
+written into, that region instead of the request and response bodies.
+
+Regions are mapped once, at registration. Inputs are copied out of a region when the request is decoded, so a
+model never sees memory the client may overwrite or unregister while the request runs; outputs are written into
+their region when the response is ready. Errors keep Triton's wording, but what Triton answers with a 500 (a key
+that does not open, a region smaller than registered, an output region too small) is a 400 here: the client's
+mistake, not the server's. Unlike Triton, an `offset` needs no page alignment.
+
+As in Triton, a client may register any shared memory object the server's user can open: serve this port only
+to clients trusted with the host's /dev/shm.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
+from transerve.core.tensors import wire_bytes
+from transerve.core.types import InferRequest, InferResponse
+
+#: Where Linux keeps POSIX shared memory objects (what shm_open opens).
+SHM_DIR = Path("/dev/shm")
+
+#: The per-tensor parameters that place a tensor in a region.
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+
+#: A POSIX shared memory name: one optional leading slash, then no slash (so never a path elsewhere).
+_KEY = re.compile(r"/?[^/\x00]+")
+
+
+@dataclass(slots=True)
+class Region:
+    """A registered region: `byte_size` bytes from `offset` of the shared memory object `key`."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    mapping: mmap.mmap
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+class SharedMemoryRegistry:
+    """The server's registered regions, by name; used on the event loop only."""
+
+    def __init__(self) -> None:
+        self._regions: dict[str, Region] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if name in self._regions:
+            raise ServerError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        if not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
+            raise invalid_arg(f"Unable to open shared memory region: '{key}': not a shared memory object name")
+        try:  # never through a symbolic link: a region is a shared memory object, not a file elsewhere
+            descriptor = os.open(SHM_DIR / key.lstrip("/"), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise invalid_arg(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
+        try:
+            found = os.fstat(descriptor)
+            if not stat.S_ISREG(found.st_mode):
+                raise invalid_arg(f"Unable to open shared memory region: '{key}': not a shared memory object")
+            size = found.st_size
+            if size == 0 or offset + byte_size > size:
+                raise invalid_arg(f"Invalid shared memory region: '{key}': registering {byte_size} bytes from "
+                                  f"offset {offset} of an object of {size} bytes")
+            mapping = mmap.mmap(descriptor, size)
+        finally:
+            os.close(descriptor)
+        self._regions[name] = Region(name, key, offset, byte_size, mapping)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region `name` (every region when None); an unknown name is no error, as in Triton."""
+        names = list(self._regions) if name is None else [name]
+        for region in (self._regions.pop(n, None) for n in names):
+            if region is not None:
+                region.mapping.close()  # reads copy and writes finish on the loop: no view outlives this
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        if name is None:
+            return [region.status() for region in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise not_found(f"Unable to find system shared memory region: '{name}'")
+        return [region.status()]
+
+    def read(self, name: str, offset: int, byte_size: int) -> bytes:
+        """A copy of `byte_size` bytes from `offset` of region `name`."""
+        region, start = self._locate(name, offset, byte_size)
+        return region.mapping[start:start + byte_size]
+
+    def write_outputs(self, request: InferRequest, response: InferResponse) -> None:
+        """Write the outputs `request` placed in regions into them (marking them `in_shared_memory`)."""
+        places = {o.name: o.parameters for o in request.outputs or () if REGION in o.parameters}
+        for tensor in response.outputs:
+            parameters = places.get(tensor.name)
+            if parameters is None:
+                continue
+            data = wire_bytes(tensor)
+            byte_size = parameters.get(BYTE_SIZE, 0)
+            if len(data) > byte_size:
+                raise invalid_arg(
+                    f"shared memory size specified with the request for output '{tensor.name}' ({byte_size} "
+                    f"bytes) should be at least {len(data)} bytes to hold the results"
+                )
+            region, start = self._locate(parameters[REGION], parameters.get(OFFSET, 0), byte_size)
+            region.mapping[start:start + len(data)] = data
+            tensor.in_shared_memory = True
+
+    def _locate(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
+        region = self._regions.get(name)
+        if region is None:
+            raise not_found(f"Unable to find shared memory region: '{name}'")
+        if offset + byte_size > region.byte_size:
+            raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{name}'")
+        return region, region.offset + offset
+
+
+def placement(name: str, parameters: dict[str, Any], kind: str) -> tuple[str, int, int] | None:
+    """The (region, offset, byte size) an input's or output's parameters name, checked; None if they name none.
+    `kind` is "input" or "output", for messages."""
+    region = parameters.get(REGION)
+    if region is None:
+        return None
+    if not isinstance(region, str):
+        raise invalid_arg(f"{kind} '{name}': '{REGION}' must be a string")
+    values = []
+    for key in (OFFSET, BYTE_SIZE):
+        value = parameters.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid_arg(f"{kind} '{name}': '{key}' must be a non-negative integer")
+        values.append(value)
+    return region, values[0], values[1]
