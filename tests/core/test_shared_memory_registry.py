@@ -126,3 +126,15 @@ def test_placement_parameters(parameters: dict, expected: object) -> None:
         assert refused.code is ErrorCode.INVALID_ARG and expected in refused.message
     else:
         assert placement("X", parameters, "input") == expected
+
+
+def test_an_input_view_outlives_its_unregistered_region(key: str) -> None:
+    """Inputs are read-only views of the region, not copies; unregistering a region that a request still reads
+    leaves the view valid (it is unmapped when the view is gone)."""
+    registry = SharedMemoryRegistry()
+    registry.register("r", key, 0, 64)
+    view = np.frombuffer(registry.read("r", 8, 8), np.float32)
+    assert not view.flags.writeable
+    registry.unregister("r")
+    assert view.tolist() == [2.0, 3.0]
+    assert registry.status() == []

@@ -2,11 +2,14 @@
 (`tritonclient.utils.shared_memory`), registers it under a region name, and then passes inputs in, and has outputs
 written into, that region instead of the request and response bodies.
 
-Regions are mapped once, at registration. Inputs are copied out of a region when the request is decoded, so a
-model never sees memory the client may overwrite or unregister while the request runs; outputs are written into
-their region when the response is ready. Errors keep Triton's wording, but what Triton answers with a 500 (a key
-that does not open, a region smaller than registered, an output region too small) is a 400 here: the client's
-mistake, not the server's. Unlike Triton, an `offset` needs no page alignment.
+Regions are mapped once, at registration. An input is a read-only numpy view of its region (no copy: a backend
+that needs the bytes elsewhere copies them once, as from any request body), so, as in Triton, a client must not
+overwrite a region while a request that reads it runs. An unregistered region is unmapped once the last view of it
+is gone. Outputs are written into their region, in one copy, when the response is ready.
+
+Errors keep Triton's wording, but what Triton answers with a 500 (a key that does not open, a region smaller than
+registered, an output region too small) is a 400 here: the client's mistake, not the server's. Unlike Triton, an
+`offset` needs no page alignment.
 
 As in Triton, a client may register any shared memory object the server's user can open: serve this port only
 to clients trusted with the host's /dev/shm.
@@ -14,6 +17,7 @@ to clients trusted with the host's /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -22,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.tensors import wire_bytes
-from transerve.core.types import InferRequest, InferResponse
+from transerve.core.types import InferRequest, InferResponse, Tensor
 
 #: Where Linux keeps POSIX shared memory objects (what shm_open opens).
 SHM_DIR = Path("/dev/shm")
@@ -85,7 +91,8 @@ class SharedMemoryRegistry:
         names = list(self._regions) if name is None else [name]
         for region in (self._regions.pop(n, None) for n in names):
             if region is not None:
-                region.mapping.close()  # reads copy and writes finish on the loop: no view outlives this
+                with contextlib.suppress(BufferError):  # inputs still use it: unmapped when they are gone
+                    region.mapping.close()
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         if name is None:
@@ -95,10 +102,10 @@ class SharedMemoryRegistry:
             raise not_found(f"Unable to find system shared memory region: '{name}'")
         return [region.status()]
 
-    def read(self, name: str, offset: int, byte_size: int) -> bytes:
-        """A copy of `byte_size` bytes from `offset` of region `name`."""
+    def read(self, name: str, offset: int, byte_size: int) -> memoryview:
+        """The `byte_size` bytes from `offset` of region `name`, read-only, in place."""
         region, start = self._locate(name, offset, byte_size)
-        return region.mapping[start:start + byte_size]
+        return memoryview(region.mapping)[start:start + byte_size].toreadonly()
 
     def write_outputs(self, request: InferRequest, response: InferResponse) -> None:
         """Write the outputs `request` placed in regions into them (marking them `in_shared_memory`)."""
@@ -107,15 +114,16 @@ class SharedMemoryRegistry:
             parameters = places.get(tensor.name)
             if parameters is None:
                 continue
-            data = wire_bytes(tensor)
+            data = _raw_view(tensor)
             byte_size = parameters.get(BYTE_SIZE, 0)
-            if len(data) > byte_size:
+            if data.nbytes > byte_size:
                 raise invalid_arg(
                     f"shared memory size specified with the request for output '{tensor.name}' ({byte_size} "
-                    f"bytes) should be at least {len(data)} bytes to hold the results"
+                    f"bytes) should be at least {data.nbytes} bytes to hold the results"
                 )
             region, start = self._locate(parameters[REGION], parameters.get(OFFSET, 0), byte_size)
-            region.mapping[start:start + len(data)] = data
+            with memoryview(region.mapping) as target:
+                target[start:start + data.nbytes] = data
             tensor.in_shared_memory = True
 
     def _locate(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
@@ -125,6 +133,13 @@ class SharedMemoryRegistry:
         if offset + byte_size > region.byte_size:
             raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{name}'")
         return region, region.offset + offset
+
+
+def _raw_view(tensor: Tensor) -> memoryview:
+    """A tensor's bytes as on the wire: its memory itself when contiguous, else serialized (BYTES) or copied."""
+    if tensor.datatype == "BYTES" or tensor.data.dtype.byteorder == ">":
+        return memoryview(wire_bytes(tensor))
+    return memoryview(np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8))
 
 
 def placement(name: str, parameters: dict[str, Any], kind: str) -> tuple[str, int, int] | None:
