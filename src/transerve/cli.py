@@ -13,6 +13,8 @@ from typing import Any
 
 from transerve import __version__
 from transerve.convert import command as convert_command
+from transerve.core.errors import ServerError
+from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.export import command as export_command
 
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the older name of --disable-auto-complete-config")
     add("--backend-config", type=_backend_config, action="append", default=[], metavar="BACKEND,KEY=VALUE")
     add("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES")
+    add("--cache-config", action="append", default=[], metavar="local,size=BYTES",
+        help="a response cache of BYTES for the models whose config enables response_cache")
+    add("--cache-directory", metavar="PATH", help="accepted for tritonserver's command lines; transerve's cache "
+        "is built in")
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
     return parser
@@ -82,6 +88,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     for backend, key, value in args.backend_config:
         backend_configs.setdefault(backend, {})[key] = value
     auto_complete = not args.disable_auto_complete_config and not args.strict_model_config
+    try:
+        cache_bytes = parse_cache_config(args.cache_config)
+    except ServerError as exc:
+        raise SystemExit(f"transerve serve: {exc.message}") from None
     return ServerOptions(
         repositories=args.model_repository,
         control_mode=ControlMode(args.model_control_mode),
@@ -91,6 +101,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         auto_complete=auto_complete,
         poll_secs=args.repository_poll_secs,
         backend_configs=backend_configs,
+        cache_bytes=cache_bytes,
     )
 
 

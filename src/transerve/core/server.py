@@ -28,6 +28,7 @@ from transerve.config.model_config import (
 from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response, load_labels
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
+from transerve.core.response_cache import CachingScheduler, ResponseCache
 from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
@@ -90,6 +91,8 @@ class ServerOptions:
     auto_complete: bool = True
     poll_secs: float = 15.0
     backend_configs: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The response cache's size in bytes (`--cache-config local,size=N`); None: no cache.
+    cache_bytes: int | None = None
 
 
 @dataclass(slots=True)
@@ -169,6 +172,8 @@ class Server:
         self.repository = ModelRepository(options.repositories)
         #: The system shared memory regions clients registered (Triton's shared memory extension).
         self.shared_memory = SharedMemoryRegistry()
+        #: The responses of models whose config enables `response_cache`, when the server has a cache.
+        self.response_cache = ResponseCache(options.cache_bytes) if options.cache_bytes is not None else None
         self._models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._backend_types = _backend_registry()
@@ -564,6 +569,12 @@ class Server:
             runtime=self,
         )
         labels = load_labels(location.path, config)
+        cached = self.response_cache is not None and config.response_cache.enable
+        if cached and (config.model_transaction_policy.decoupled or config.HasField("sequence_batching")):
+            decoupled = config.model_transaction_policy.decoupled
+            kind = "'decoupled' transaction policy" if decoupled else "sequence batching"
+            raise invalid_arg(f"Response Cache does not currently support model {name} with {kind}. Please disable "
+                              "the response cache.")
         started = time.monotonic()
         backend_model = await backend.load(context)
         config = backend_model.config
@@ -576,6 +587,8 @@ class Server:
         stats = ModelStats(load_duration_secs=time.monotonic() - started)
         try:
             scheduler = create_scheduler(name, config, backend_model.instances, stats)
+            if cached:
+                scheduler = CachingScheduler(scheduler, self.response_cache, name, str(version), stats)
             await warm_up(name, config, location.path, backend_model.instances)
         except ServerError:
             await backend_model.unload()

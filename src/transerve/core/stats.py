@@ -50,6 +50,9 @@ class ModelStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+    #: Response cache lookups that answered the request, and those that did not (lookup plus insertion time).
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=dict)
     #: Failed requests by Triton's metric reason (REJECTED, CANCELED, BACKEND, OTHER).
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
@@ -99,8 +102,8 @@ class ModelStats:
                 "compute_input": self.compute_input.as_dict(),
                 "compute_infer": self.compute_infer.as_dict(),
                 "compute_output": self.compute_output.as_dict(),
-                "cache_hit": {"count": 0, "ns": 0},
-                "cache_miss": {"count": 0, "ns": 0},
+                "cache_hit": self.cache_hit.as_dict(),
+                "cache_miss": self.cache_miss.as_dict(),
             },
             "response_stats": {},
             "batch_stats": [

@@ -13,7 +13,7 @@ import psutil
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from transerve.core.server import Server
+from transerve.core.server import ModelVersion, Server
 from transerve.core.stats import FAILURE_REASONS
 from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse
 
@@ -72,10 +72,51 @@ class TritonMetricsCollector:
         yield from (success, failure, count, executions)
         yield from (family for family, _ in durations)
         yield from (pending, load)
+        if self._server.response_cache is not None:
+            yield from _cache_families(self._server, models)
         if self._cpu_metrics:
             yield from _cpu_families()
         if self._gpu is not None:
             yield from self._gpu.families()
+
+
+def _cache_families(server: Server, models: list[ModelVersion]) -> Iterator[Metric]:
+    """Triton's response cache metrics: per model that caches, and for the whole cache."""
+    per_model = [
+        (_family("nv_cache_num_hits_per_model", "Number of cache hits per model", "counter"),
+         lambda stats: stats.cache_hit.count),
+        (_family("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds", "counter"),
+         lambda stats: stats.cache_hit.ns // 1000),
+        (_family("nv_cache_num_misses_per_model", "Number of cache misses per model", "counter"),
+         lambda stats: stats.cache_miss.count),
+        (_family("nv_cache_miss_duration_per_model",
+                 "Total cache miss (insert+lookup) duration per model, in microseconds", "counter"),
+         lambda stats: stats.cache_miss.ns // 1000),
+    ]
+    for model in models:
+        if model.config.response_cache.enable:
+            labels = {"model": model.name, "version": model.version}
+            for family, value in per_model:
+                family.add_sample(family.name, labels, value(model.stats))
+    yield from (family for family, _ in per_model)
+    cache = server.response_cache
+    counters = cache.stats
+    for name, text, kind, value in (
+        ("nv_cache_util", "Cache utilization [0.0 - 1.0]", "gauge", cache.used / cache.size if cache.size else 0.0),
+        ("nv_cache_num_entries", "Number of responses stored in response cache", "gauge", cache.entries),
+        ("nv_cache_num_hits", "Number of cache hits in response cache", "gauge", counters.hits),
+        ("nv_cache_num_misses", "Number of cache misses in response cache", "gauge", counters.misses),
+        ("nv_cache_num_lookups", "Number of cache lookups in response cache", "gauge",
+         counters.hits + counters.misses),
+        ("nv_cache_num_evictions", "Number of cache evictions in response cache", "gauge", counters.evictions),
+        ("nv_cache_lookup_duration", "Total cache lookup duration (hit and miss), in microseconds", "gauge",
+         counters.lookup_ns // 1000),
+        ("nv_cache_insertion_duration", "Total cache insertion duration, in microseconds", "gauge",
+         counters.insertion_ns // 1000),
+    ):
+        family = _family(name, text, kind)
+        family.add_sample(name, {}, value)
+        yield family
 
 
 def _cpu_families() -> Iterator[Metric]:
