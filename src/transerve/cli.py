@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from transerve import __version__
 from transerve.convert import command as convert_command
 from transerve.core.errors import ServerError
+from transerve.core.log_settings import FORMATS, LogSettings
 from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.export import command as export_command
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit if a model fails to load at start (default false: it is listed UNAVAILABLE)")
     add("--exit-timeout-secs", type=float, default=30.0)
     add("--log-verbose", type=int, default=0, metavar="LEVEL")
+    add("--log-info", type=_bool, default=True, metavar="BOOL")
+    add("--log-warning", type=_bool, default=True, metavar="BOOL")
+    add("--log-error", type=_bool, default=True, metavar="BOOL")
+    add("--log-format", choices=list(FORMATS), default="default")
+    add("--log-file", default="", metavar="PATH", help="write the server's log there instead of to stderr")
     add("--disable-auto-complete-config", action="store_true")
     add("--strict-model-config", type=_bool, default=None, metavar="BOOL",
         help="the older name of --disable-auto-complete-config")
@@ -102,6 +107,9 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         poll_secs=args.repository_poll_secs,
         backend_configs=backend_configs,
         cache_bytes=cache_bytes,
+        log_settings=LogSettings(log_file=args.log_file, log_info=args.log_info, log_warning=args.log_warning,
+                                 log_error=args.log_error, log_verbose_level=args.log_verbose,
+                                 log_format=args.log_format),
     )
 
 
@@ -117,6 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
             log.error("model repository '%s' is not a folder", path)
             return 1
     server = Server(options_from_args(args))
+    server.log.install()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -168,13 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         return export_command.run(args)
     if args.command == "convert":
         return convert_command.run(args)
-    if args.log_verbose > 0:  # python-backend workers inherit it: pb_utils.Logger.log_verbose then prints
-        os.environ["TRANSERVE_LOG_VERBOSE"] = str(args.log_verbose)
-    logging.basicConfig(
-        level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.
+    logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
+                        **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
     try:
         import uvloop
     except ImportError:

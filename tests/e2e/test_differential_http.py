@@ -405,6 +405,16 @@ def test_requested_output_subset_json(servers: dict[str, ServerProcess], outputs
     assert sorted(decoded["outputs"]) == sorted(o["name"] for o in outputs)
 
 
+@pytest.mark.parametrize("names", [["OUTPUT1", "OUTPUT0"], ["OUTPUT0", "OUTPUT0"], ["OUTPUT1", "OUTPUT0", "OUTPUT1"]],
+                         ids=["reversed", "twice", "reversed_and_twice"])
+def test_requested_outputs_come_in_the_models_order_once_each(servers: dict[str, ServerProcess],
+                                                               names: list[str]) -> None:
+    body = {"inputs": ADD_SUB_INPUTS, "outputs": [{"name": name} for name in names]}
+    answers = both(servers, "POST", "/v2/models/add_sub/infer", json=body)
+    order = {name: [output["name"] for output in json_body(answer)["outputs"]] for name, answer in answers.items()}
+    assert order["transerve"] == order["triton"] == [name for name in ("OUTPUT0", "OUTPUT1") if name in names]
+
+
 @pytest.mark.parametrize(
     ("request_parameters", "outputs"),
     [

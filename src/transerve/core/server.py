@@ -28,6 +28,7 @@ from transerve.config.model_config import (
 from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response, load_labels
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
+from transerve.core.log_settings import LogSettings, ServerLog
 from transerve.core.response_cache import CachingScheduler, ResponseCache
 from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
@@ -59,6 +60,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "logging",
 ]
 
 
@@ -93,6 +95,8 @@ class ServerOptions:
     backend_configs: dict[str, dict[str, str]] = field(default_factory=dict)
     #: The response cache's size in bytes (`--cache-config local,size=N`); None: no cache.
     cache_bytes: int | None = None
+    #: The `--log-*` flags: the logging extension's settings at start.
+    log_settings: LogSettings = field(default_factory=LogSettings)
 
 
 @dataclass(slots=True)
@@ -172,6 +176,8 @@ class Server:
         self.repository = ModelRepository(options.repositories)
         #: The system shared memory regions clients registered (Triton's shared memory extension).
         self.shared_memory = SharedMemoryRegistry()
+        #: The log settings, which clients may read and change (Triton's logging extension).
+        self.log = ServerLog(options.log_settings)
         #: The responses of models whose config enables `response_cache`, when the server has a cache.
         self.response_cache = ResponseCache(options.cache_bytes) if options.cache_bytes is not None else None
         self._models: dict[str, ModelRecord] = {}
@@ -430,9 +436,14 @@ class Server:
         response.id = request.id
         response.model_name = model.name
         response.model_version = model.version
-        if request.outputs is not None:
-            produced = {tensor.name: tensor for tensor in response.outputs}
-            response.outputs = [produced[o.name] for o in request.outputs if o.name in produced]
+        if request.outputs is not None:  # as Triton answers: in the order the model produced them, each once
+            wanted = {output.name for output in request.outputs}
+            kept = []
+            for tensor in response.outputs:
+                if tensor.name in wanted:
+                    wanted.discard(tensor.name)
+                    kept.append(tensor)
+            response.outputs = kept
             if _shaped_outputs(request):
                 self._shape(model, request, response)
         return response

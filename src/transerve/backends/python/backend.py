@@ -65,6 +65,8 @@ class WorkerSpec:
     model_file: Path
     arena_bytes: int
     max_inflight: int
+    #: The server's log settings page (`core.log_settings`), which `pb_utils.Logger` follows; None: none.
+    log_fd: int | None = None
 
 
 class WorkerProcess:
@@ -102,10 +104,14 @@ class WorkerProcess:
             "--output-fd",
             str(from_worker.fd),
         ]
+        passed = [child.fileno(), to_worker.fd, from_worker.fd]
+        if spec.log_fd is not None:
+            command += ["--log-settings-fd", str(spec.log_fd)]
+            passed.append(spec.log_fd)
         try:
             process = subprocess.Popen(
                 command,
-                pass_fds=(child.fileno(), to_worker.fd, from_worker.fd),
+                pass_fds=passed,
                 stdin=subprocess.DEVNULL,
                 stdout=_stderr_fd(),
                 env=_worker_environment(),
@@ -496,6 +502,7 @@ class PythonBackend(Backend):
             model_file=context.version_path / (config.default_model_filename or "model.py"),
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
+            log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
         )
         if not spec.model_file.is_file():
             raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")

@@ -18,6 +18,7 @@ import ctypes
 import datetime
 import enum
 import json
+import mmap
 import os
 import sys
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ import numpy as np
 from transerve.backends.python.channel import BlsCall, Channel
 from transerve.backends.python.ipc import Entry
 from transerve.core.datatypes import BF16, NUMPY_DTYPES, TRITON_ENUM, deserialize_bytes, serialize_bytes
+from transerve.core.log_settings import read_page
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -604,13 +606,16 @@ class Logger:
     ERROR = LogLevel.ERROR
     VERBOSE = LogLevel.VERBOSE
 
-    #: Verbose lines are dropped unless the server runs with verbose logging.
-    verbose: bool = os.environ.get("TRANSERVE_LOG_VERBOSE", "0") not in ("", "0")
+    #: The server's log settings page (set by the worker), read at every call so that changes made while the
+    #: server runs (`/v2/logging`) apply; without one, everything but verbose lines is written.
+    settings_page: mmap.mmap | None = None
 
     @staticmethod
     def log(message: str, level: int = LogLevel.INFO) -> None:
         level = Logger.LogLevel(level)
-        if level == Logger.LogLevel.VERBOSE and not Logger.verbose:
+        verbose, *switches = read_page(Logger.settings_page) if Logger.settings_page is not None else (
+            0, True, True, True)
+        if not (verbose > 0 if level == Logger.LogLevel.VERBOSE else switches[level]):
             return
         caller = sys._getframe(1)
         if caller.f_code.co_filename == __file__:

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import mmap
 import os
 import signal
 import socket
@@ -461,6 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket-fd", type=int, required=True, help="the SOCK_SEQPACKET end to serve")
     parser.add_argument("--input-fd", type=int, required=True, help="memfd of the server-to-worker arena")
     parser.add_argument("--output-fd", type=int, required=True, help="memfd of the worker-to-server arena")
+    parser.add_argument("--log-settings-fd", type=int, help="memfd of the server's log settings page")
     args = parser.parse_args(argv)
     # The server decides when its workers stop; Ctrl-C in a terminal reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -472,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     endpoint = Endpoint(outgoing=Region.attach(args.output_fd), incoming=Region.attach(args.input_fd))
     channel = Channel(sock, endpoint)
     pb_utils._channel = channel
+    if args.log_settings_fd is not None:
+        pb_utils.Logger.settings_page = mmap.mmap(args.log_settings_fd, mmap.PAGESIZE, access=mmap.ACCESS_READ)
+        os.close(args.log_settings_fd)
     serve(channel, ModelRunner(channel))
 
 

@@ -323,12 +323,29 @@ class InferenceService:
     ) -> service_pb2.CudaSharedMemoryUnregisterResponse:
         return service_pb2.CudaSharedMemoryUnregisterResponse()
 
+    # ---- logging ---------------------------------------------------------------------------------
+
+    async def LogSettings(self, request: service_pb2.LogSettingsRequest) -> service_pb2.LogSettingsResponse:
+        changes = {}
+        for key, value in request.settings.items():
+            kind = value.WhichOneof("parameter_choice")
+            if kind is None:
+                raise invalid_arg(f"log setting '{key}' has no value")
+            changes[key] = getattr(value, kind)
+        settings = self._server.log.update(changes) if changes else self._server.log.as_dict()
+        response = service_pb2.LogSettingsResponse()
+        for key, value in settings.items():
+            kind = "bool_param" if isinstance(value, bool) else "uint32_param" if isinstance(value, int) else (
+                "string_param")
+            setattr(response.settings[key], kind, value)
+        return response
+
     def _explicit_control(self) -> None:
         if self._server.options.control_mode is not ControlMode.EXPLICIT:
             raise unavailable(_NOT_EXPLICIT)
 
     def rpcs(self) -> Iterator[Rpc]:
-        """Every method of the proto this class implements; the others (trace and log settings) are left to each
+        """Every method of the proto this class implements; the others (trace settings) are left to each
         transport's UNIMPLEMENTED."""
         for method in SERVICE.methods:
             handler = getattr(self, method.name, None)

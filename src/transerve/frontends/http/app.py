@@ -99,6 +99,12 @@ class HttpFrontend:
             return _EMPTY_OK if ok else error_response(400, f"server is not {parts[2]}")
         if section == "repository":
             return await self._repository(request, [unquote(p) for p in parts[2:]])
+        if section == "logging" and n == 2:
+            if method == "GET":
+                return _json(self.server.log.as_dict())
+            if method == "POST":
+                return _json(self.server.log.update(_json_body(request.body)))
+            return error_response(405, "Method Not Allowed")
         if section in ("systemsharedmemory", "cudasharedmemory"):
             return self._shared_memory(request, section == "cudasharedmemory", [unquote(p) for p in parts[2:]])
         return error_response(404, "Not Found")
