@@ -12,6 +12,7 @@ from typing import Any
 
 from transerve import __version__
 from transerve.convert import command as convert_command
+from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
 from transerve.core.response_cache import parse_cache_config
@@ -124,6 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
         if not path.is_dir():
             log.error("model repository '%s' is not a folder", path)
             return 1
+    keep_large_buffers()
     server = Server(options_from_args(args))
     server.log.install()
     stop = asyncio.Event()

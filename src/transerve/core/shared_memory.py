@@ -26,11 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
-from transerve.core.tensors import wire_bytes
-from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.core.tensors import wire_view
+from transerve.core.types import InferRequest, InferResponse
 
 #: Where Linux keeps POSIX shared memory objects (what shm_open opens).
 SHM_DIR = Path("/dev/shm")
@@ -114,7 +112,7 @@ class SharedMemoryRegistry:
             parameters = places.get(tensor.name)
             if parameters is None:
                 continue
-            data = _raw_view(tensor)
+            data = wire_view(tensor)
             byte_size = parameters.get(BYTE_SIZE, 0)
             if data.nbytes > byte_size:
                 raise invalid_arg(
@@ -133,13 +131,6 @@ class SharedMemoryRegistry:
         if offset + byte_size > region.byte_size:
             raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{name}'")
         return region, region.offset + offset
-
-
-def _raw_view(tensor: Tensor) -> memoryview:
-    """A tensor's bytes as on the wire: its memory itself when contiguous, else serialized (BYTES) or copied."""
-    if tensor.datatype == "BYTES" or tensor.data.dtype.byteorder == ">":
-        return memoryview(wire_bytes(tensor))
-    return memoryview(np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8))
 
 
 def placement(name: str, parameters: dict[str, Any], kind: str) -> tuple[str, int, int] | None:

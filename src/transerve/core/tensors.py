@@ -138,6 +138,13 @@ def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:
     return flat
 
 
+def wire_view(tensor: Tensor) -> memoryview:
+    """`wire_bytes` without the copy where the array already lies in memory as the wire has it."""
+    if tensor.datatype == "BYTES" or tensor.data.dtype.byteorder == ">":
+        return memoryview(wire_bytes(tensor))
+    return memoryview(np.ascontiguousarray(tensor.data).reshape(-1).view(np.uint8))
+
+
 def wire_bytes(tensor: Tensor) -> bytes:
     """The tensor's bytes as both protocols carry them: row-major and little-endian; BYTES elements each
     behind a 4-byte little-endian length."""

@@ -18,7 +18,14 @@ from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.errors import internal, invalid_arg, not_found
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
 from transerve.core.shared_memory import SharedMemoryRegistry, placement
-from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
+from transerve.core.tensors import (
+    check_datatype,
+    check_shape,
+    tensor_from_bytes,
+    tensor_from_values,
+    wire_bytes,
+    wire_view,
+)
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 #: Request parameters the protocol consumes, with the value kinds Triton accepts for each.
@@ -46,6 +53,11 @@ _CONTENTS_TYPE = {
 _NARROW_INTEGERS = {"int_contents": ("INT8", "INT16"), "uint_contents": ("UINT8", "UINT16")}
 
 _LENGTH = struct.Struct("<I").pack
+
+#: Above this many bytes of outputs, `encode_infer_response_bytes` appends them in wire format itself.
+_APPEND_RAW_ABOVE = 64 * 1024
+#: `raw_output_contents` (field 6) as a length-delimited field's tag.
+_RAW_OUTPUT_TAG = bytes([service_pb2.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER << 3 | 2])
 
 
 def parse_version(version: str) -> str:
@@ -208,18 +220,48 @@ def encode_parameters(target: MutableMapping[str, service_pb2.InferParameter], v
 
 def encode_infer_response(response: InferResponse) -> service_pb2.ModelInferResponse:
     """Every output as raw little-endian bytes in `raw_output_contents`, as Triton answers."""
+    message = _response_message(response)
+    contents = message.raw_output_contents
+    for tensor in response.outputs:
+        contents.append(b"" if tensor.in_shared_memory else wire_bytes(tensor))
+    return message
+
+
+def encode_infer_response_bytes(response: InferResponse) -> bytes:
+    """`encode_infer_response`'s message, serialized. Large outputs are appended to the rest of the message as
+    `raw_output_contents` fields in protobuf's wire format: protobuf's serializer took 27-42 ms for 16 MiB of them
+    here, where copying them takes about 2."""
+    if sum(tensor.data.nbytes for tensor in response.outputs) <= _APPEND_RAW_ABOVE:
+        return encode_infer_response(response).SerializeToString()
+    parts = [_response_message(response).SerializeToString()]
+    for tensor in response.outputs:
+        data = b"" if tensor.in_shared_memory else wire_view(tensor)
+        parts += (_RAW_OUTPUT_TAG, _varint(len(data)), data)
+    return b"".join(parts)
+
+
+def _response_message(response: InferResponse) -> service_pb2.ModelInferResponse:
+    """A response's message but for its `raw_output_contents`."""
     message = service_pb2.ModelInferResponse(
         model_name=response.model_name, model_version=response.model_version, id=response.id
     )
     outputs = message.outputs
-    contents = message.raw_output_contents
     for tensor in response.outputs:
         output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
         if tensor.parameters:
             encode_parameters(output.parameters, tensor.parameters)
-        contents.append(b"" if tensor.in_shared_memory else wire_bytes(tensor))
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
     return message
+
+
+def _varint(value: int) -> bytes:
+    """A non-negative integer in protobuf's base-128 varint encoding."""
+    encoded = bytearray()
+    while value >= 0x80:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
 
 

@@ -23,7 +23,12 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
 from transerve.core.types import InferRequest
-from transerve.frontends.grpc.codec import decode_infer_request, encode_infer_response, parse_version
+from transerve.frontends.grpc.codec import (
+    decode_infer_request,
+    encode_infer_response,
+    encode_infer_response_bytes,
+    parse_version,
+)
 
 log = logging.getLogger("transerve.grpc")
 
@@ -66,6 +71,8 @@ class Rpc(NamedTuple):
     request_type: type[Message]
     handler: Unary | Streaming
     streaming: bool
+    #: The handler answering with the serialized response, for a transport that sends bytes (ModelInfer).
+    serialized: Callable[[Message], Awaitable[bytes]] | None = None
 
 
 class InferenceService:
@@ -137,6 +144,12 @@ class InferenceService:
         if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
         return encode_infer_response(await self._server.infer(self._decode(request)))
+
+    async def _model_infer_serialized(self, request: service_pb2.ModelInferRequest) -> bytes:
+        """ModelInfer's answer already serialized, large outputs without protobuf's serializer."""
+        if self._is_decoupled(request):
+            raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
+        return encode_infer_response_bytes(await self._server.infer(self._decode(request)))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
@@ -351,7 +364,8 @@ class InferenceService:
             handler = getattr(self, method.name, None)
             if handler is not None:
                 request_type = getattr(service_pb2, method.input_type.name)
-                yield Rpc(method.name, request_type, handler, method.client_streaming)
+                serialized = self._model_infer_serialized if method.name == "ModelInfer" else None
+                yield Rpc(method.name, request_type, handler, method.client_streaming, serialized)
 
 
 class _InOrder:

@@ -75,14 +75,18 @@ async def _run_unary(connection: Http2Connection, stream: Stream, rpc: Rpc) -> N
     try:
         if len(stream.messages) != 1 or stream.inbox:
             raise internal(f"{rpc.name} takes exactly one request message")
-        response = await rpc.handler(_parse(rpc, stream.messages.popleft()))  # type: ignore[misc]
+        request = _parse(rpc, stream.messages.popleft())
+        if rpc.serialized is not None:
+            answer = await rpc.serialized(request)
+        else:
+            answer = (await rpc.handler(request)).SerializeToString()  # type: ignore[misc]
     except ServerError as exc:
         connection.finish(stream, _STATUS[exc.code], exc.message)
     except Exception:
         log.exception("unhandled error in %s", rpc.name)
         connection.finish(stream, INTERNAL, f"internal error in {rpc.name}")
     else:
-        connection.respond(stream, response.SerializeToString())
+        connection.respond(stream, answer)
 
 
 async def _run_streaming(connection: Http2Connection, stream: Stream, rpc: Rpc) -> None:
