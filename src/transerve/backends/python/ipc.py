@@ -53,8 +53,10 @@ COPY_LIMIT = 64 * 1024
 INLINE_TENSOR_LIMIT = 1024
 #: Control messages larger than this are spilled into shared memory.
 INLINE_LIMIT = 64 * 1024
-#: Arena size per direction unless `--backend-config=python,shm-default-byte-size=N` says otherwise.
-DEFAULT_ARENA_BYTES = 16 * 1024 * 1024
+#: Arena size per direction unless `--backend-config=python,shm-default-byte-size=N` says otherwise. Its pages
+#: are only backed once used; a tensor that does not fit goes through a fresh memfd, whose page faults cost a
+#: 16 MiB tensor about half of its round trip (benchmarks/README.md, "Large tensors").
+DEFAULT_ARENA_BYTES = 64 * 1024 * 1024
 #: Descriptors one datagram may carry: one overflow region for tensors, one for a spilled message.
 MAX_FDS = 4
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
