@@ -36,7 +36,7 @@ class ResponseStream:
         self._on_cancel: list[Callable[[], None]] = []
         #: Whether the model marked a response (or an empty message) as the last one.
         self.final_sent = False
-        #: What the core does to each response before it is queued (the classification extension), if anything.
+        #: What the core does to each response before it is queued (classification, shared memory outputs), if any.
         self.shape_response: Callable[[InferResponse], InferResponse] | None = None
 
     # ---- producer side (backends) ------------------------------------------------------------------

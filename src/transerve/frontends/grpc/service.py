@@ -22,7 +22,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
-from transerve.core.types import InferRequest
+from transerve.core.types import InferRequest, InferResponse
 from transerve.frontends.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
@@ -141,15 +141,16 @@ class InferenceService:
     # ---- inference -------------------------------------------------------------------------------
 
     async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
-        if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
-            raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        return encode_infer_response(await self._server.infer(self._decode(request)))
+        return encode_infer_response(await self._infer_unary(request))
 
     async def _model_infer_serialized(self, request: service_pb2.ModelInferRequest) -> bytes:
         """ModelInfer's answer already serialized, large outputs without protobuf's serializer."""
-        if self._is_decoupled(request):
+        return encode_infer_response_bytes(await self._infer_unary(request))
+
+    async def _infer_unary(self, request: service_pb2.ModelInferRequest) -> InferResponse:
+        if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        return encode_infer_response_bytes(await self._server.infer(self._decode(request)))
+        return await self._server.infer(self._decode(request))
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
