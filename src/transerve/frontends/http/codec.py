@@ -104,13 +104,12 @@ def _decode_input(
     size = parameters.get("binary_data_size")
     has_data = "data" in raw
     place = placement(name, parameters, "input")
-    sources = [label for label, given in (("'data'", has_data), ("'binary_data_size'", size is not None),
-                                          ("'shared_memory_region'", place is not None)) if given]
-    if len(sources) != 1:
+    if has_data + (size is not None) + (place is not None) != 1:
+        sources = [label for label, given in (("'data'", has_data), ("'binary_data_size'", size is not None),
+                                              ("'shared_memory_region'", place is not None)) if given]
         raise invalid_arg(
             "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
-            f"'shared_memory_region' in 'parameters'. Input '{name}' sets "
-            + (" ".join(sources) if sources else "none")
+            f"'shared_memory_region' in 'parameters'. Input '{name}' sets " + (" ".join(sources) or "none")
         )
     if place is not None:
         if regions is None:
