@@ -78,10 +78,10 @@ class ResponseCache:
         return entry[0]
 
     def insert(self, key: bytes, outputs: list[Tensor]) -> None:
-        kept = [Tensor(t.name, t.datatype, _frozen_copy(t.data), dict(t.parameters)) for t in outputs]
-        nbytes = sum(_nbytes(tensor.data) for tensor in kept)
+        nbytes = sum(_nbytes(tensor.data) for tensor in outputs)
         if nbytes > self.size or key in self._entries:
             return
+        kept = [Tensor(t.name, t.datatype, _frozen_copy(t.data), dict(t.parameters)) for t in outputs]
         while self.used + nbytes > self.size:
             _, (_, evicted) = self._entries.popitem(last=False)
             self.used -= evicted
