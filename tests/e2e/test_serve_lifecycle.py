@@ -89,6 +89,29 @@ def test_both_flag_forms_and_backend_config(tmp_path):
         assert answer.json()["outputs"][0]["data"] == [2.0, 3.0, 4.0, 5.0]
 
 
+def test_log_flags_write_the_servers_log_where_and_as_asked(tmp_path):
+    repo = copy_example(tmp_path, "add_sub")
+    log_file = tmp_path / "server.log"
+    with start_transerve(repo, f"--log-file={log_file}", "--log-format=ISO8601", "--log-warning=false",
+                         "--cache-config=local,size=1024", "--cache-directory=/opt/tritonserver/caches") as server:
+        settings = requests.get(f"{server.base_url}/v2/logging", timeout=10).json()
+        assert settings == {"log_file": str(log_file), "log_info": True, "log_warning": False, "log_error": True,
+                            "log_verbose_level": 0, "log_format": "ISO8601"}
+        assert "model 'add_sub' is READY" not in server.log_path.read_text()  # not on stderr
+    ready = [line for line in log_file.read_text().splitlines() if "model 'add_sub' is READY" in line]
+    assert ready and ready[0].split(" ", 1)[0].endswith("Z")  # ISO 8601 in UTC
+
+
+def test_a_cache_config_other_than_local_size_is_refused():
+    result = subprocess.run(
+        [sys.executable, "-m", "transerve", "serve", "--model-repository", str(EXAMPLE_REPOSITORY),
+         "--cache-config=redis,host=localhost"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode != 0
+    assert "only the 'local' cache is available (local,size=BYTES)" in result.stderr
+
+
 def test_sigterm_finishes_in_flight_requests_then_finalizes_and_exits_0(tmp_path):
     repo = tmp_path / "repo"
     model_dir = write_model(repo, "slow", SLOW_CONFIG, SLOW_MODEL)
