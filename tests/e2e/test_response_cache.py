@@ -11,6 +11,7 @@ sequence batching and a response cache is refused at load, as a decoupled one is
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,14 @@ def test_hits_misses_and_statistics_match_triton(servers: dict[str, ServerProces
     statistics = {}
     for name, server in servers.items():
         answers[name] = [counts(infer(server, model, values, **extra)) for values, extra in sequence]
-        stats = requests.get(f"http://127.0.0.1:{server.http_port}/v2/models/{model}/stats",
-                             timeout=TIMEOUT_S).json()["model_stats"][0]
-        inference = stats["inference_stats"]
+        deadline = time.monotonic() + 10
+        while True:  # Triton counts a request just after answering it: wait until all six are counted
+            stats = requests.get(f"http://127.0.0.1:{server.http_port}/v2/models/{model}/stats",
+                                 timeout=TIMEOUT_S).json()["model_stats"][0]
+            inference = stats["inference_stats"]
+            if inference["success"]["count"] >= len(sequence) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         statistics[name] = {"success": inference["success"]["count"], "hits": inference["cache_hit"]["count"],
                             "misses": inference["cache_miss"]["count"], "inferences": stats["inference_count"],
                             "executions": stats["execution_count"]}
@@ -97,14 +103,24 @@ def test_metrics_match_triton(servers: dict[str, ServerProcess]) -> None:
     for server in servers.values():
         for values in ([5.0], [5.0], [6.0]):
             infer(server, "counter_cached", values)
-    after = {name: scrape(server) for name, server in servers.items()}
+    hits = 'nv_cache_num_hits_per_model{model="counter_cached",version="1"}'
+    misses = 'nv_cache_num_misses_per_model{model="counter_cached",version="1"}'
+    after = {}
+    for name, server in servers.items():  # Triton may count a request just after answering it
+        deadline = time.monotonic() + 10
+        while True:
+            after[name] = scrape(server)
+            counted = sum(after[name].get(key, 0.0) - before[name].get(key, 0.0) for key in (hits, misses))
+            if counted >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     changes = {name: {key: after[name][key] - before[name].get(key, 0.0) for key in after[name]
                       if "duration" not in key and "entries" not in key} for name in servers}
     per_model = {name: {key: value for key, value in change.items() if "model=" in key}
                  for name, change in changes.items()}
     assert per_model["transerve"] == per_model["triton"]
-    assert per_model["transerve"]['nv_cache_num_hits_per_model{model="counter_cached",version="1"}'] == 1
-    assert per_model["transerve"]['nv_cache_num_misses_per_model{model="counter_cached",version="1"}'] == 2
+    assert per_model["transerve"][hits] == 1
+    assert per_model["transerve"][misses] == 2
     # Triton 2.51 leaves its cache-wide counters at 0 with the local cache; transerve's count.
     assert {key: changes["transerve"][key] for key in ("nv_cache_num_hits", "nv_cache_num_misses",
                                                         "nv_cache_num_lookups")} == {
