@@ -248,7 +248,8 @@ class Server:
         return all(record.state is ModelState.READY for record in self._models.values())
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": "transerve", "version": __version__, "extensions": EXTENSIONS}
+        # Triton's name: clients and Triton's own tests compare it; the version says which transerve this is.
+        return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
 
     def get_version(self, name: str, version: str = "") -> ModelVersion:
         """The serving version a request names, or the error Triton gives."""
@@ -274,11 +275,12 @@ class Server:
         return True
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        """As Triton: a request naming a version lists that version, one naming none every ready version."""
         model = self.get_version(name, version)
-        record = self._models[name]
+        versions = sorted(self._models[name].versions) if not version else [int(model.version)]
         return {
             "name": name,
-            "versions": [str(v) for v in sorted(record.versions)],
+            "versions": [str(v) for v in versions],
             "platform": model.config.platform or backend_name(model.config),
             "inputs": model.signature.metadata_tensors("inputs"),
             "outputs": model.signature.metadata_tensors("outputs"),

@@ -103,7 +103,8 @@ class InferenceService:
         return service_pb2.ServerMetadataResponse(**self._server.metadata())
 
     async def ModelMetadata(self, request: service_pb2.ModelMetadataRequest) -> service_pb2.ModelMetadataResponse:
-        return self._per_version("metadata", request.name, request.version, self._build_metadata)
+        return self._per_version("metadata", request.name, request.version,
+                                 lambda model: self._build_metadata(model, parse_version(request.version)))
 
     async def ModelConfig(self, request: service_pb2.ModelConfigRequest) -> service_pb2.ModelConfigResponse:
         return self._per_version(
@@ -120,8 +121,8 @@ class InferenceService:
             cached = self._cached[key] = (model.config, build(model))
         return cached[1]
 
-    def _build_metadata(self, model: ModelVersion) -> service_pb2.ModelMetadataResponse:
-        metadata = self._server.model_metadata(model.name, model.version)
+    def _build_metadata(self, model: ModelVersion, version: str) -> service_pb2.ModelMetadataResponse:
+        metadata = self._server.model_metadata(model.name, version)
         tensor = service_pb2.ModelMetadataResponse.TensorMetadata
         return service_pb2.ModelMetadataResponse(
             name=metadata["name"],
