@@ -41,6 +41,8 @@ def _echo(data_type: str, dims: str, max_batch_size: int = 8, inputs: int = 1, e
 
 QUEUE = ("dynamic_batching { max_queue_delay_microseconds: 1000000 preferred_batch_size: [ 8 ] "
          "default_queue_policy { max_queue_size: 1 } }")
+TIMEOUT = ("dynamic_batching { max_queue_delay_microseconds: 1000000 preferred_batch_size: [ 8 ] "
+           "default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 100000 } }")
 CHAT = (
     "max_batch_size: 0\nmodel_transaction_policy { decoupled: true }\n"
     f"input [ {_io('PROMPT', 'TYPE_STRING', '1, 1')}, {_io('STREAM', 'TYPE_BOOL', '1, 1')}, "
@@ -57,6 +59,7 @@ MODELS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "raw_two_variable": ("echo.py", _echo("TYPE_FP16", "-1, -1"), (1,)),
     "raw_pair": ("echo.py", _echo("TYPE_FP32", "-1", inputs=2), (1,)),
     "raw_queue": ("echo.py", _echo("TYPE_FP32", "-1", extra=QUEUE), (1,)),
+    "queue_timeout": ("echo.py", _echo("TYPE_FP32", "-1", extra=TIMEOUT), (1,)),
     "pairs": ("echo.py", _echo("TYPE_INT32", "2"), (1,)),
     "versioned": ("echo.py", _echo("TYPE_FP32", "-1", extra="version_policy: { all { } }"), (1, 2, 3)),
     "chat": ("chat.py", CHAT, (1,)),
@@ -464,6 +467,20 @@ def test_generate_stream_status_is_set_by_the_first_response(servers: dict[str, 
         document.pop("PARAMETERS", None)
     assert ours == theirs
     assert len(ours) == parameters["repeat"] + ("error" in parameters)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "generate_stream"])
+def test_generate_queue_timeout_is_503_where_triton_answers_400(servers: dict[str, ServerProcess],
+                                                                stream: bool) -> None:
+    """Deliberate: a request that times out in its queue is unavailable, as on /infer (503 on both servers
+    there); Triton's generate endpoints answer it 400, as every error that reaches them as a response."""
+    responses = generate(servers, {"INPUT0": [1.0]}, stream, model="queue_timeout")
+    assert responses["triton"].status_code == 400, f"the reference changed: {responses['triton'].text}"
+    assert responses["transerve"].status_code == 503, responses["transerve"].text
+    assert responses["transerve"].headers["Content-Type"] == "application/json"
+    assert error_of(responses["transerve"]) == "Request timeout expired"
+    infer = both(servers, "POST", "/v2/models/queue_timeout/infer", json=INFER_BODY)
+    assert_same_error(infer, 503, "Request timeout expired")
 
 
 def test_generate_refuses_compressed_bodies_and_answers_plain(servers: dict[str, ServerProcess]) -> None:
