@@ -16,6 +16,7 @@ from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
+from transerve.core.metrics_config import parse_metrics_config
 from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.export import command as export_command
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC metadata whose names match (RE2 syntax, case-insensitive) become inference request parameters")
     add("--metrics-address", default="0.0.0.0")
     add("--metrics-port", type=int, default=8002)
+    add("--metrics-interval-ms", type=float, default=2000.0, metavar="MS",
+        help="how often CPU and GPU metrics are read (default 2000)")
+    add("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
+        help="counter_latencies=false, summary_latencies=true, summary_quantiles=<q>:<error>,... (repeatable)")
     add("--allow-metrics", type=_bool, default=True, metavar="BOOL", help="serve Prometheus metrics on /metrics")
     add("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
     add("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL")
@@ -110,6 +115,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         cache_bytes = parse_cache_config(args.cache_config)
     except ServerError as exc:
         raise SystemExit(f"transerve serve: {exc.message}") from None
+    try:
+        metrics = parse_metrics_config(args.metrics_config)
+    except ValueError as exc:
+        raise SystemExit(f"transerve serve: {exc}") from None
     return ServerOptions(
         repositories=args.model_repository,
         control_mode=ControlMode(args.model_control_mode),
@@ -120,6 +129,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         poll_secs=args.repository_poll_secs,
         backend_configs=backend_configs,
         cache_bytes=cache_bytes,
+        metrics=metrics,
         log_settings=LogSettings(log_file=args.log_file, log_info=args.log_info, log_warning=args.log_warning,
                                  log_error=args.log_error, log_verbose_level=args.log_verbose,
                                  log_format=args.log_format),
@@ -189,7 +199,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
                                      access.http_forwarding)
         listeners.append(("HTTP", http_frontend, args.http_address, args.http_port))
     if args.allow_metrics:
-        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics)
+        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
         listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
     started = []
     for name, frontend, address, port in listeners:
