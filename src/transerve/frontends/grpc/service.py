@@ -432,8 +432,6 @@ def _no_repository_name(name: str) -> None:
 async def _admit(rpc: Rpc, service: InferenceService, context: grpc.aio.ServicerContext) -> tuple[Any, ...]:
     """The handler's arguments after the request (the call's metadata, if it takes it), once the call's
     restrictions allow it to run; aborts it with Triton's UNAVAILABLE otherwise."""
-    if service.restrictions is None and not rpc.takes_metadata:
-        return ()
     metadata = grpcio_metadata(context.invocation_metadata() or ())
     refusal = service.refusal(rpc.name, metadata)
     if refusal is not None:
@@ -445,10 +443,11 @@ def _grpcio_unary(rpc: Rpc, service: InferenceService) -> Callable[[Message, grp
                                                                     Awaitable[Message]]:
     """A unary RPC for grpc.aio: ServerError becomes its gRPC status; anything else is a bug, reported as INTERNAL."""
     method, name = rpc.handler, rpc.name
+    admit = service.restrictions is not None or rpc.takes_metadata
 
     @functools.wraps(method)
     async def handler(request: Message, context: grpc.aio.ServicerContext) -> Message:  # type: ignore[return]
-        extra = await _admit(rpc, service, context)
+        extra = await _admit(rpc, service, context) if admit else ()
         try:
             return await method(request, *extra)
         except ServerError as exc:
@@ -462,8 +461,10 @@ def _grpcio_unary(rpc: Rpc, service: InferenceService) -> Callable[[Message, grp
 
 def _grpcio_streaming(rpc: Rpc, service: InferenceService) -> Callable[
         [AsyncIterator[Message], grpc.aio.ServicerContext], AsyncIterator[Message]]:
+    admit = service.restrictions is not None or rpc.takes_metadata
+
     async def handler(requests: AsyncIterator[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        extra = await _admit(rpc, service, context)
+        extra = await _admit(rpc, service, context) if admit else ()
         async for answer in rpc.handler(requests, *extra):
             yield answer
 
