@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import psutil
 from prometheus_client import CollectorRegistry
@@ -69,8 +69,9 @@ class TritonMetricsCollector:
                  interval_ms: float = 2000.0) -> None:
         self._server = server
         self._counter_latencies = server.options.metrics.counter_latencies
-        self._cpu = _CpuProbe(interval_ms) if cpu_metrics else None
-        self._gpu = _GpuProbe() if gpu_metrics else None
+        self._cpu = _Polled(_cpu_families, interval_ms) if cpu_metrics else None
+        self._gpu = _Polled(_GpuProbe().families, interval_ms) if gpu_metrics else None
+        psutil.cpu_percent(interval=None)  # the first reading is meaningless; start the interval now
 
     def collect(self) -> Iterator[Metric]:
         models = self._server.serving_versions()
@@ -174,31 +175,34 @@ def _cache_gauges(server: Server) -> Iterator[Metric]:
         yield family
 
 
-class _CpuProbe:
-    """CPU utilization and memory, read at most once per `--metrics-interval-ms` as Triton polls them, so the
-    utilization is that of the last interval at least, however often the metrics are scraped."""
+class _Polled:
+    """Families read at most once per `--metrics-interval-ms`, as Triton polls CPU and GPU metrics: a reading (the
+    CPU utilization is that since the previous one) holds for the interval however often /metrics is scraped."""
 
-    def __init__(self, interval_ms: float) -> None:
+    def __init__(self, read: Callable[[], Iterable[Metric]], interval_ms: float) -> None:
+        self._read = read
         self._interval_s = interval_ms / 1000.0
         self._read_at = -math.inf
-        self._values: tuple[float, int, int] = (0.0, 0, 0)
-        psutil.cpu_percent(interval=None)  # the first reading is meaningless; start the interval now
+        self._families: list[Metric] = []
 
-    def families(self) -> Iterator[Metric]:
+    def families(self) -> list[Metric]:
         now = time.monotonic()
         if now - self._read_at >= self._interval_s:
-            memory = psutil.virtual_memory()
-            self._values = (psutil.cpu_percent(interval=None) / 100.0, memory.total, memory.total - memory.available)
+            self._families = list(self._read())
             self._read_at = now
-        utilization, total, used = self._values
-        for name, text, value in (
-            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
-            ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", total),
-            ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", used),
-        ):
-            family = _family(name, text, "gauge")
-            family.add_sample(name, {}, value)
-            yield family
+        return self._families
+
+
+def _cpu_families() -> Iterator[Metric]:
+    memory = psutil.virtual_memory()
+    for name, text, value in (
+        ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", psutil.cpu_percent(interval=None) / 100.0),
+        ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", memory.total),
+        ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", memory.total - memory.available),
+    ):
+        family = _family(name, text, "gauge")
+        family.add_sample(name, {}, value)
+        yield family
 
 
 class _GpuProbe:
