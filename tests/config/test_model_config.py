@@ -6,6 +6,7 @@ import pytest
 
 from transerve.config.model_config import (
     ConfigError,
+    complete_backend_fields,
     normalize,
     parse_config_json,
     parse_config_text,
@@ -69,3 +70,21 @@ def test_parse_errors_say_where():
 def test_json_config_override():
     config = parse_config_json('{"backend": "python", "max_batch_size": 4}')
     assert config.max_batch_size == 4
+
+
+@pytest.mark.parametrize(("files", "text", "backend", "platform"), [
+    (["1/model.py"], "", "python", ""),
+    (["1/model.onnx", "1/model.py"], "", "onnxruntime", "onnxruntime_onnx"),  # Triton looks for ONNX first
+    (["1/model.plan", "1/model.onnx"], "", "tensorrt", "tensorrt_plan"),
+    (["1/model.pt"], "", "pytorch", "pytorch_libtorch"),
+    (["1/other.py"], 'default_model_filename: "model.py"', "python", ""),
+    (["1/model.py"], 'default_model_filename: "mine.py"', "", ""),  # a file of its own name reveals nothing
+    (["1/model.py"], 'backend: "onnxruntime"', "onnxruntime", "onnxruntime_onnx"),
+])
+def test_backend_found_from_model_files_as_triton(tmp_path, files, text, backend, platform):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    config = parse_config_text(text)
+    complete_backend_fields(config, tmp_path)
+    assert (config.backend, config.platform) == (backend, platform)

@@ -29,6 +29,7 @@ from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response, load_labels
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.log_settings import LogSettings, ServerLog
+from transerve.core.metrics_config import MetricsConfig
 from transerve.core.response_cache import CachingScheduler, ResponseCache
 from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
@@ -97,6 +98,8 @@ class ServerOptions:
     cache_bytes: int | None = None
     #: The `--log-*` flags: the logging extension's settings at start.
     log_settings: LogSettings = field(default_factory=LogSettings)
+    #: `--metrics-config`: which latency metrics the models keep (summaries are observed as requests finish).
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 @dataclass(slots=True)
@@ -598,6 +601,8 @@ class Server:
             await backend_model.unload()
             raise invalid_arg(str(exc)) from None
         stats = ModelStats(load_duration_secs=time.monotonic() - started)
+        if self.options.metrics.summary_latencies:
+            stats.add_summaries(self.options.metrics.quantiles, cached)
         try:
             scheduler = create_scheduler(name, config, backend_model.instances, stats)
             if cached:

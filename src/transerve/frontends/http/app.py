@@ -13,6 +13,7 @@ import orjson
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
 from transerve.core.server import ControlMode, Server
+from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group
 from transerve.frontends.http.codec import (
     decode_infer_request,
     decode_raw_request,
@@ -67,15 +68,22 @@ def _json(document: Any) -> HttpResponse:
 class HttpFrontend:
     """Routes requests to the core and serves them on one listening socket."""
 
-    def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024,
+                 restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None) -> None:
         self.server = server
         self.max_input_size = max_input_size
+        #: `--http-restricted-api`: groups answered only to requests with their header (403 otherwise, as Triton).
+        self.restrictions = restrictions if restrictions is not None and restrictions.required else None
+        #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
+        self.forwarding = forwarding
         self._listener: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
+        keep_names = self.forwarding is not None
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, self.max_input_size, error_response), host, port, reuse_address=True
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names), host, port,
+            reuse_address=True,
         )
 
     def stop_accepting(self, grace: float) -> None:
@@ -97,6 +105,11 @@ class HttpFrontend:
         parts = request.path.strip("/").split("/")
         if not parts or parts[0] != "v2":
             return error_response(404, "Not Found")
+        if self.restrictions is not None:  # before anything else, the method included, as Triton checks it
+            group = http_group([unquote(part) for part in parts[1:]])
+            refusal = self.restrictions.refusal(group, header_lookup(request.headers))
+            if refusal is not None:
+                return error_response(403, refusal)
         method = request.method
         n = len(parts)
         if n == 1:
@@ -173,6 +186,8 @@ class HttpFrontend:
         else:
             infer_request, binary_default = decode_infer_request(name, version, body, header_length,
                                                                  self.server.shared_memory)
+        if self.forwarding is not None and request.raw_headers:
+            infer_request.parameters.update(self.forwarding.parameters(request.raw_headers))
         response = await self.server.infer(infer_request)
         payload, header_length = encode_infer_response(response, infer_request, binary_default)
         content_type, headers = "application/json", []

@@ -21,6 +21,7 @@ from transerve.core.tensors import check_datatype, check_shape, tensor_from_byte
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+RESERVED_PARAMETER = "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
 
 
 def is_raw_body(body: bytes, header_length: str | None) -> bool:
@@ -117,6 +118,8 @@ def decode_infer_request(
     for key, value in parameters.items():
         if key in SCHEDULING_PARAMETERS:
             apply_scheduling_parameter(request, key, value)
+        elif key.startswith("triton_"):  # Triton's HTTP frontend allows none of them, unlike its gRPC one
+            raise invalid_arg(RESERVED_PARAMETER)
         elif key not in FRONTEND_PARAMETERS:
             request.parameters[key] = value
     # As in Triton, binary_data_output is the default only when the request lists no outputs.

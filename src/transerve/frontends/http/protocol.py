@@ -23,8 +23,8 @@ import httptools
 log = logging.getLogger("transerve.http")
 
 _REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
-    500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+    200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
 }
 
 
@@ -34,6 +34,8 @@ class HttpRequest:
     path: str
     headers: dict[str, str]
     body: bytes
+    #: Every header with its name as sent, when the connection keeps them (for header forwarding).
+    raw_headers: list[tuple[str, str]] | None = None
 
 
 @dataclass(slots=True)
@@ -62,10 +64,11 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_framed_twice",
+        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_framed_twice", "_raw_headers",
     )
 
-    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse]):
+    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
+                 keep_header_names: bool = False):
         self._handler = handler
         self._max_body = max_body
         self._error_response = error_response
@@ -86,6 +89,8 @@ class HttpConnection(asyncio.Protocol):
         #: The task answering this connection's requests; cancelled when the client goes away, which drops
         #: its queued request and tells a streaming model to stop.
         self._task: asyncio.Task | None = None
+        #: Headers as sent, kept only when asked (names are otherwise lowercased into a dict).
+        self._raw_headers: list[tuple[str, str]] | None = [] if keep_header_names else None
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -122,12 +127,17 @@ class HttpConnection(asyncio.Protocol):
         self._body = []
         self._body_size = 0
         self._framed_twice = False
+        if self._raw_headers is not None:
+            self._raw_headers = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        self._headers[key.lower()] = text
+        if self._raw_headers is not None:
+            self._raw_headers.append((key, text))
 
     def on_headers_complete(self) -> None:
         length = self._headers.get("content-length")
@@ -150,7 +160,7 @@ class HttpConnection(asyncio.Protocol):
         parsed = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = HttpRequest(self._parser.get_method().decode("ascii"), parsed.path.decode("latin-1"),
-                              self._headers, body)
+                              self._headers, body, self._raw_headers)
         self._queue.append((request, self._parser.should_keep_alive() and not self._framed_twice))
         if len(self._queue) > 64 and not self._paused and self._transport is not None:
             self._paused = True

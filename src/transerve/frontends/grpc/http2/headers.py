@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hpack import Decoder, Encoder, HPACKError, NeverIndexedHeaderTuple
 from hpack.table import HeaderTable
 
+from transerve.frontends.access import is_custom_metadata
 from transerve.frontends.grpc.http2.frames import COMPRESSION_ERROR, PROTOCOL_ERROR, H2ConnectionError, H2StreamError
 
 #: gRPC status codes this transport sets itself.
@@ -35,6 +36,8 @@ class RequestHead:
     timeout: float | None = None
     http_status: int = 200
     refusal: tuple[int, str] | None = None
+    #: The call's custom metadata, as Triton's server sees it (restrictions and header forwarding read it).
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class _CountingTable(HeaderTable):
@@ -93,6 +96,7 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
     pseudo: dict[bytes, bytes] = {}
     content_type = timeout = encoding = None
     regular = False
+    metadata = []
     for name, value in headers:
         if name[:1] == b":":
             if regular or name not in _PSEUDO or name in pseudo:
@@ -110,6 +114,8 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
             timeout = value
         elif name == b"grpc-encoding":
             encoding = value
+        elif is_custom_metadata(text := name.decode("latin-1")):
+            metadata.append((text, value.decode("latin-1")))
     path = pseudo.get(b":path")
     if not path or b":method" not in pseudo or b":scheme" not in pseudo:
         raise H2StreamError(PROTOCOL_ERROR, "malformed request: :method, :scheme or :path missing")
@@ -121,11 +127,11 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
         return RequestHead(path, refusal=(UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not "
                                                          "supported, send identity (uncompressed) messages"))
     if timeout is None:
-        return RequestHead(path)
+        return RequestHead(path, metadata=tuple(metadata))
     match = _TIMEOUT.fullmatch(timeout)
     if match is None:
         return RequestHead(path, refusal=(INTERNAL, f"malformed grpc-timeout {timeout.decode('latin-1')!r}"))
-    return RequestHead(path, timeout=int(match[1]) * _TIMEOUT_UNIT[match[2]])
+    return RequestHead(path, timeout=int(match[1]) * _TIMEOUT_UNIT[match[2]], metadata=tuple(metadata))
 
 
 # ---- response blocks: never indexed, so they touch neither side's dynamic table and can be built once -----------
