@@ -17,6 +17,7 @@ from transerve.core.errors import ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
 from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
+from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 
 log = logging.getLogger("transerve")
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a response cache of BYTES for the models whose config enables response_cache")
     add("--cache-directory", metavar="PATH", help="accepted for tritonserver's command lines; transerve's cache "
         "is built in")
+    add("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+        help="request tracing, as tritonserver's: level=TIMESTAMPS|TENSORS|OFF, rate=N, count=N, mode=triton|"
+             "opentelemetry; triton,file=PATH, triton,log-frequency=N; opentelemetry,url=URL, "
+             "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable)")
+    add("--trace-file", help="deprecated: --trace-config triton,file=PATH")
+    add("--trace-level", action="append", help="deprecated: --trace-config level=LEVEL")
+    add("--trace-rate", help="deprecated: --trace-config rate=N")
+    add("--trace-count", help="deprecated: --trace-config count=N")
+    add("--trace-log-frequency", help="deprecated: --trace-config triton,log-frequency=N")
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
     return parser
@@ -98,6 +108,11 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         cache_bytes = parse_cache_config(args.cache_config)
     except ServerError as exc:
         raise SystemExit(f"transerve serve: {exc.message}") from None
+    try:
+        trace = parse_trace_options(args.trace_config, args.trace_file, args.trace_level, args.trace_rate,
+                                    args.trace_count, args.trace_log_frequency)
+    except TraceConfigError as exc:
+        raise SystemExit(f"transerve serve: {exc}") from None
     return ServerOptions(
         repositories=args.model_repository,
         control_mode=ControlMode(args.model_control_mode),
@@ -111,6 +126,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         log_settings=LogSettings(log_file=args.log_file, log_info=args.log_info, log_warning=args.log_warning,
                                  log_error=args.log_error, log_verbose_level=args.log_verbose,
                                  log_format=args.log_format),
+        trace=trace,
     )
 
 
