@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import gzip
 import logging
 import zlib
@@ -15,6 +16,9 @@ import orjson
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
 from transerve.core.server import ControlMode, Server
+from transerve.core.tracing import Trace
+from transerve.core.tracing.extension import changes_from_json
+from transerve.core.types import InferRequest, InferResponse
 from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
 from transerve.frontends.http.generate import (
     SSE_CONTENT_TYPE,
@@ -60,7 +64,8 @@ class HttpFrontend:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, self.max_input_size, error_response), host, port, reuse_address=True
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response, self.server.tracing), host, port,
+            reuse_address=True,
         )
 
     def stop_accepting(self, grace: float) -> None:
@@ -107,6 +112,8 @@ class HttpFrontend:
             return error_response(405, "Method Not Allowed")
         if section in ("systemsharedmemory", "cudasharedmemory"):
             return self._shared_memory(request, section == "cudasharedmemory", [unquote(p) for p in parts[2:]])
+        if section == "trace" and parts[2:] == ["setting"]:
+            return self._trace_setting(request, "")
         return error_response(404, "Not Found")
 
     @staticmethod
@@ -124,6 +131,8 @@ class HttpFrontend:
             version, rest = rest[1], rest[2:]
         if not rest:
             return self._get(method) or _json(self.server.model_metadata(name, version))
+        if rest == ["trace", "setting"] and not version:
+            return self._trace_setting(request, name)
         if len(rest) > 1:
             return error_response(404, "Not Found")
         action = rest[0]
@@ -157,12 +166,33 @@ class HttpFrontend:
         header_length = request.headers.get("inference-header-content-length")
         infer_request, binary_default = decode_infer_request(name, version, body, header_length,
                                                              self.server.shared_memory)
-        response = await self.server.infer(infer_request)
-        payload, header_length = encode_infer_response(response, infer_request, binary_default)
-        if header_length is None:
-            return HttpResponse(200, payload)
-        return HttpResponse(200, payload, "application/octet-stream",
-                            [("Inference-Header-Content-Length", str(header_length))])
+        tracing = self.server.tracing
+        if tracing.active and (trace := tracing.start(infer_request, request.headers)) is not None:
+            return await self._infer_traced(trace, request, infer_request, binary_default)
+        return _infer_response(await self.server.infer(infer_request), infer_request, binary_default)
+
+    async def _infer_traced(self, trace: Trace, request: HttpRequest, infer_request: InferRequest,
+                            binary_default: bool) -> HttpResponse:
+        """`_infer` for a traced request: Triton's HTTP timestamps around the core's; the trace is done once the
+        answer is sent (or the request failed)."""
+        if request.received_ns is not None:
+            trace.capture("HTTP_RECV_START", request.received_ns[0])
+            trace.capture("HTTP_RECV_END", request.received_ns[1])
+        try:
+            response = await self.server.infer(infer_request)
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            answer = _infer_response(response, infer_request, binary_default)
+        except BaseException:
+            trace.finish()
+            raise
+        trace.capture("HTTP_SEND_START")
+
+        def sent() -> None:
+            trace.capture("HTTP_SEND_END")
+            trace.finish()
+
+        answer.on_sent = sent
+        return answer
 
     async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
         body = request.body
@@ -182,6 +212,20 @@ class HttpFrontend:
         finally:
             if not stream.closed:
                 stream.cancel()
+
+    def _trace_setting(self, request: HttpRequest, model_name: str) -> HttpResponse:
+        """The trace extension: GET reads the settings of a model ("" for the global ones), POST changes them."""
+        if request.method not in ("GET", "POST"):
+            return error_response(405, "Method Not Allowed")
+        tracing = self.server.tracing
+        tracing.check_model(model_name)
+        if request.method == "GET":
+            settings = tracing.settings(model_name)
+        else:
+            settings = tracing.update(model_name, changes_from_json(_trace_body(request.body)))
+        # Built by hand: a setting given twice on the command line is listed twice, as Triton lists it.
+        members = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in settings)
+        return HttpResponse(200, b"{" + members + b"}")
 
     def _shared_memory(self, request: HttpRequest, cuda: bool, parts: list[str]) -> HttpResponse:
         """`status`, `unregister` and `region/<name>/{status,register,unregister}` of the system shared memory
@@ -255,6 +299,25 @@ def _json_body(body: bytes) -> dict[str, Any]:
     return document
 
 
+def _trace_body(body: bytes) -> Any:
+    """A trace update's JSON; Triton reads any JSON document (anything but an object changes nothing) and
+    refuses an empty or malformed one with a 500, which is a 400 here."""
+    if not body:
+        raise invalid_arg("failed to parse the request JSON buffer: The document is empty. at 0")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+def _infer_response(response: InferResponse, infer_request: InferRequest, binary_default: bool) -> HttpResponse:
+    payload, header_length = encode_infer_response(response, infer_request, binary_default)
+    if header_length is None:
+        return HttpResponse(200, payload)
+    return HttpResponse(200, payload, "application/octet-stream",
+                        [("Inference-Header-Content-Length", str(header_length))])
+
+
 def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
     """The `config` override and the base64 `file:<path>` contents of a load request."""
     config = parameters.get("config")
@@ -280,5 +343,4 @@ def _compress(response: HttpResponse, accept: str) -> HttpResponse:
         body, encoding = zlib.compress(response.body, 1), "deflate"
     else:
         return response
-    return HttpResponse(response.status, body, response.content_type,
-                        [*response.headers, ("Content-Encoding", encoding)])
+    return dataclasses.replace(response, body=body, headers=[*response.headers, ("Content-Encoding", encoding)])

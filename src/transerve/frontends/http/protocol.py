@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httptools
 
@@ -30,6 +32,9 @@ class HttpRequest:
     path: str
     headers: dict[str, str]
     body: bytes
+    #: Monotonic nanoseconds when the request began to arrive and when it was complete, kept only while the
+    #: connection's `timing` switch is on (request tracing).
+    received_ns: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -40,9 +45,17 @@ class HttpResponse:
     headers: list[tuple[str, str]] = field(default_factory=list)
     #: A streamed body (e.g. server-sent events), sent with chunked transfer encoding instead of `body`.
     stream: AsyncIterator[bytes] | None = None
+    #: Called once the response has been handed to the socket (request tracing's send time).
+    on_sent: Callable[[], None] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+class Switch(Protocol):
+    """Something whose `active` flag says whether to note arrival times (the server's tracer)."""
+
+    active: bool
 
 
 class RequestRejected(Exception):
@@ -58,10 +71,11 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task",
+        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_timing", "_begin_ns",
     )
 
-    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse]):
+    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
+                 timing: Switch | None = None):
         self._handler = handler
         self._max_body = max_body
         self._error_response = error_response
@@ -80,6 +94,9 @@ class HttpConnection(asyncio.Protocol):
         #: The task answering this connection's requests; cancelled when the client goes away, which drops
         #: its queued request and tells a streaming model to stop.
         self._task: asyncio.Task | None = None
+        #: Whether to note when each request arrives (`HttpRequest.received_ns`); checked once per request.
+        self._timing = timing
+        self._begin_ns = 0
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -111,6 +128,7 @@ class HttpConnection(asyncio.Protocol):
     # ---- httptools callbacks ----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._begin_ns = time.monotonic_ns() if self._timing is not None and self._timing.active else 0
         self._url = b""
         self._headers = {}
         self._body = []
@@ -141,6 +159,8 @@ class HttpConnection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = HttpRequest(self._parser.get_method().decode("ascii"), parsed.path.decode("latin-1"),
                               self._headers, body)
+        if self._begin_ns:
+            request.received_ns = (self._begin_ns, time.monotonic_ns())
         self._queue.append((request, self._parser.should_keep_alive()))
         if len(self._queue) > 64 and not self._paused and self._transport is not None:
             self._paused = True
@@ -167,6 +187,8 @@ class HttpConnection(asyncio.Protocol):
                     return
             else:
                 self._write(response, keep_alive)
+            if response.on_sent is not None:
+                response.on_sent()
             if not keep_alive:
                 self._transport.close()
                 self._closing = True
