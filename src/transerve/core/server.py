@@ -61,6 +61,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "trace",
     "logging",
 ]
 
@@ -254,7 +255,9 @@ class Server:
         return all(record.state is ModelState.READY for record in self._models.values())
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": "transerve", "version": __version__, "extensions": EXTENSIONS}
+        """Named "triton", as Triton's clients and tests expect of the server they talk to; the version is
+        transerve's."""
+        return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
 
     def get_version(self, name: str, version: str = "") -> ModelVersion:
         """The serving version a request names, or the error Triton gives."""
