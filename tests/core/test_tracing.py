@@ -157,3 +157,27 @@ def test_model_settings_fall_back_field_by_field(tmp_path: Path) -> None:
         tracer.update("", {"rate": 0})
     tracer.update("", {"level": 0})
     assert tracer.active is False
+
+
+def test_kept_traces_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients can turn tracing on with log_frequency 0 (save at exit): what waits in memory is bounded, saved
+    early to the same file, which ends up as it would have."""
+    monkeypatch.setattr("transerve.core.tracing.settings.MAX_KEPT_CHARS", 2000)
+    tracer = Tracer(options(tmp_path / "t.json"))
+    for _ in range(5):
+        traced(tracer)
+    assert tracer._global._kept_chars <= 2000
+    tracer.close()
+    entries = json.loads((tmp_path / "t.json").read_text())
+    assert [entry["id"] for entry in entries if "model_name" in entry] == [1, 2, 3, 4, 5]
+
+
+def test_trace_ending_after_exit_is_dropped(tmp_path: Path) -> None:
+    tracer = Tracer(options(tmp_path / "t.json"))
+    request = InferRequest("m", [])
+    late = tracer.start(request)
+    assert late is not None
+    tracer.close()
+    late.finish()
+    tracer.update("", {"rate": 3})  # replaces (and retires) the setting after exit: nothing is written
+    assert not list(tmp_path.iterdir())

@@ -16,6 +16,10 @@ log = logging.getLogger("transerve")
 
 #: The fields the trace extension can change.
 FIELDS = ("level", "rate", "count", "log_frequency")
+#: Rendered traces a setting keeps in memory at most before saving them, whatever `log_frequency` says: clients can
+#: set the level, rate and frequency, so what they make the server hold must be bounded. With `log_frequency` 0
+#: (save at exit) saving early changes nothing in the file; otherwise the early ones make an indexed file of their own.
+MAX_KEPT_CHARS = 64 * 1024 * 1024
 
 
 class TraceFile:
@@ -27,8 +31,11 @@ class TraceFile:
         self._writer = writer
         self._index = 0
         self._opened = False
+        self._closed = False
 
     def save(self, traces: list[str], indexed: bool) -> None:
+        if self._closed:  # a trace that ends after exit (its answer was still being sent) is dropped
+            return
         if indexed:
             name = f"{self.path}.{self._index}"
             self._index += 1
@@ -41,7 +48,7 @@ class TraceFile:
     def close(self) -> None:
         if self._opened:
             self._writer.submit(_write, self.path, "a", "]")
-            self._opened = False
+        self._closed = True
 
 
 def _write(name: str, mode: str, text: str) -> None:
@@ -57,7 +64,7 @@ class Setting:
     that sampling and writing keep."""
 
     __slots__ = ("level", "rate", "count", "log_frequency", "file", "mode", "config", "specified", "reason",
-                 "_sampled", "_collected", "_kept", "_live", "_retired")
+                 "_sampled", "_collected", "_kept", "_kept_chars", "_live", "_retired")
 
     def __init__(self, level: int, rate: int, count: int, log_frequency: int, file: TraceFile, mode: str,
                  config: list[tuple[str, str]], specified: frozenset[str] = frozenset()) -> None:
@@ -82,8 +89,9 @@ class Setting:
             self.reason = ""
         self._sampled = 0
         self._collected = 0
-        #: Finished traces (rendered) not yet saved to the file.
+        #: Finished traces (rendered) not yet saved to the file, and their length.
         self._kept: list[str] = []
+        self._kept_chars = 0
         #: Sampled traces not finished yet.
         self._live = 0
         self._retired = False
@@ -119,10 +127,11 @@ class Setting:
         self._collected += 1
         if rendered:  # a trace whose request was refused before it ran has nothing to write
             self._kept.append(rendered)
+            self._kept_chars += len(rendered)
         if (self.count == 0 and self._collected == self._sampled) or (
                 self.log_frequency and len(self._kept) >= self.log_frequency):
             self._save(indexed=True)
-        elif self._retired and self._live == 0:
+        elif self._kept_chars > MAX_KEPT_CHARS or (self._retired and self._live == 0):
             self._save(indexed=self.log_frequency != 0)
 
     def retire(self) -> None:
@@ -137,5 +146,5 @@ class Setting:
 
     def _save(self, indexed: bool) -> None:
         if self._kept:
-            traces, self._kept = self._kept, []
+            traces, self._kept, self._kept_chars = self._kept, [], 0
             self.file.save(traces, indexed)

@@ -36,6 +36,7 @@ class Tracer:
         self._files: dict[str, TraceFile] = {}
         self._ids = itertools.count(1)
         self._exporter: Any = None
+        self._closed = False
         if options.mode == OPENTELEMETRY:
             from transerve.core.tracing.otel import OtelExporter
 
@@ -66,6 +67,8 @@ class Tracer:
         return trace
 
     def _finished(self, trace: Trace) -> None:
+        if self._closed:  # its answer was still being sent at exit
+            return
         setting = trace.setting
         if setting.mode == TRITON:
             setting.collect(render_json(trace))
@@ -153,6 +156,8 @@ class Tracer:
 
     def close(self) -> None:
         """At exit: save every setting's traces, close the files and wait for the writes; flush OpenTelemetry."""
+        self._closed = True
+        self.active = False
         for setting in (*self._models.values(), self._global):
             setting.flush()
         for file in self._files.values():
