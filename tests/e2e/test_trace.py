@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -330,6 +331,49 @@ def test_propagated_context_is_not_a_trace_in_triton_mode(tmp_path: Path) -> Non
         run_requests(server, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
         assert requests.get(setting_url(server, ""), timeout=TIMEOUT_S).json()["trace_level"] == ["OFF"]
     assert not list(tmp_path.glob("trace.json*"))
+
+
+BLS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="add_sub", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", x), pb_utils.Tensor("INPUT1", x)], trace=request.trace())
+            assert request.trace().get_context() is None
+            out = pb_utils.get_output_tensor_by_name(call.exec(), "OUTPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", out)]))
+        return responses
+"""
+BLS_CONFIG = """
+name: "bls_caller" backend: "python" max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def test_bls_models_passing_their_trace_run(tmp_path: Path) -> None:
+    """Models written for Triton pass `trace=request.trace()` to their BLS calls; they run, traced themselves (the
+    call is not traced under them yet: see docs/extensions.md)."""
+    repo = tmp_path / "models"
+    shutil.copytree(EXAMPLE_REPOSITORY / "add_sub", repo / "add_sub")
+    (repo / "bls_caller" / "1").mkdir(parents=True)
+    (repo / "bls_caller" / "config.pbtxt").write_text(BLS_CONFIG)
+    (repo / "bls_caller" / "1" / "model.py").write_text(BLS_MODEL)
+    trace_file = tmp_path / "trace.json"
+    with start_transerve(repo, "--trace-config", f"triton,file={trace_file}", "--trace-config", "level=TIMESTAMPS",
+                         "--trace-config", "rate=1") as server:
+        body = {"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+        answer = requests.post(f"{server.base_url}/v2/models/bls_caller/infer", json=body, timeout=TIMEOUT_S)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == [2, 4, 6, 8]
+    headers = [entry for entry in json.loads(trace_file.read_text()) if "model_name" in entry]
+    assert headers == [{"id": 1, "model_name": "bls_caller", "model_version": 1}]
 
 
 # ------------------------------------------------------------------------------------------- OpenTelemetry
