@@ -12,7 +12,6 @@ activities are not exported (Triton neither).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 
@@ -25,8 +24,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from transerve.core.tracing.trace import CAPTURE, HEADER, STAMP, Trace
-
-log = logging.getLogger("transerve")
 
 SERVICE_NAME = "triton-inference-server"
 TRACER_NAME = "triton-server"

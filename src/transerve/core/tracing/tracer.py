@@ -8,7 +8,6 @@ trace pays one attribute check per request.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,8 +19,6 @@ from transerve.core.tracing.options import OFF, OPENTELEMETRY, TENSORS, TIMESTAM
 from transerve.core.tracing.settings import FIELDS, Setting, TraceFile
 from transerve.core.tracing.trace import CAPTURE, HEADER, STAMP, RequestTrace, Trace
 from transerve.core.types import InferRequest
-
-log = logging.getLogger("transerve")
 
 #: A field whose value an update clears (JSON null, or an empty gRPC value list).
 CLEAR = object()
@@ -82,7 +79,7 @@ class Tracer:
         """The settings a model's requests are traced under (the global ones for ""), as Triton lists them: a
         setting may appear twice when the command line gave it twice."""
         self.check_model(model_name)
-        setting = self._models.get(model_name, self._global) if model_name else self._global
+        setting = self._models.get(model_name, self._global)
         shown: list[tuple[str, str | list[str]]] = [
             ("trace_level", level_names(setting.level)),
             ("trace_rate", str(setting.rate)),
