@@ -19,6 +19,7 @@ from transerve.core.log_settings import FORMATS, LogSettings
 from transerve.core.metrics_config import parse_metrics_config
 from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
+from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
 
@@ -101,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a response cache of BYTES for the models whose config enables response_cache")
     add("--cache-directory", metavar="PATH", help="accepted for tritonserver's command lines; transerve's cache "
         "is built in")
+    add("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+        help="request tracing, as tritonserver's: level=TIMESTAMPS|TENSORS|OFF, rate=N, count=N, mode=triton|"
+             "opentelemetry; triton,file=PATH, triton,log-frequency=N; opentelemetry,url=URL, "
+             "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N (repeatable)")
+    add("--trace-file", help="deprecated: --trace-config triton,file=PATH")
+    add("--trace-level", action="append", help="deprecated: --trace-config level=LEVEL")
+    add("--trace-rate", help="deprecated: --trace-config rate=N")
+    add("--trace-count", help="deprecated: --trace-config count=N")
+    add("--trace-log-frequency", help="deprecated: --trace-config triton,log-frequency=N")
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
     return parser
@@ -119,6 +129,11 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         metrics = parse_metrics_config(args.metrics_config)
     except ValueError as exc:
         raise SystemExit(f"transerve serve: {exc}") from None
+    try:
+        trace = parse_trace_options(args.trace_config, args.trace_file, args.trace_level, args.trace_rate,
+                                    args.trace_count, args.trace_log_frequency)
+    except TraceConfigError as exc:
+        raise SystemExit(f"transerve serve: {exc}") from None
     return ServerOptions(
         repositories=args.model_repository,
         control_mode=ControlMode(args.model_control_mode),
@@ -133,6 +148,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         log_settings=LogSettings(log_file=args.log_file, log_info=args.log_info, log_warning=args.log_warning,
                                  log_error=args.log_error, log_verbose_level=args.log_verbose,
                                  log_format=args.log_format),
+        trace=trace,
     )
 
 

@@ -534,10 +534,11 @@ advertise what it implements."""
 
 
 def test_server_metadata(servers: dict[str, ServerProcess]) -> None:
-    """The name is Triton's on both (clients compare it); `version` identifies the implementation, and Triton
-    lists extensions transerve does not claim (cuda_shared_memory, trace). What must agree besides is that both
-    advertise the extensions that the differential tests exercise."""
+    """Both are named "triton" (Triton's clients and tests check it); `version` is each implementation's, and Triton
+    lists an extension transerve does not claim (cuda_shared_memory). Both advertise the extensions that the
+    differential tests exercise."""
     responses = both(servers, "GET", "/v2")
+    assert json_body(responses["transerve"])["name"] == json_body(responses["triton"])["name"] == "triton"
     for name, response in responses.items():
         assert response.status_code == 200, name
         metadata = json_body(response)

@@ -35,6 +35,7 @@ from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
 from transerve.core.streams import ResponseStream
+from transerve.core.tracing import TraceOptions, Tracer
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.fingerprint import fingerprint
 from transerve.repository.overrides import write_model_files
@@ -61,6 +62,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "trace",
     "logging",
 ]
 
@@ -100,6 +102,8 @@ class ServerOptions:
     log_settings: LogSettings = field(default_factory=LogSettings)
     #: `--metrics-config`: which latency metrics the models keep (summaries are observed as requests finish).
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: The `--trace-*` flags: the trace extension's settings at start.
+    trace: TraceOptions = field(default_factory=TraceOptions)
 
 
 @dataclass(slots=True)
@@ -181,6 +185,8 @@ class Server:
         self.shared_memory = SharedMemoryRegistry()
         #: The log settings, which clients may read and change (Triton's logging extension).
         self.log = ServerLog(options.log_settings)
+        #: Which requests are traced, and the settings clients may read and change (Triton's trace extension).
+        self.tracing = Tracer(options.trace, self.model_ready)
         #: The responses of models whose config enables `response_cache`, when the server has a cache.
         self.response_cache = ResponseCache(options.cache_bytes) if options.cache_bytes is not None else None
         self._models: dict[str, ModelRecord] = {}
@@ -234,6 +240,7 @@ class Server:
             log.warning("exit timeout reached with %d requests in flight", self._inflight)
         await asyncio.gather(*(self._unload_record(record) for record in list(self._models.values())))
         self._models.clear()
+        self.tracing.close()
         self._live = False
 
     # ---- health and metadata ---------------------------------------------------------------------
@@ -251,7 +258,8 @@ class Server:
         return all(record.state is ModelState.READY for record in self._models.values())
 
     def metadata(self) -> dict[str, Any]:
-        # Triton's name: clients and Triton's own tests compare it; the version says which transerve this is.
+        """Named "triton", as Triton's clients and tests expect of the server they talk to; the version is
+        transerve's."""
         return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
 
     def get_version(self, name: str, version: str = "") -> ModelVersion:
@@ -359,6 +367,8 @@ class Server:
         cancels the future calls `complete` for it)."""
         model = self._validated_model(request)
         request.arrival_ns = time.monotonic_ns()
+        if request.trace is not None:
+            self._trace_started(model, request)
         self._inflight += 1
         return model, model.scheduler.submit(request, on_done)
 
@@ -370,8 +380,11 @@ class Server:
         self._inflight -= 1
         try:
             response = future.result()
-        except ServerError as exc:
-            model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+        except BaseException as exc:
+            if isinstance(exc, ServerError):
+                model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+            if request.trace is not None:
+                request.trace.ended(None)
             raise
         return self._answer(model, request, response)
 
@@ -412,6 +425,8 @@ class Server:
     async def _run_decoupled(self, model: ModelVersion, request: InferRequest, stream: ResponseStream) -> None:
         """The scheduler's future settles when `execute` returns; responses keep coming through the stream."""
         request.arrival_ns = time.monotonic_ns()
+        if request.trace is not None:
+            self._trace_started(model, request)
         self._inflight += 1
         try:
             await model.scheduler.submit(request)
@@ -421,23 +436,39 @@ class Server:
             return
         finally:
             self._inflight -= 1
+            if request.trace is not None:
+                request.trace.ended(None)
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
 
     async def _infer_validated(self, model: ModelVersion, request: InferRequest) -> InferResponse:
         request.arrival_ns = time.monotonic_ns()
+        if request.trace is not None:
+            self._trace_started(model, request)
         self._inflight += 1
         try:
             response = await model.scheduler.submit(request)
-        except ServerError as exc:
-            model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+        except BaseException as exc:
+            if isinstance(exc, ServerError):
+                model.stats.record_failure(exc.code, time.monotonic_ns() - request.arrival_ns)
+            if request.trace is not None:
+                request.trace.ended(None)
             raise
         finally:
             self._inflight -= 1
         return self._answer(model, request, response)
 
+    @staticmethod
+    def _trace_started(model: ModelVersion, request: InferRequest) -> None:
+        """A traced request is accepted: REQUEST_START, QUEUE_START and its inputs (an ensemble computes nothing
+        itself, so it has no COMPUTE_* stamps, as in Triton)."""
+        request.trace.started(model.name, model.version, request.id, request.inputs,
+                              computes=backend_name(model.config) != "ensemble")
+
     def _answer(self, model: ModelVersion, request: InferRequest, response: InferResponse) -> InferResponse:
         """Count a success and shape the response to what the request asked for."""
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
+        if request.trace is not None:
+            request.trace.ended(response)
         response.id = request.id
         response.model_name = model.name
         response.model_version = model.version

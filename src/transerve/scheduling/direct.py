@@ -62,7 +62,10 @@ class DirectScheduler:
         """Hand a request to an instance; completion arrives as a callback, with no task per execution
         (and no future either, when the backend calls back itself)."""
         request = pending[0]
-        self._stats.queue.add(time.monotonic_ns() - request.arrival_ns)
+        started = time.monotonic_ns()
+        self._stats.queue.add(started - request.arrival_ns)
+        if request.trace is not None:
+            request.trace.compute_started(started)
         self._running += 1
         if instance.cancellable:
             pending[1].add_done_callback(functools.partial(_cancel_if_cancelled, instance, request))
@@ -93,6 +96,8 @@ class DirectScheduler:
         request, future, on_done = pending
         if len(result.results) != 1:
             result = self._failed(instance, f"returned {len(result.results)} results for 1 requests")
+        if request.trace is not None:
+            request.trace.compute_ended(result.compute_input_ns, result.compute_output_ns)
         if future.done():  # cancelled by its client while it ran: its canceller accounts for it
             on_done = None
         elif isinstance(outcome := result.results[0], ServerError):

@@ -217,6 +217,8 @@ class DynamicBatcher:
         requests = [pending.request for pending in batch]
         for request in requests:
             self._stats.queue.add(started - request.arrival_ns)
+            if request.trace is not None:
+                request.trace.compute_started(started)
         self._running += 1
         entry = _Execution(batch)
         if self._in_order is not None:
@@ -248,6 +250,9 @@ class DynamicBatcher:
         self._free.append(instance)
         if len(result.results) != len(batch):
             result = self._failed(instance, batch, f"returned {len(result.results)} results for {len(batch)} requests")
+        for pending in batch:
+            if pending.request.trace is not None:
+                pending.request.trace.compute_ended(result.compute_input_ns, result.compute_output_ns)
         self._stats.record_execution(
             sum(pending.size for pending in batch),
             len(batch),

@@ -357,6 +357,8 @@ class SequenceBatcher:
             if future is not None:
                 real += 1
                 self._stats.queue.add(started - request.arrival_ns)
+                if request.trace is not None:
+                    request.trace.compute_started(started)
         self._queued -= real
         self._running += 1
 
@@ -392,6 +394,9 @@ class SequenceBatcher:
         if len(result.results) != len(requests):
             count = len(result.results)
             result = self._failed(lane, len(requests), f"returned {count} results for {len(requests)} requests")
+        for request in requests:
+            if request.trace is not None:
+                request.trace.compute_ended(result.compute_input_ns, result.compute_output_ns)
         # Triton counts null requests in the batch size, but not as inferences.
         self._stats.record_execution(
             len(requests), real, result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,

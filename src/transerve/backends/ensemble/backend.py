@@ -144,7 +144,8 @@ class EnsembleInstance(BackendInstance):
         return all(tensor in tensors or tensor in self._optional for tensor in step.inputs.values())
 
     def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest:
-        """The core request of one step, with the ensemble request's id, sequence and scheduling fields."""
+        """The core request of one step, with the ensemble request's id, sequence and scheduling fields; a traced
+        ensemble request's step is traced as its child."""
         return InferRequest(
             model_name=step.model_name,
             model_version=step.model_version,
@@ -157,6 +158,7 @@ class EnsembleInstance(BackendInstance):
             flags=request.flags,
             priority=request.priority,
             timeout_us=request.timeout_us,
+            trace=request.trace.child() if request.trace is not None else None,
         )
 
     def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:

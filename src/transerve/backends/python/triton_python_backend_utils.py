@@ -240,6 +240,14 @@ def _check_parameters(parameters: Any) -> dict[str, Any]:
     return parameters
 
 
+class InferenceTrace:
+    """What `request.trace()` gives. transerve does not trace BLS calls yet, so it carries no context; models that
+    pass it on (`pb_utils.InferenceRequest(..., trace=request.trace())`, as Triton's docs show) run unchanged."""
+
+    def get_context(self) -> str | None:
+        return None
+
+
 class InferenceRequest:
     """A request handed to `execute`, or one a model builds for a BLS call."""
 
@@ -345,6 +353,10 @@ class InferenceRequest:
 
     def requested_output_names(self) -> list[str]:
         return self._requested_output_names
+
+    def trace(self) -> InferenceTrace:
+        """The request's trace, which Triton's models pass as a BLS request's `trace=` to trace the call under it."""
+        return InferenceTrace()
 
     def is_cancelled(self) -> bool:
         """Whether the client went away (decoupled requests; the server tells the worker at once)."""

@@ -22,6 +22,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
+from transerve.core.tracing import Trace
+from transerve.core.tracing.extension import changes_from_grpc
 from transerve.core.types import InferRequest, InferResponse
 from transerve.frontends.access import GRPC_GROUPS, HeaderForwarding, Restrictions, grpcio_metadata, metadata_lookup
 from transerve.frontends.grpc.codec import (
@@ -160,16 +162,37 @@ class InferenceService:
     async def ModelInfer(
         self, request: service_pb2.ModelInferRequest, metadata: Metadata = ()
     ) -> service_pb2.ModelInferResponse:
-        return encode_infer_response(await self._infer_unary(request, metadata))
+        return await self._infer_unary(request, metadata, encode_infer_response)
 
     async def _model_infer_serialized(self, request: service_pb2.ModelInferRequest, metadata: Metadata = ()) -> bytes:
         """ModelInfer's answer already serialized, large outputs without protobuf's serializer."""
-        return encode_infer_response_bytes(await self._infer_unary(request, metadata))
+        return await self._infer_unary(request, metadata, encode_infer_response_bytes)
 
-    async def _infer_unary(self, request: service_pb2.ModelInferRequest, metadata: Metadata) -> InferResponse:
+    async def _infer_unary(self, request: service_pb2.ModelInferRequest, metadata: Metadata,
+                           encode: Callable[[InferResponse], Any]) -> Any:
         if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        return await self._server.infer(self._decode(request, metadata))
+        decoded = self._decode(request, metadata)
+        tracing = self._server.tracing
+        if tracing.active and (trace := tracing.start(decoded)) is not None:
+            return await self._infer_traced(trace, decoded, encode)
+        return encode(await self._server.infer(decoded))
+
+    async def _infer_traced(self, trace: Trace, request: InferRequest, encode: Callable[[InferResponse], Any]) -> Any:
+        """A traced ModelInfer with Triton's gRPC timestamps. The service sees a call once its message is read,
+        so GRPC_WAITREAD_START and _END are both that moment; GRPC_SEND_END is when the answer is encoded for the
+        transport."""
+        trace.capture("GRPC_WAITREAD_START", trace.started_ns)
+        trace.capture("GRPC_WAITREAD_END", trace.started_ns)
+        try:
+            response = await self._server.infer(request)
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            trace.capture("GRPC_SEND_START")
+            answer = encode(response)
+            trace.capture("GRPC_SEND_END")
+        finally:
+            trace.finish()
+        return answer
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], metadata: Metadata = ()
@@ -379,13 +402,29 @@ class InferenceService:
             setattr(response.settings[key], kind, value)
         return response
 
+    # ---- trace -----------------------------------------------------------------------------------
+
+    async def TraceSetting(self, request: service_pb2.TraceSettingRequest) -> service_pb2.TraceSettingResponse:
+        """Reads a model's trace settings ("" for the global ones); changes them when the request names some."""
+        tracing = self._server.tracing
+        tracing.check_model(request.model_name)
+        if request.settings:
+            changes = changes_from_grpc({key: list(value.value) for key, value in request.settings.items()})
+            settings = tracing.update(request.model_name, changes)
+        else:
+            settings = tracing.settings(request.model_name)
+        response = service_pb2.TraceSettingResponse()
+        for key, value in settings:
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
     def _explicit_control(self) -> None:
         if self._server.options.control_mode is not ControlMode.EXPLICIT:
             raise unavailable(_NOT_EXPLICIT)
 
     def rpcs(self) -> Iterator[Rpc]:
-        """Every method of the proto this class implements; the others (trace settings) are left to each
-        transport's UNIMPLEMENTED."""
+        """Every method of the proto this class implements; any other is left to each transport's
+        UNIMPLEMENTED."""
         for method in SERVICE.methods:
             handler = getattr(self, method.name, None)
             if handler is not None:

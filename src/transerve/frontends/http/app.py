@@ -13,6 +13,9 @@ import orjson
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
 from transerve.core.server import ControlMode, Server
+from transerve.core.tracing import Trace
+from transerve.core.tracing.extension import changes_from_json
+from transerve.core.types import InferRequest, InferResponse
 from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group
 from transerve.frontends.http.codec import (
     decode_infer_request,
@@ -82,7 +85,8 @@ class HttpFrontend:
         loop = asyncio.get_running_loop()
         keep_names = self.forwarding is not None
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names), host, port,
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names, self.server.tracing),
+            host, port,
             reuse_address=True,
         )
 
@@ -132,6 +136,8 @@ class HttpFrontend:
             return error_response(405, "Method Not Allowed")
         if section in ("systemsharedmemory", "cudasharedmemory"):
             return self._shared_memory(request, section == "cudasharedmemory", [unquote(p) for p in parts[2:]])
+        if section == "trace" and parts[2:] == ["setting"]:
+            return self._trace_setting(request, "")
         return error_response(404, "Not Found")
 
     @staticmethod
@@ -149,6 +155,8 @@ class HttpFrontend:
             version, rest = rest[1], rest[2:]
         if not rest:
             return self._get(method) or _json(self.server.model_metadata(name, version))
+        if rest == ["trace", "setting"] and not version:
+            return self._trace_setting(request, name)
         if len(rest) > 1:
             return error_response(404, "Not Found")
         action = rest[0]
@@ -188,19 +196,34 @@ class HttpFrontend:
                                                                  self.server.shared_memory)
         if self.forwarding is not None and request.raw_headers:
             infer_request.parameters.update(self.forwarding.parameters(request.raw_headers))
-        response = await self.server.infer(infer_request)
-        payload, header_length = encode_infer_response(response, infer_request, binary_default)
-        content_type, headers = "application/json", []
-        if header_length is not None:
-            content_type = "application/octet-stream"
-            headers.append(("Inference-Header-Content-Length", str(header_length)))
-        # Triton compresses inference answers only, as the client's Accept-Encoding ranks gzip and deflate.
         accept = request.headers.get("accept-encoding")
-        response_coding = response_encoding(accept) if accept else None
-        if response_coding is not None:
-            payload = compress_body(payload, response_coding)
-            headers.append(("Content-Encoding", response_coding))
-        return HttpResponse(200, payload, content_type, headers)
+        tracing = self.server.tracing
+        if tracing.active and (trace := tracing.start(infer_request, request.headers)) is not None:
+            return await self._infer_traced(trace, request, infer_request, binary_default, accept)
+        return _infer_response(await self.server.infer(infer_request), infer_request, binary_default, accept)
+
+    async def _infer_traced(self, trace: Trace, request: HttpRequest, infer_request: InferRequest,
+                            binary_default: bool, accept: str | None) -> HttpResponse:
+        """`_infer` for a traced request: Triton's HTTP timestamps around the core's; the trace is done once the
+        answer is sent (or the request failed)."""
+        if request.received_ns is not None:
+            trace.capture("HTTP_RECV_START", request.received_ns[0])
+            trace.capture("HTTP_RECV_END", request.received_ns[1])
+        try:
+            response = await self.server.infer(infer_request)
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            answer = _infer_response(response, infer_request, binary_default, accept)
+        except BaseException:
+            trace.finish()
+            raise
+        trace.capture("HTTP_SEND_START")
+
+        def sent() -> None:
+            trace.capture("HTTP_SEND_END")
+            trace.finish()
+
+        answer.on_sent = sent
+        return answer
 
     async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
         model = self.server.get_version(name, version)
@@ -221,6 +244,20 @@ class HttpFrontend:
         # As in Triton, the first response sets the status: an error there is the request's error.
         status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
         return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
+
+    def _trace_setting(self, request: HttpRequest, model_name: str) -> HttpResponse:
+        """The trace extension: GET reads the settings of a model ("" for the global ones), POST changes them."""
+        if request.method not in ("GET", "POST"):
+            return error_response(405, "Method Not Allowed")
+        tracing = self.server.tracing
+        tracing.check_model(model_name)
+        if request.method == "GET":
+            settings = tracing.settings(model_name)
+        else:
+            settings = tracing.update(model_name, changes_from_json(_trace_body(request.body)))
+        # Built by hand: a setting given twice on the command line is listed twice, as Triton lists it.
+        members = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in settings)
+        return HttpResponse(200, b"{" + members + b"}")
 
     def _shared_memory(self, request: HttpRequest, cuda: bool, parts: list[str]) -> HttpResponse:
         """`status`, `unregister` and `region/<name>/{status,register,unregister}` of the system shared memory
@@ -294,6 +331,33 @@ def _json_body(body: bytes) -> dict[str, Any]:
     return document
 
 
+def _trace_body(body: bytes) -> Any:
+    """A trace update's JSON; Triton reads any JSON document (anything but an object changes nothing) and
+    refuses an empty or malformed one with a 500, which is a 400 here."""
+    if not body:
+        raise invalid_arg("failed to parse the request JSON buffer: The document is empty. at 0")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+def _infer_response(response: InferResponse, infer_request: InferRequest, binary_default: bool,
+                    accept: str | None) -> HttpResponse:
+    """An inference answer, compressed as Triton compresses: inference answers only, as the client's
+    Accept-Encoding ranks gzip and deflate."""
+    payload, header_length = encode_infer_response(response, infer_request, binary_default)
+    content_type, headers = "application/json", []
+    if header_length is not None:
+        content_type = "application/octet-stream"
+        headers.append(("Inference-Header-Content-Length", str(header_length)))
+    coding = response_encoding(accept) if accept else None
+    if coding is not None:
+        payload = compress_body(payload, coding)
+        headers.append(("Content-Encoding", coding))
+    return HttpResponse(200, payload, content_type, headers)
+
+
 def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
     """The `config` override and the base64 `file:<path>` contents of a load request."""
     config = parameters.get("config")
@@ -309,4 +373,3 @@ def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, 
             except binascii.Error:
                 raise invalid_arg(f"load parameter '{key}' is not valid base64") from None
     return config, files
-

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httptools
 
@@ -36,6 +38,9 @@ class HttpRequest:
     body: bytes
     #: Every header with its name as sent, when the connection keeps them (for header forwarding).
     raw_headers: list[tuple[str, str]] | None = None
+    #: Monotonic nanoseconds when the request began to arrive and when it was complete, kept only while the
+    #: connection's `timing` switch is on (request tracing).
+    received_ns: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -46,9 +51,17 @@ class HttpResponse:
     headers: list[tuple[str, str]] = field(default_factory=list)
     #: A streamed body (e.g. server-sent events), sent with chunked transfer encoding instead of `body`.
     stream: AsyncIterator[bytes] | None = None
+    #: Called once the response has been handed to the socket (request tracing's send time).
+    on_sent: Callable[[], None] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+class Switch(Protocol):
+    """Something whose `active` flag says whether to note arrival times (the server's tracer)."""
+
+    active: bool
 
 
 class RequestRejected(Exception):
@@ -65,10 +78,11 @@ class HttpConnection(asyncio.Protocol):
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
         "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_framed_twice", "_raw_headers",
+        "_timing", "_begin_ns",
     )
 
     def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
-                 keep_header_names: bool = False):
+                 keep_header_names: bool = False, timing: Switch | None = None):
         self._handler = handler
         self._max_body = max_body
         self._error_response = error_response
@@ -91,6 +105,9 @@ class HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task | None = None
         #: Headers as sent, kept only when asked (names are otherwise lowercased into a dict).
         self._raw_headers: list[tuple[str, str]] | None = [] if keep_header_names else None
+        #: Whether to note when each request arrives (`HttpRequest.received_ns`); checked once per request.
+        self._timing = timing
+        self._begin_ns = 0
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -122,6 +139,7 @@ class HttpConnection(asyncio.Protocol):
     # ---- httptools callbacks ----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._begin_ns = time.monotonic_ns() if self._timing is not None and self._timing.active else 0
         self._url = b""
         self._headers = {}
         self._body = []
@@ -161,6 +179,8 @@ class HttpConnection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = HttpRequest(self._parser.get_method().decode("ascii"), parsed.path.decode("latin-1"),
                               self._headers, body, self._raw_headers)
+        if self._begin_ns:
+            request.received_ns = (self._begin_ns, time.monotonic_ns())
         self._queue.append((request, self._parser.should_keep_alive() and not self._framed_twice))
         if len(self._queue) > 64 and not self._paused and self._transport is not None:
             self._paused = True
@@ -187,6 +207,8 @@ class HttpConnection(asyncio.Protocol):
                     return
             else:
                 self._write(response, keep_alive)
+            if response.on_sent is not None:
+                response.on_sent()
             if not keep_alive:
                 self._transport.close()
                 self._closing = True
