@@ -159,8 +159,9 @@ class Channel:
             send_datagram(self._sock, data, fds)
         return True
 
-    def start_bls(self, body: Any, inputs: list[Entry]) -> tuple[int, BlsCall]:
-        """Register a BLS call and send it; its answers arrive in the returned BlsCall."""
+    def start_bls(self, body: Any, inputs: list[Entry], op: int = OP_BLS_CALL) -> tuple[int, BlsCall]:
+        """Register a BLS call (or another call to the server, e.g. OP_MODEL_CONTROL) and send it; its answers
+        arrive in the returned BlsCall."""
         call = BlsCall()
         with self._state:
             self._next_bls += 1
@@ -169,7 +170,7 @@ class Channel:
             if self.gone:
                 call._deliver(_GONE, [])
                 return call_id, call
-        self.send(OP_BLS_CALL, call_id, body, [inputs])
+        self.send(op, call_id, body, [inputs] if inputs else ())
         return call_id, call
 
     def finish_bls(self, call_id: int) -> None:

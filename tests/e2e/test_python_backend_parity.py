@@ -1,0 +1,210 @@
+"""The python backend as Triton 24.10's (the release behind Triton 2.51): response senders of non-decoupled models,
+request rescheduling, model control from model code and pb_utils' argument checks, against the real Triton.
+
+The models live in `python_parity_models/`; every test that can runs the same requests against transerve and
+Triton and expects the same answers. Where Triton has no answer (a request it drops, a model it never answers),
+transerve answers with an error instead, tested on transerve alone.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from support import ServerProcess, require_triton, start_transerve, start_triton
+
+MODELS = Path(__file__).resolve().parent / "python_parity_models"
+TIMEOUT_S = 30.0
+SERVERS = ["transerve", "triton"]
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("python_parity") / "models"
+    shutil.copytree(MODELS, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "sender", repo / "sender_async")
+    config = (repo / "sender_async" / "config.pbtxt").read_text()
+    config = config.replace('name: "sender"', 'name: "sender_async"').replace('string_value: "0"', 'string_value: "1"')
+    (repo / "sender_async" / "config.pbtxt").write_text(config)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def servers(repository: Path) -> Iterator[dict[str, ServerProcess]]:
+    install = require_triton()
+    flags = ("--model-control-mode=explicit", "--load-model=*")
+    with start_transerve(repository, *flags) as ours, start_triton(repository, *flags, install=install) as theirs:
+        yield {"transerve": ours, "triton": theirs}
+
+
+def infer(server: ServerProcess, model: str, inputs: dict[str, tuple[str, list]]) -> requests.Response:
+    body = {"inputs": [{"name": name, "shape": list(np.shape(values)), "datatype": datatype, "data": values}
+                       for name, (datatype, values) in inputs.items()]}
+    return requests.post(f"{server.base_url}/v2/models/{model}/infer", json=body, timeout=TIMEOUT_S)
+
+
+def outputs(answer: requests.Response) -> dict[str, list]:
+    assert answer.status_code == 200, answer.text
+    return {output["name"]: output["data"] for output in answer.json()["outputs"]}
+
+
+def stream(server: ServerProcess, model: str, inputs: list[grpcclient.InferInput], count: int) -> list:
+    """The first `count` answers to one request on a gRPC stream (results, or errors)."""
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(lambda result, error: answers.put(error or result))
+        client.async_stream_infer(model, inputs)
+        received = [answers.get(timeout=TIMEOUT_S) for _ in range(count)]
+        client.stop_stream()
+    return received
+
+
+def mode_input(mode: str) -> list[grpcclient.InferInput]:
+    tensor = grpcclient.InferInput("MODE", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([mode.encode()], np.object_))
+    return [tensor]
+
+
+# ---- the response sender of a non-decoupled model -------------------------------------------------------------
+
+#: MODE -> OUT: 1 the response sent before `execute` returned, 2 the one returned, 3 the one sent after it returned.
+#: A second response, or a returned one after a sent one, is refused in the model; the first one stands.
+SENDER_ANSWERS = {"on": 2, "pre": 1, "pre_then_final": 1, "post": 3, "pre_and_on": 1, "on_and_post": 2}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("model", ["sender", "sender_async"])
+@pytest.mark.parametrize("mode", sorted(SENDER_ANSWERS))
+def test_a_non_decoupled_model_answers_with_its_response_sender(servers, server, model, mode):
+    answer = infer(servers[server], model, {"MODE": ("BYTES", [mode])})
+    assert outputs(answer) == {"OUT": [SENDER_ANSWERS[mode]]}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("model", ["sender", "sender_async"])
+def test_the_first_of_two_sent_responses_reaches_a_stream(servers, server, model):
+    (result,) = stream(servers[server], model, mode_input("two_pre"), 1)
+    assert not isinstance(result, Exception), result
+    assert result.as_numpy("OUT").tolist() == [1]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("model", ["sender", "sender_async"])
+def test_a_final_flag_before_any_response_fails_the_request(servers, server, model):
+    answer = infer(servers[server], model, {"MODE": ("BYTES", ["zero_pre"])})
+    assert answer.status_code == 500
+    assert "Non-decoupled model cannot send complete final before sending a response" in answer.json()["error"]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_an_error_response_sent_after_returning_keeps_its_code(servers, server):
+    answer = infer(servers[server], "sender", {"MODE": ("BYTES", ["error_post"])})
+    assert answer.status_code == 400 and answer.json()["error"] == "failed after returning"
+
+
+def test_a_request_left_without_response_or_sender_fails_at_once(servers):
+    # Triton never answers such a request; transerve says why instead of hanging.
+    answer = infer(servers["transerve"], "sender", {"MODE": ("BYTES", ["none"])})
+    assert answer.status_code == 500
+    assert answer.json()["error"] == "model 'sender' returned no response for the request"
+
+
+# ---- request rescheduling (sequence_batching { iterative_sequence: true }) -------------------------------------
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_rescheduled_decoupled_request_runs_again_with_flags_cleared(servers, server):
+    value = grpcclient.InferInput("IN", [1], "INT32")
+    value.set_data_from_numpy(np.array([3], np.int32))
+    answers = stream(servers[server], "iterative", [value], 3)
+    seen = [(a.as_numpy("LEFT")[0], a.as_numpy("FLAGS")[0], a.as_numpy("START_SEEN")[0]) for a in answers]
+    # One run per response; only the first has the START flag and START control input.
+    assert seen == [(2, 1, 1), (1, 0, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_rescheduled_request_is_answered_by_its_next_run(servers, server):
+    assert outputs(infer(servers[server], "iterative_addsub", {"IN": ("INT32", [21])})) == {"OUT": [42], "RUNS": [2]}
+    with grpcclient.InferenceServerClient(servers[server].grpc_url) as client:
+        value = grpcclient.InferInput("IN", [1], "INT32")
+        value.set_data_from_numpy(np.array([5], np.int32))
+        assert client.infer("iterative_addsub", [value]).as_numpy("OUT").tolist() == [10]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_returning_a_response_for_a_rescheduled_request_fails_it(servers, server):
+    answer = infer(servers[server], "wrong_return", {"IN": ("INT32", [1])})
+    assert answer.status_code == 500
+    assert "Expected a None object in the execute function return list for reschduled request" in (
+        answer.json()["error"])
+
+
+def test_rescheduling_without_iterative_sequence_is_refused(servers):
+    # Triton releases such a request without an answer; transerve names what is missing.
+    answer = infer(servers["transerve"], "reschedule_plain", {"IN": ("INT32", [1])})
+    assert answer.status_code == 500
+    assert answer.json()["error"] == (
+        "model 'reschedule_plain' rescheduled a request, which needs "
+        "'sequence_batching { iterative_sequence: true }' in its configuration")
+
+
+# ---- model control from model code, argv and argument checks ----------------------------------------------------
+
+def loader(server: ServerProcess, action: str, name: str = "probe") -> str:
+    answer = infer(server, "loader", {"ACTION": ("BYTES", [action]), "NAME": ("BYTES", [name])})
+    return outputs(answer)["RESULT"][0]
+
+
+def model_ready(server: ServerProcess, name: str) -> bool:
+    return requests.get(f"{server.base_url}/v2/models/{name}/ready", timeout=TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_model_loads_and_unloads_other_models(servers, server):
+    target = servers[server]
+    assert loader(target, "ready") == "True"
+    assert loader(target, "unload") == "None"
+    deadline = time.monotonic() + TIMEOUT_S
+    while model_ready(target, "probe"):  # unloading returns once it has begun, as in Triton
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert loader(target, "ready") == "False"
+    assert loader(target, "load") == "None"
+    assert model_ready(target, "probe") and loader(target, "ready") == "True"
+    assert loader(target, "load", "no_such_model").startswith(
+        "TritonModelException: Failed to load model: Failed to process the request for model 'loader_0', message: ")
+
+
+def test_a_bad_version_string_fails_in_the_model(servers):
+    # Triton 2.51's server process dies of this one.
+    assert loader(servers["transerve"], "bad_version") == (
+        "TritonModelException: Failed to check model readiness: failed to get model version from specified "
+        "version string 'one', version should be an integral value > 0")
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_model_control_from_model_code_needs_explicit_mode(repository, tmp_path, server):
+    repo = tmp_path / "models"
+    for name in ("loader", "probe"):
+        shutil.copytree(repository / name, repo / name)
+    start = start_transerve(repo) if server == "transerve" else start_triton(repo, install=require_triton())
+    with start as target:
+        assert loader(target, "unload") == (
+            "TritonModelException: Failed to unload model: Failed to process the request for model 'loader_0', "
+            "message: explicit model load / unload is not allowed if polling is enabled")
+        assert loader(target, "ready") == "True"
+
+
+def test_models_see_the_interpreter_and_argument_checks_of_triton(servers):
+    reports = {name: json.loads(outputs(infer(server, "probe", {"IN": ("INT32", [1])}))["OUT"][0])
+               for name, server in servers.items()}
+    assert reports["transerve"]["argv"] == reports["triton"]["argv"] == [""]
+    assert reports["transerve"]["cases"] == reports["triton"]["cases"]
+    assert set(reports["transerve"]["cases"].values()) == {"TypeError", "TritonModelException", "ok"}
