@@ -6,6 +6,7 @@ import pytest
 
 from transerve.config.model_config import (
     ConfigError,
+    complete_backend_fields,
     normalize,
     parse_config_json,
     parse_config_text,
@@ -69,3 +70,21 @@ def test_parse_errors_say_where():
 def test_json_config_override():
     config = parse_config_json('{"backend": "python", "max_batch_size": 4}')
     assert config.max_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("files", "named", "backend"),
+    [
+        (["1/model.py"], "", "python"),
+        (["2/other.py"], "model.py", "python"),
+        (["1/other.py"], "", ""),
+        (["model.py"], "", ""),  # not in a version folder
+    ],
+)
+def test_a_model_py_in_a_version_folder_makes_a_python_model(tmp_path, files, named, backend):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    config = parse_config_text(f'default_model_filename: "{named}"' if named else "")
+    complete_backend_fields(config, tmp_path)
+    assert (config.backend, config.platform) == (backend, "")

@@ -208,3 +208,12 @@ def test_models_see_the_interpreter_and_argument_checks_of_triton(servers):
     assert reports["transerve"]["argv"] == reports["triton"]["argv"] == [""]
     assert reports["transerve"]["cases"] == reports["triton"]["cases"]
     assert set(reports["transerve"]["cases"].values()) == {"TypeError", "TritonModelException", "ok"}
+
+
+def test_a_model_folder_with_only_model_py_is_a_python_model(servers):
+    configs = {name: requests.get(f"{server.base_url}/v2/models/no_config/config", timeout=TIMEOUT_S).json()
+               for name, server in servers.items()}
+    assert configs["transerve"] == configs["triton"]
+    assert configs["transerve"]["backend"] == "python" and configs["transerve"]["max_batch_size"] == 4
+    for server in servers.values():
+        assert outputs(infer(server, "no_config", {"IN": ("FP32", [[1.0, 2.5]])})) == {"OUT": [2.0, 5.0]}

@@ -89,13 +89,18 @@ def backend_name(config: ModelConfig) -> str:
 def complete_backend_fields(config: ModelConfig, model_path: Path) -> None:
     """Fill `backend` and `platform` as Triton does for its file-based backends: each from the other, or, when
     the config names neither, from the model file found in a version folder (`model.onnx`, `model.pt`,
-    `model.plan`), so that a model folder without config.pbtxt can be served."""
+    `model.plan`; `model.py` for the python backend), so that a model folder without config.pbtxt can be served."""
     if not config.backend and not config.platform:
         versions = [entry for entry in _folders(model_path) if entry.name.isdigit()]
         for backend, platform in _FILE_PLATFORMS.items():
             if any((version / DEFAULT_MODEL_FILENAMES[backend]).exists() for version in versions):
                 config.platform = platform
                 break
+        else:
+            python_file = DEFAULT_MODEL_FILENAMES["python"]
+            named = config.default_model_filename
+            if named == python_file or (not named and any((v / python_file).is_file() for v in versions)):
+                config.backend = "python"
     if not config.backend and config.platform in _FILE_PLATFORMS.values():
         config.backend = PLATFORM_BACKENDS[config.platform]
     elif not config.platform and config.backend in _FILE_PLATFORMS:
