@@ -217,3 +217,57 @@ def test_a_model_folder_with_only_model_py_is_a_python_model(servers):
     assert configs["transerve"]["backend"] == "python" and configs["transerve"]["max_batch_size"] == 4
     for server in servers.values():
         assert outputs(infer(server, "no_config", {"IN": ("FP32", [[1.0, 2.5]])})) == {"OUT": [2.0, 5.0]}
+
+
+# ---- gRPC streams with the triton_grpc_error header --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grpcio_transerve(repository: Path) -> Iterator[ServerProcess]:
+    with start_transerve(repository, "--grpc-transport=grpcio") as server:
+        yield server
+
+
+def stream_modes(server: ServerProcess, modes: list[tuple[str, str]], headers: dict[str, str] | None) -> list:
+    """Send (model, MODE) requests on one stream, each after the previous answer; what came back, in order. A stream
+    that ended shows as the error that ended it, once."""
+    answers: queue.Queue = queue.Queue()
+    received: list = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(lambda result, error: answers.put(error or result), headers=headers)
+        for model, mode in modes:
+            try:
+                client.async_stream_infer(model, mode_input(mode))
+            except Exception as exc:  # the stream has ended
+                received.append(("refused", type(exc).__name__))
+                continue
+            answer = answers.get(timeout=TIMEOUT_S)
+            if isinstance(answer, Exception):
+                received.append(("error", str(answer.status()), answer.message()))
+            else:
+                received.append(("result", answer.as_numpy("OUT").tolist()))
+        client.stop_stream()
+    return received
+
+
+GRPC_ERROR_MODES = [("sender", "on"), ("no_such_model", "on"), ("sender", "on"), ("sender", "zero_pre"),
+                    ("sender", "on")]
+ZERO_PRE = "Non-decoupled model cannot send complete final before sending a response"
+
+
+@pytest.mark.parametrize("server", [*SERVERS, "transerve_grpcio"])
+def test_triton_grpc_error_ends_a_stream_at_the_first_model_error(servers, grpcio_transerve, server):
+    target = grpcio_transerve if server == "transerve_grpcio" else servers[server]
+    received = stream_modes(target, GRPC_ERROR_MODES, {"triton_grpc_error": "true"})
+    # A request refused before it runs is answered on the stream, which goes on; a model's error ends it.
+    assert received[0] == received[2] == ("result", [2])
+    assert received[1][:2] == ("error", "None") and "no_such_model" in received[1][2]
+    assert received[3][:2] == ("error", "StatusCode.INTERNAL") and ZERO_PRE in received[3][2]
+    assert received[4][0] == "refused"
+
+
+@pytest.mark.parametrize("server", [*SERVERS, "transerve_grpcio"])
+def test_without_triton_grpc_error_errors_are_answers_on_the_stream(servers, grpcio_transerve, server):
+    target = grpcio_transerve if server == "transerve_grpcio" else servers[server]
+    received = stream_modes(target, GRPC_ERROR_MODES, None)
+    assert [answer[0] for answer in received] == ["result", "error", "result", "error", "result"]
+    assert ZERO_PRE in received[3][2]

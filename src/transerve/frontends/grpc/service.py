@@ -10,9 +10,11 @@ in `http2/`, which routes by the same service descriptor.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import grpc
@@ -59,6 +61,11 @@ _NOT_EXPLICIT = "explicit model load / unload is not allowed if polling is enabl
 
 #: The service as tritonclient's generated code describes it: method names, request types, streaming.
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+#: The custom metadata (headers) of the call being handled, which each transport sets in the call's task.
+CALL_METADATA: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "CALL_METADATA", default=types.MappingProxyType({})
+)
 
 Unary = Callable[[Message], Awaitable[Message]]
 Streaming = Callable[[AsyncIterator[Message]], AsyncIterator[Message]]
@@ -156,14 +163,20 @@ class InferenceService:
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Requests of a stream run concurrently. Ordinary models' answers come in request order; a decoupled
-        model's responses go out as it produces them, each marked with `triton_final_response`. An error is
-        an answer, not the end of the stream; closing the stream cancels what is still running."""
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
+        model's responses go out as they are produced, each marked with `triton_final_response`. An error is
+        an answer, not the end of the stream; closing the stream cancels what is still running.
+
+        With the `triton_grpc_error: true` header (Triton's), an error a model or its scheduler answers ends the
+        stream with that error's gRPC status instead; a request refused before it runs is still answered on it."""
+        grpc_errors = CALL_METADATA.get().get("triton_grpc_error") == "true"
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
-        reader = self._loop.create_task(self._read_stream(request_iterator, outbox, window, tasks))
+        reader = self._loop.create_task(self._read_stream(request_iterator, outbox, window, tasks, grpc_errors))
         try:
             while (message := await outbox.get()) is not None:
+                if isinstance(message, ServerError):
+                    raise message
                 yield message
             reader.result()  # a failure to read the stream ends it with that failure
         finally:
@@ -174,16 +187,19 @@ class InferenceService:
     async def _read_stream(
         self,
         requests: AsyncIterator[service_pb2.ModelInferRequest],
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         tasks: set[asyncio.Task[None]],
+        grpc_errors: bool,
     ) -> None:
         in_order = _InOrder(outbox)
         try:
             async for request in requests:
                 await window.acquire()
                 if self._is_decoupled(request):
-                    answer = self._stream_decoupled(request, outbox, window)
+                    answer = self._stream_decoupled(request, outbox, window, grpc_errors)
+                elif grpc_errors:
+                    answer = self._stream_answer_or_end(request, outbox, window, in_order, in_order.ticket())
                 else:
                     answer = self._stream_answer(request, window, in_order, in_order.ticket())
                 task = self._loop.create_task(answer)
@@ -208,10 +224,7 @@ class InferenceService:
         self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore, in_order: _InOrder, ticket: int
     ) -> None:
         try:
-            response = encode_infer_response(await self._server.infer(self._decode(request)))
-            # As Triton marks it, so that clients of decoupled models can tell the last answer to a request.
-            response.parameters["triton_final_response"].bool_param = True
-            message = service_pb2.ModelStreamInferResponse(infer_response=response)
+            message = _stream_response(await self._server.infer(self._decode(request)))
         except ServerError as exc:
             message = _stream_error(request, exc.message)
         except Exception:
@@ -221,11 +234,40 @@ class InferenceService:
             window.release()
         in_order.deliver(ticket, message)
 
+    async def _stream_answer_or_end(
+        self,
+        request: service_pb2.ModelInferRequest,
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
+        window: asyncio.Semaphore,
+        in_order: _InOrder,
+        ticket: int,
+    ) -> None:
+        """`_stream_answer` under triton_grpc_error: a refusal is answered in order, a failure ends the stream."""
+        try:
+            stream = self._server.infer_stream(self._decode(request))
+        except ServerError as exc:
+            window.release()
+            in_order.deliver(ticket, _stream_error(request, exc.message))
+            return
+        try:
+            item, _ = await stream.receive()
+        except StopAsyncIteration:
+            return
+        finally:
+            window.release()
+            if not stream.closed:
+                stream.cancel()  # the client closed the stream: drop the request
+        if isinstance(item, ServerError):
+            outbox.put_nowait(item)
+        else:
+            in_order.deliver(ticket, _stream_response(item))
+
     async def _stream_decoupled(
         self,
         request: service_pb2.ModelInferRequest,
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
+        grpc_errors: bool,
     ) -> None:
         """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
         stream = None
@@ -246,7 +288,7 @@ class InferenceService:
                         response.parameters["triton_final_response"].bool_param = True
                         outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
                 elif isinstance(item, ServerError):
-                    outbox.put_nowait(_stream_error(request, item.message))
+                    outbox.put_nowait(item if grpc_errors else _stream_error(request, item.message))
                 else:
                     item.id = item.id or request.id
                     response = encode_infer_response(item)
@@ -389,6 +431,14 @@ class _InOrder:
             self._next += 1
 
 
+def _stream_response(response: InferResponse) -> service_pb2.ModelStreamInferResponse:
+    """An ordinary model's answer on a stream, marked final as Triton marks it (so that clients of decoupled
+    models can tell the last answer to a request)."""
+    message = encode_infer_response(response)
+    message.parameters["triton_final_response"].bool_param = True
+    return service_pb2.ModelStreamInferResponse(infer_response=message)
+
+
 def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
     """An error answer on a stream carries an infer_response naming the request by id, as Triton's does."""
     return service_pb2.ModelStreamInferResponse(
@@ -423,8 +473,12 @@ def _grpcio_unary(name: str, method: Unary) -> Callable[[Message, grpc.aio.Servi
 def _grpcio_streaming(method: Streaming) -> Callable[[AsyncIterator[Message], grpc.aio.ServicerContext],
                                                       AsyncIterator[Message]]:
     async def handler(requests: AsyncIterator[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        async for answer in method(requests):
-            yield answer
+        CALL_METADATA.set({key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)})
+        try:
+            async for answer in method(requests):
+                yield answer
+        except ServerError as exc:
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
 
     return handler
 

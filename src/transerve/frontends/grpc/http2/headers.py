@@ -35,6 +35,8 @@ class RequestHead:
     timeout: float | None = None
     http_status: int = 200
     refusal: tuple[int, str] | None = None
+    #: The call's custom metadata (headers that are neither pseudo-headers nor HTTP/2's or gRPC's own).
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class _CountingTable(HeaderTable):
@@ -93,6 +95,7 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
     pseudo: dict[bytes, bytes] = {}
     content_type = timeout = encoding = None
     regular = False
+    metadata = []
     for name, value in headers:
         if name[:1] == b":":
             if regular or name not in _PSEUDO or name in pseudo:
@@ -110,6 +113,8 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
             timeout = value
         elif name == b"grpc-encoding":
             encoding = value
+        elif name != b"te" and not name.startswith(b"grpc-"):
+            metadata.append((name.decode("latin-1"), value.decode("latin-1")))
     path = pseudo.get(b":path")
     if not path or b":method" not in pseudo or b":scheme" not in pseudo:
         raise H2StreamError(PROTOCOL_ERROR, "malformed request: :method, :scheme or :path missing")
@@ -121,11 +126,11 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
         return RequestHead(path, refusal=(UNIMPLEMENTED, f"grpc-encoding {encoding.decode('latin-1')!r} is not "
                                                          "supported, send identity (uncompressed) messages"))
     if timeout is None:
-        return RequestHead(path)
+        return RequestHead(path, metadata=tuple(metadata))
     match = _TIMEOUT.fullmatch(timeout)
     if match is None:
         return RequestHead(path, refusal=(INTERNAL, f"malformed grpc-timeout {timeout.decode('latin-1')!r}"))
-    return RequestHead(path, timeout=int(match[1]) * _TIMEOUT_UNIT[match[2]])
+    return RequestHead(path, timeout=int(match[1]) * _TIMEOUT_UNIT[match[2]], metadata=tuple(metadata))
 
 
 # ---- response blocks: never indexed, so they touch neither side's dynamic table and can be built once -----------

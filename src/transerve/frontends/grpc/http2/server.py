@@ -14,6 +14,7 @@ from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.headers import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
 from transerve.frontends.grpc.http2.stream import Stream
 from transerve.frontends.grpc.service import (
+    CALL_METADATA,
     GRPC_STATUS,
     MAX_MESSAGE_BYTES,
     SERVICE,
@@ -90,6 +91,7 @@ async def _run_unary(connection: Http2Connection, stream: Stream, rpc: Rpc) -> N
 
 
 async def _run_streaming(connection: Http2Connection, stream: Stream, rpc: Rpc) -> None:
+    CALL_METADATA.set(dict(stream.head.metadata))  # this task's context: the handler reads it
     try:
         async for answer in rpc.handler(_Requests(connection, stream, rpc)):  # type: ignore[union-attr]
             if not connection.send_message(stream, answer.SerializeToString()):
