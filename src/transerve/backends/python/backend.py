@@ -27,6 +27,9 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
+from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
+from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
+from transerve.backends.python.environments import ExecutionEnvironments, Interpreter
 from transerve.backends.python.ipc import (
     DEFAULT_ARENA_BYTES,
     OP_AUTO_COMPLETE,
@@ -72,6 +75,8 @@ class WorkerSpec:
     max_inflight: int
     #: The server's log settings page (`core.log_settings`), which `pb_utils.Logger` follows; None: none.
     log_fd: int | None = None
+    #: The model's own Python environment (EXECUTION_ENV_PATH); None: the server's interpreter.
+    interpreter: Interpreter | None = None
 
 
 class WorkerProcess:
@@ -99,7 +104,7 @@ class WorkerProcess:
         to_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-in")
         from_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-out")
         command = [
-            sys.executable,
+            *(spec.interpreter.command if spec.interpreter else (sys.executable,)),
             "-m",
             "transerve.backends.python.worker",
             "--socket-fd",
@@ -119,7 +124,7 @@ class WorkerProcess:
                 pass_fds=passed,
                 stdin=subprocess.DEVNULL,
                 stdout=_stderr_fd(),
-                env=_worker_environment(),
+                env=spec.interpreter.environment if spec.interpreter else _worker_environment(),
             )
         except BaseException:
             parent.close()
@@ -599,6 +604,9 @@ class PythonBackend(Backend):
 
     name = "python"
 
+    def __init__(self) -> None:
+        self._environments = ExecutionEnvironments()
+
     async def load(self, context: ModelContext) -> BackendModel:
         where = f"failed to load '{context.name}' version {context.version}"
         try:
@@ -609,6 +617,14 @@ class PythonBackend(Backend):
 
     async def _load(self, context: ModelContext) -> BackendModel:
         config = context.config
+        interpreter = None
+        if ENV_PARAMETER in config.parameters and config.parameters[ENV_PARAMETER].string_value:
+            interpreter = await self._environments.interpreter(
+                config.parameters[ENV_PARAMETER].string_value,
+                context.model_path,
+                context.repository_path,
+                _setting(context.backend_config, "execution-env-max-bytes", DEFAULT_ENV_MAX_BYTES, 1),
+            )
         spec = WorkerSpec(
             model_name=context.name,
             model_version=context.version,
@@ -616,6 +632,7 @@ class PythonBackend(Backend):
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
             log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
+            interpreter=interpreter,
         )
         if not spec.model_file.is_file():
             raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")

@@ -181,6 +181,8 @@ class Tensor:
             array = np.from_dlpack(tensor)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise TritonModelException(f"failed to import the DLPack tensor: {exc}") from None
+        if _NUMPY_1 and not array.flags.writeable:
+            array = np.asarray(_Writable(array))
         return Tensor(name, array)
 
     def __repr__(self) -> str:
@@ -200,6 +202,23 @@ def _datatype_of(dtype: np.dtype) -> str:
             "use dtype=np.object_ (str or bytes elements) or np.bytes_"
         )
     raise TritonModelException(f"NumPy dtype is not supported: {dtype}")
+
+
+#: NumPy 1.x imports every DLPack tensor read-only (DLPack had no read-only flag then) and cannot export such an
+#: array again; Triton's DLPack tensors are writable, as NumPy 2 imports them.
+_NUMPY_1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+
+
+class _Writable:
+    """The memory of a read-only imported array as a writable one (NumPy 1.x); keeps the import alive."""
+
+    __slots__ = ("_array", "__array_interface__")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
 
 
 class _DLTensorHead(ctypes.Structure):
