@@ -271,3 +271,93 @@ def test_without_triton_grpc_error_errors_are_answers_on_the_stream(servers, grp
     received = stream_modes(target, GRPC_ERROR_MODES, None)
     assert [answer[0] for answer in received] == ["result", "error", "result", "error", "result"]
     assert ZERO_PRE in received[3][2]
+
+
+# ---- custom metrics (pb_utils.MetricFamily) ----------------------------------------------------------------------
+# Triton 2.51 here aborts (boost::interprocess::lock_exception) as soon as a model updates a metric, so these run on
+# transerve alone, with the expectations of python_backend's custom_metrics test.
+
+def metrics_call(server: ServerProcess, action: str, value: float = 0.0) -> dict:
+    answer = infer(server, "metrics", {"ACTION": ("BYTES", [action]), "VALUE": ("FP32", [value])})
+    return json.loads(outputs(answer)["OUT"][0])
+
+
+def scrape(server: ServerProcess) -> dict[str, tuple[str, str, list]]:
+    """The custom families on /metrics: name -> (type, help, [(sample name, labels, value)]), whether the text
+    declares a counter as `x` (as Triton does) or as `x_total`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=TIMEOUT_S).text
+    found: dict[str, tuple[str, str, list]] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removesuffix("_total")
+        if not name.startswith("pyback_"):
+            continue
+        kind, documentation, samples = found.get(name, ("unknown", "", []))
+        if family.type != "unknown":
+            kind, documentation = family.type, family.documentation
+        found[name] = (kind, documentation, samples + [(s.name, s.labels, s.value) for s in family.samples])
+    return found
+
+
+def test_custom_metrics_of_every_kind_reach_the_metrics_port(servers):
+    server = servers["transerve"]
+    assert metrics_call(server, "update", 0.75) == {"requests": 1.0, "level": 0.25}
+    assert metrics_call(server, "update", 4.0) == {"requests": 2.0, "level": 3.5}
+    families = scrape(server)
+    assert families["pyback_requests"][:2] == ("counter", "Requests counted by the model")
+    assert [sample[1:] for sample in families["pyback_requests"][2]] == [({"model": "metrics"}, 2.0)]
+    assert families["pyback_level"][0] == "gauge" and families["pyback_level"][2][0][2] == 3.5
+    kind, _, samples = families["pyback_values"]
+    assert kind == "histogram"
+    by_name = {(name, labels.get("le")): value for name, labels, value in samples}
+    # Bounds as prometheus-cpp writes them (Triton's test looks for le="1", le="10").
+    assert by_name == {("pyback_values_count", None): 2.0, ("pyback_values_sum", None): 4.75,
+                       ("pyback_values_bucket", "0.5"): 0.0, ("pyback_values_bucket", "1"): 1.0,
+                       ("pyback_values_bucket", "10"): 2.0, ("pyback_values_bucket", "+Inf"): 2.0}
+    assert all(labels["kind"] == "value" for _, labels, _ in samples)
+
+
+def test_custom_metric_misuse_raises_tritons_errors(servers):
+    errors = metrics_call(servers["transerve"], "errors")
+    core = "Failed to process the request for model 'metrics_0', message: "
+    assert errors == {
+        "counter_decrement": f"TritonModelException: Failed to increment metric value: {core}"
+                             "TRITONSERVER_METRIC_KIND_COUNTER can only be incremented monotonically by non-negative "
+                             "values.",
+        "counter_set": f"TritonModelException: Failed to set metric value: {core}"
+                       "TRITONSERVER_METRIC_KIND_COUNTER does not support Set",
+        "counter_observe": f"TritonModelException: Failed to observe metric value: {core}"
+                           "TRITONSERVER_METRIC_KIND_COUNTER does not support Observe",
+        "histogram_value": f"TritonModelException: Failed to get metric value: {core}"
+                           "TRITONSERVER_METRIC_KIND_HISTOGRAM does not support Value",
+        "other_kind": f"TritonModelException: Error when creating MetricFamily: {core}"
+                      "Family name already exists with different type",
+        "bad_name": f"TritonModelException: Error when creating MetricFamily: {core}Invalid metric name",
+        "bad_label": f"TritonModelException: Error when creating Metric: {core}Invalid label name",
+        "label_value": f"TritonModelException: Error when creating Metric: {core}"
+                       "metric labels must map strings to strings",
+        "labels_type": "TritonModelException: Failed to create metric. Labels must be a dictionary.",
+        "unsorted_buckets": f"TritonModelException: Error when creating Metric: {core}"
+                            "Bucket Boundaries must be strictly sorted",
+        "no_buckets": "TritonModelException: Failed to create metric. Missing required buckets.",
+        "counter_buckets": "TritonModelException: Failed to create metric. Unexpected buckets found.",
+        "after_family_deleted": "TritonModelException: Failed to set metric value: Invalid metric operation as the "
+                                "corresponding 'MetricFamily' has been deleted. The 'MetricFamily' object should be "
+                                "deleted AFTER its corresponding 'Metric' objects have been deleted.",
+        "kind_type": "TypeError: MetricFamily(): kind must be a pb_utils.MetricKind, not int",
+    }
+
+
+def test_custom_metrics_go_with_their_last_holder(servers):
+    server = servers["transerve"]
+    metrics_call(server, "drop")
+    metrics_call(server, "update", 1.0)  # the deletion travels with the worker's next message
+    assert "pyback_dropped" not in scrape(server)
+    assert requests.post(f"{server.base_url}/v2/repository/models/metrics/unload", timeout=TIMEOUT_S).ok
+    deadline = time.monotonic() + TIMEOUT_S
+    while "pyback_requests" in scrape(server):  # the unloaded model's worker takes its metrics with it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert requests.post(f"{server.base_url}/v2/repository/models/metrics/load", timeout=TIMEOUT_S).ok
+    assert metrics_call(server, "update", 1.0)["requests"] == 1.0

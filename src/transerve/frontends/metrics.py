@@ -78,6 +78,11 @@ class TritonMetricsCollector:
             yield from _cpu_families()
         if self._gpu is not None:
             yield from self._gpu.families()
+        for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
+            family = _family(name, description, kind)
+            for sample in samples:
+                family.add_sample(*sample)
+            yield family
 
 
 def _cache_families(server: Server, models: list[ModelVersion]) -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from transerve.backends.python.ipc import (
     OP_BLS_RESPONSE,
     OP_CANCEL,
     OP_LATE_RESPONSE,
+    OP_METRIC,
     OP_MODEL_CONTROL,
     OP_RESPONSE,
     AsyncConnection,
@@ -136,6 +137,8 @@ class WorkerStreams:
             self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else []))
         elif op == OP_MODEL_CONTROL:
             self._start_call(call_id, self._model_control(call_id, *body))
+        elif op == OP_METRIC:
+            self._metric(call_id, body)
         elif op == OP_CANCEL:  # the model cancelled a BLS call, or dropped its response iterator
             self._cancel_call(call_id)
 
@@ -263,6 +266,31 @@ class WorkerStreams:
         if not task.cancelled() and task.exception() is not None:
             logger.error("model '%s': an unload it asked for failed: %s", self._model_name, task.exception())
 
+    # ---- custom metrics --------------------------------------------------------------------------------
+
+    def _metric(self, call_id: int, body: tuple[Any, ...]) -> None:
+        """A pb_utils.MetricFamily or Metric operation on the server's registry; the worker owns what it creates
+        until it deletes it or goes away."""
+        action, *arguments = body
+        metrics = self._runtime.custom_metrics
+        if action == "delete":
+            metrics.delete(*arguments)
+            return
+        operations = {
+            "family": lambda *args: metrics.new_family(self, *args),
+            "metric": lambda *args: metrics.new_metric(self, *args),
+            "increment": metrics.increment,
+            "set": metrics.set,
+            "observe": metrics.observe,
+            "value": metrics.value,
+        }
+        try:
+            value = operations[action](*arguments)
+        except ServerError as exc:
+            self._answer(call_id, True, (exc.code.name, exc.message))
+            return
+        self._connection.notify(OP_BLS_RESPONSE, call_id, (True, None, value))
+
     # ---- the worker is gone -------------------------------------------------------------------------
 
     def lost(self, reason: str) -> None:
@@ -274,6 +302,8 @@ class WorkerStreams:
             stream.fail(error)
         for task in self._calls.values():
             task.cancel()
+        if self._runtime is not None:
+            self._runtime.custom_metrics.release(self)
         late, self._late = self._late, {}
         self._early.clear()
         for settle in late.values():
