@@ -438,7 +438,7 @@ def test_iterative_sequences_make_each_request_without_sequence_a_sequence_of_it
             await batcher.submit(request(9, 4))
         with pytest.raises(ServerError, match="must specify batch-size 1"):
             await batcher.submit(request(0, 1, batch=2))
-        assert not batcher._single
+        assert not batcher._single and not batcher._assigned
 
     run(test)
 

@@ -328,6 +328,7 @@ class SequenceBatcher:
             return True
         if request.correlation_id in self._single:
             self._single.discard(request.correlation_id)
+            self._assigned.pop(request.correlation_id, None)  # set if it came through the backlog
             return True
         return False
 

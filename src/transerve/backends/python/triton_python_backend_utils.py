@@ -19,6 +19,7 @@ import datetime
 import enum
 import json
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -257,6 +258,14 @@ def _require(value: Any, kind: type, where: str, name: str) -> None:
         raise TypeError(f"{where}(): {name} must be {kind.__name__}, not {type(value).__name__}")
 
 
+def _integer(value: Any, where: str, name: str) -> int:
+    """An integer argument: a Python or NumPy integer, as the C++ bindings convert them."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}(): {name} must be an integer, not {type(value).__name__}") from None
+
+
 def _require_list(values: Any, kind: type, where: str, name: str) -> list[Any]:
     if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{where}(): {name} must be a list, not {type(values).__name__}")
@@ -334,8 +343,10 @@ class InferenceRequest:
         if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
         _require(model_name, str, "InferenceRequest", "model_name")
-        for name, value in (("model_version", model_version), ("flags", flags), ("timeout", timeout)):
-            _require(value, int, "InferenceRequest", name)
+        model_version, flags, timeout = (
+            _integer(value, "InferenceRequest", name)
+            for name, value in (("model_version", model_version), ("flags", flags), ("timeout", timeout))
+        )
         self._request_id = request_id
         self._correlation_id = correlation_id
         self._inputs = _tensor_list(inputs, "InferenceRequest", "inputs")
