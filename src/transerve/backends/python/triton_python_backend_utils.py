@@ -560,15 +560,13 @@ class InferenceResponseSender:
         with self._lock:
             self._count(True, True)
 
-    def _reply(self, late_id: int) -> Outcome | int | None:
-        """At the execute's reply: the held response, else the id a later one will be sent under (None if the
-        sender was closed by a failed execute)."""
+    def _reply(self, late_id: int) -> Outcome | int:
+        """At the execute's reply: the held response, else the id a later one will be sent under (a sender
+        closes only after a response, so one that sent nothing is open)."""
         with self._lock:
             if self._held is not None:
                 held, self._held = self._held, None
                 return held
-            if self._closed:
-                return None
             self._late = late_id
             return late_id
 

@@ -324,12 +324,7 @@ class ModelRunner:
                 result = ("INTERNAL", f"model '{self.model_name}' returned no response for the request", None), []
             else:
                 late = request._sender._reply(next(self._late_ids))
-                if isinstance(late, int):
-                    result = (PENDING, late, None), []
-                elif late is None:  # unreachable: closing needs a response sent first
-                    result = ("INTERNAL", f"model '{self.model_name}' sent no response for the request", None), []
-                else:
-                    result = _held_result(late)
+                result = ((PENDING, late, None), []) if isinstance(late, int) else _held_result(late)
             results.append(result[0])
             outputs.append(result[1])
         return results, outputs
