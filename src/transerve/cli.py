@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
+from transerve.core.metrics_config import parse_metrics_config
 from transerve.core.response_cache import parse_cache_config
 from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.export import command as export_command
+from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
 
 log = logging.getLogger("transerve")
 
@@ -54,8 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grpc-port", type=int, default=8001)
     add("--grpc-transport", choices=["native", "grpcio"], default="native",
         help="gRPC server: transerve's own HTTP/2 (native, cheaper per call) or grpcio's grpc.aio")
+    add("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
+        help="answer these API groups only to requests with header KEY: VALUE (403 otherwise); groups: "
+             + ", ".join(GROUPS))
+    add("--grpc-restricted-protocol", action="append", default=[], metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
+        help="answer these gRPC groups only to calls with metadata triton-grpc-protocol-KEY: VALUE (UNAVAILABLE "
+             "otherwise)")
+    add("--http-header-forward-pattern", metavar="REGEX",
+        help="HTTP headers whose names match (RE2 syntax, case-insensitive) become inference request parameters")
+    add("--grpc-header-forward-pattern", metavar="REGEX",
+        help="gRPC metadata whose names match (RE2 syntax, case-insensitive) become inference request parameters")
     add("--metrics-address", default="0.0.0.0")
     add("--metrics-port", type=int, default=8002)
+    add("--metrics-interval-ms", type=float, default=2000.0, metavar="MS",
+        help="how often CPU and GPU metrics are read (default 2000)")
+    add("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
+        help="counter_latencies=false, summary_latencies=true, summary_quantiles=<q>:<error>,... (repeatable)")
     add("--allow-metrics", type=_bool, default=True, metavar="BOOL", help="serve Prometheus metrics on /metrics")
     add("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
     add("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL")
@@ -98,6 +115,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         cache_bytes = parse_cache_config(args.cache_config)
     except ServerError as exc:
         raise SystemExit(f"transerve serve: {exc.message}") from None
+    try:
+        metrics = parse_metrics_config(args.metrics_config)
+    except ValueError as exc:
+        raise SystemExit(f"transerve serve: {exc}") from None
     return ServerOptions(
         repositories=args.model_repository,
         control_mode=ControlMode(args.model_control_mode),
@@ -108,13 +129,42 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         poll_secs=args.repository_poll_secs,
         backend_configs=backend_configs,
         cache_bytes=cache_bytes,
+        metrics=metrics,
         log_settings=LogSettings(log_file=args.log_file, log_info=args.log_info, log_warning=args.log_warning,
                                  log_error=args.log_error, log_verbose_level=args.log_verbose,
                                  log_format=args.log_format),
     )
 
 
-async def serve(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class AccessOptions:
+    """The frontends' restrictions and header forwarding, checked before anything starts."""
+
+    http_restrictions: Restrictions
+    grpc_restrictions: Restrictions
+    http_forwarding: HeaderForwarding | None
+    grpc_forwarding: HeaderForwarding | None
+
+
+def access_from_args(args: argparse.Namespace) -> AccessOptions:
+    """SystemExit with tritonserver's message for a flag it would refuse."""
+    try:
+        return AccessOptions(
+            Restrictions.parse(args.http_restricted_api, "http-restricted-api", "api"),
+            Restrictions.parse(args.grpc_restricted_protocol, "grpc-restricted-protocol", "protocol",
+                               GRPC_HEADER_PREFIX),
+            _forwarding(args.http_header_forward_pattern, "http-header-forward-pattern"),
+            _forwarding(args.grpc_header_forward_pattern, "grpc-header-forward-pattern"),
+        )
+    except OptionError as exc:
+        raise SystemExit(f"transerve serve: {exc}") from None
+
+
+def _forwarding(pattern: str | None, option: str) -> HeaderForwarding | None:
+    return HeaderForwarding(pattern, option) if pattern else None
+
+
+async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
     from transerve.frontends.grpc.http2.server import NativeGrpcFrontend
     from transerve.frontends.grpc.service import GrpcFrontend
@@ -140,12 +190,16 @@ async def serve(args: argparse.Namespace) -> int:
     # gRPC starts first, as in Triton, so that a client which saw HTTP ready can rely on gRPC listening too.
     listeners: list[tuple[str, Any, str, int]] = []
     if args.allow_grpc:
-        grpc_frontend = NativeGrpcFrontend(server) if args.grpc_transport == "native" else GrpcFrontend(server)
+        restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
+        grpc_frontend = (NativeGrpcFrontend(server, restrictions=restricted, forwarding=forwarding)
+                         if args.grpc_transport == "native" else GrpcFrontend(server, restricted, forwarding))
         listeners.append(("GRPC", grpc_frontend, args.grpc_address, args.grpc_port))
     if args.allow_http:
-        listeners.append(("HTTP", HttpFrontend(server, args.http_max_input_size), args.http_address, args.http_port))
+        http_frontend = HttpFrontend(server, args.http_max_input_size, access.http_restrictions,
+                                     access.http_forwarding)
+        listeners.append(("HTTP", http_frontend, args.http_address, args.http_port))
     if args.allow_metrics:
-        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics)
+        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
         listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
     started = []
     for name, frontend, address, port in listeners:
@@ -182,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
+    access = access_from_args(args)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        return asyncio.run(serve(args, access))
+    return uvloop.run(serve(args, access))
 
 
 if __name__ == "__main__":

@@ -72,19 +72,19 @@ def test_json_config_override():
     assert config.max_batch_size == 4
 
 
-@pytest.mark.parametrize(
-    ("files", "named", "backend"),
-    [
-        (["1/model.py"], "", "python"),
-        (["2/other.py"], "model.py", "python"),
-        (["1/other.py"], "", ""),
-        (["model.py"], "", ""),  # not in a version folder
-    ],
-)
-def test_a_model_py_in_a_version_folder_makes_a_python_model(tmp_path, files, named, backend):
+@pytest.mark.parametrize(("files", "text", "backend", "platform"), [
+    (["1/model.py"], "", "python", ""),
+    (["1/model.onnx", "1/model.py"], "", "onnxruntime", "onnxruntime_onnx"),  # Triton looks for ONNX first
+    (["1/model.plan", "1/model.onnx"], "", "tensorrt", "tensorrt_plan"),
+    (["1/model.pt"], "", "pytorch", "pytorch_libtorch"),
+    (["1/other.py"], 'default_model_filename: "model.py"', "python", ""),
+    (["1/model.py"], 'default_model_filename: "mine.py"', "", ""),  # a file of its own name reveals nothing
+    (["1/model.py"], 'backend: "onnxruntime"', "onnxruntime", "onnxruntime_onnx"),
+])
+def test_backend_found_from_model_files_as_triton(tmp_path, files, text, backend, platform):
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
-    config = parse_config_text(f'default_model_filename: "{named}"' if named else "")
+    config = parse_config_text(text)
     complete_backend_fields(config, tmp_path)
-    assert (config.backend, config.platform) == (backend, "")
+    assert (config.backend, config.platform) == (backend, platform)

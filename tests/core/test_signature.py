@@ -77,6 +77,11 @@ def test_optional_inputs_and_wildcard_dims_without_batching():
     assert sig.metadata_tensors("inputs")[0] == {"name": "A", "datatype": "FP32", "shape": [-1, 2]}
     with pytest.raises(ServerError, match=r"Expected \[-1,2\], got \[7,3\]\.$"):
         sig.validate(InferRequest("m", [fp32("A", (7, 3))]))
+    with pytest.raises(ServerError) as info:  # with optional inputs, Triton words the count as a range
+        sig.validate(InferRequest("m", [fp32("B", (1,))]))
+    assert info.value.message == (
+        "[request id: <id_unknown>] expected number of inputs between 1 and 2 but got 1 inputs for model 'm'. "
+        "Got input(s) ['B'], but missing required input(s) ['A']. Please provide all required input(s).")
 
 
 def test_reshape_gives_the_model_its_shape():

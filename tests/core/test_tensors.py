@@ -53,11 +53,12 @@ def test_truncated_bytes_element_is_an_error():
     [
         ("INT8", [300, 1], "out of range"),
         ("UINT8", [-1, 1], "out of range"),
-        ("INT32", [1.5, 1], "must be integers"),
-        ("BOOL", [1, 0], "true or false"),
-        ("FP32", ["a", 1], "must be numbers"),
-        ("FP32", [True, False], "must be numbers"),
-        ("BYTES", ["a", 5], "must be strings"),
+        ("INT32", [1.5, 1], "attempt to access JSON non-signed-integer as signed-integer"),
+        ("UINT32", [1.5, 1], "attempt to access JSON non-unsigned-integer as unsigned-integer"),
+        ("BOOL", [1, 0], "attempt to access JSON non-boolean as boolean"),
+        ("FP32", ["a", 1], "attempt to access JSON non-number as double"),
+        ("FP32", [True, False], "attempt to access JSON non-number as double"),
+        ("BYTES", ["a", 5], "attempt to access JSON non-string as string"),
         ("FP32", [[1, 2], [3]], "not a regular array"),
     ],
 )

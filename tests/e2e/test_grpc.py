@@ -140,7 +140,7 @@ def test_grpc_health_check(transerve_server: ServerProcess, service: bytes) -> N
 
 def test_server_metadata(client: grpcclient.InferenceServerClient) -> None:
     metadata = client.get_server_metadata()
-    assert metadata.name == "transerve" and metadata.version
+    assert metadata.name == "triton" and metadata.version  # Triton's name: clients and Triton's tests compare it
     assert {"binary_tensor_data", "statistics", "model_repository", "model_configuration"} <= set(metadata.extensions)
 
 

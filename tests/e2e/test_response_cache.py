@@ -161,5 +161,5 @@ def test_eviction_and_refusals(tmp_path: Path) -> None:
         # [1,2] and [3,4] fit together; [5,6] evicts the least recently used, [3,4]; 20 floats never fit.
         assert seen == [[1], [2], [1], [3], [4], [5], [6]]
         metrics = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=TIMEOUT_S).text
-        assert "nv_cache_num_evictions 2.0" in metrics
-        assert "nv_cache_num_entries 2.0" in metrics
+        assert "nv_cache_num_evictions 2\n" in metrics
+        assert "nv_cache_num_entries 2\n" in metrics

@@ -253,6 +253,23 @@ def test_pipelined_requests_on_one_connection_are_answered_in_order(transerve_se
     assert ids == [b"0", b"1", b"2", b"3", b"4"]
 
 
+def test_a_body_framed_both_by_chunks_and_by_length_is_read_by_chunks_then_the_connection_closes(transerve_server):
+    """RFC 9112, 6.3: Transfer-Encoding wins over Content-Length, and the connection must not be reused, so that
+    bytes a proxy would read differently can never become a second request."""
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1] * 4},
+                                  {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [2] * 4}]}).encode()
+    framed = b"%X\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    smuggled = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", transerve_server.http_port), timeout=10) as raw:
+        raw.sendall(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                    b"Content-Length: 5\r\n\r\n" + framed + smuggled)
+        received = b""
+        while chunk := raw.recv(65536):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in received
+    assert received.count(b"HTTP/1.1") == 1 and b'"data":[3.0,3.0,3.0,3.0]' in received
+
+
 def test_several_repositories_and_version_policies(tmp_path):
     first = copy_example(tmp_path, "add_sub")
     second = tmp_path / "second"
@@ -265,6 +282,7 @@ def test_several_repositories_and_version_policies(tmp_path):
     with start_transerve(first, "--model-repository", str(second)) as server:
         client = httpclient.InferenceServerClient(server.http_url)
         assert client.get_model_metadata("versioned")["versions"] == ["1", "2", "3"]
+        assert client.get_model_metadata("versioned", "2")["versions"] == ["2"]  # as Triton: that version alone
         tensor = httpclient.InferInput("IN", [1], "INT32")
         tensor.set_data_from_numpy(np.array([0], np.int32))
         for version in ("1", "2", "3"):

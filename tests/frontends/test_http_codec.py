@@ -5,11 +5,18 @@ import struct
 import numpy as np
 import orjson
 import pytest
+from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import ServerError
+from transerve.core.signature import ModelSignature
 from transerve.core.types import InferResponse, RequestedOutput, Tensor
-from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
-from transerve.frontends.http.protocol import decompress_body
+from transerve.frontends.http.codec import (
+    decode_infer_request,
+    decode_raw_request,
+    encode_infer_response,
+    is_raw_body,
+)
+from transerve.frontends.http.protocol import UnsupportedEncoding, decompress_body, response_encoding
 
 
 def binary_body(header: dict, *blobs: bytes) -> tuple[bytes, str]:
@@ -50,7 +57,7 @@ SHORT_BINARY = b'{"inputs":[{"name":"A","shape":[1],"datatype":"FP32","parameter
 @pytest.mark.parametrize(
     ("body", "length", "fragment"),
     [
-        (b"", None, "empty"),
+        (b"", None, "failed to parse the request JSON"),
         (b"{", None, "failed to parse the request JSON"),
         (b"[]", None, "JSON object"),
         (b"{}", None, "'inputs'"),
@@ -109,7 +116,7 @@ def test_decompression_limits():
     assert decompress_body(zlib.compress(b"abc"), "deflate", 10) == b"abc"
     with pytest.raises(ValueError, match="exceeds the limit"):
         decompress_body(gzip.compress(b"a" * 100), "gzip", 10)
-    with pytest.raises(ValueError, match="unsupported Content-Encoding"):
+    with pytest.raises(UnsupportedEncoding, match="Unsupported compression type"):
         decompress_body(b"abc", "br", 10)
     with pytest.raises(ValueError, match="cannot decompress"):
         decompress_body(b"not gzip", "gzip", 10)
@@ -119,3 +126,77 @@ def test_scheduling_parameters_land_on_the_request():
     body = b'{"inputs":[],"parameters":{"sequence_id":"abc","sequence_start":true,"sequence_end":true,"timeout":5}}'
     request, _ = decode_infer_request("m", "", body, None)
     assert (request.correlation_id, request.flags, request.timeout_us, request.parameters) == ("abc", 3, 5, {})
+
+
+@pytest.mark.parametrize(
+    ("accept", "chosen"),
+    [
+        ("gzip", "gzip"),
+        ("deflate", "deflate"),
+        ("gzip, deflate", "gzip"),  # equal weights: the first named
+        ("deflate, gzip", "deflate"),
+        ("gzip;q=0.5, deflate", "deflate"),
+        ("gzip;q=0.5, deflate;q=0.8", "deflate"),
+        ("gzip;q=0.5, identity", None),
+        ("identity;q=0.9, gzip;q=1.0", "gzip"),
+        ("gzip;q=0", None),
+        ("gzip;q=abc, deflate;q=0.1", "deflate"),
+        ("br", None),
+        ("br, gzip;q=0.2", "gzip"),
+        ("*", None),
+        ("", None),
+    ],
+)
+def test_response_encoding_ranks_as_triton(accept, chosen):
+    assert response_encoding(accept) == chosen
+
+
+def signature(inputs: list[tuple[str, str, list[int]]], max_batch_size: int = 0) -> ModelSignature:
+    config = model_config_pb2.ModelConfig(name="m", max_batch_size=max_batch_size)
+    for name, data_type, dims in inputs:
+        config.input.add(name=name, data_type=model_config_pb2.DataType.Value(data_type), dims=dims)
+    return ModelSignature("m", config)
+
+
+def test_raw_body_is_chosen_by_a_zero_header_or_an_empty_body():
+    assert is_raw_body(b"abc", "0") and is_raw_body(b"", None)
+    assert not is_raw_body(b"{}", None) and not is_raw_body(b"{}", "2") and not is_raw_body(b"{}", "x")
+
+
+@pytest.mark.parametrize(
+    ("data_type", "dims", "max_batch_size", "body", "shape"),
+    [
+        ("TYPE_FP32", [-1], 8, np.arange(8, dtype=np.float32).tobytes(), (1, 8)),
+        ("TYPE_FP32", [2, -1], 0, np.arange(8, dtype=np.float32).tobytes(), (2, 4)),
+        ("TYPE_INT8", [3], 0, b"\x01\x02\x03", (3,)),
+        ("TYPE_FP32", [-1], 8, b"", (1, 0)),
+        ("TYPE_FP32", [0, -1], 0, b"", (0, 0)),
+    ],
+)
+def test_raw_body_shape_is_deduced_from_the_config(data_type, dims, max_batch_size, body, shape):
+    request = decode_raw_request("m", "", signature([("IN", data_type, dims)], max_batch_size), body)
+    (tensor,) = request.inputs
+    assert (tensor.name, tensor.data.shape, tensor.data.tobytes()) == ("IN", shape, body)
+
+
+def test_raw_bytes_body_is_one_element():
+    request = decode_raw_request("m", "1", signature([("S", "TYPE_STRING", [1])], 4), b"427")
+    assert request.inputs[0].data.tolist() == [[b"427"]] and request.model_version == "1"
+
+
+@pytest.mark.parametrize(
+    ("inputs", "body", "fragment"),
+    [
+        ([("A", "TYPE_FP32", [-1]), ("B", "TYPE_FP32", [-1])], b"", "Raw request must only have 1 input (found 1) "
+                                                                   "to be deduced but got 2 inputs in 'm'"),
+        ([("A", "TYPE_FP32", [-1, -1])], b"", "more than one variable-sized dimension"),
+        ([("S", "TYPE_STRING", [-1])], b"x", "For BYTE datatype raw input 'S', the model must have input shape [1]"),
+        ([("S", "TYPE_STRING", [2])], b"x", "For BYTE datatype raw input 'S'"),
+        ([("A", "TYPE_FP32", [-1])], b"abcde", "input byte size mismatch for input 'A'"),
+        ([("A", "TYPE_FP32", [2])], b"abcd", "Expected 8, got 4"),
+    ],
+)
+def test_raw_body_refusals(inputs, body, fragment):
+    with pytest.raises(ServerError) as info:
+        decode_raw_request("m", "", signature(inputs), body)
+    assert fragment in info.value.message and info.value.code.name == "INVALID_ARG"

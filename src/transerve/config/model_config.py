@@ -39,6 +39,8 @@ PLATFORM_BACKENDS = {
 
 #: The backends whose platform a model file implies, and that platform.
 _FILE_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+#: The backends a model file reveals, in the order Triton looks for their files.
+_DETECTED = ("tensorrt", "onnxruntime", "pytorch", "python")
 
 
 class ConfigError(ValueError):
@@ -88,24 +90,27 @@ def backend_name(config: ModelConfig) -> str:
 
 def complete_backend_fields(config: ModelConfig, model_path: Path) -> None:
     """Fill `backend` and `platform` as Triton does for its file-based backends: each from the other, or, when
-    the config names neither, from the model file found in a version folder (`model.onnx`, `model.pt`,
-    `model.plan`; `model.py` for the python backend), so that a model folder without config.pbtxt can be served."""
+    the config names neither, from its `default_model_filename` or else from the model file found in a version
+    folder (`model.plan`, `model.onnx`, `model.pt`, `model.py`, looked for in Triton's order), so that a model
+    folder without config.pbtxt can be served. The python backend has no platform."""
     if not config.backend and not config.platform:
-        versions = [entry for entry in _folders(model_path) if entry.name.isdigit()]
-        for backend, platform in _FILE_PLATFORMS.items():
-            if any((version / DEFAULT_MODEL_FILENAMES[backend]).exists() for version in versions):
-                config.platform = platform
-                break
-        else:
-            python_file = DEFAULT_MODEL_FILENAMES["python"]
-            named = config.default_model_filename
-            if named == python_file or (not named and any((v / python_file).is_file() for v in versions)):
-                config.backend = "python"
+        found = _backend_of_file(config.default_model_filename, model_path)
+        if found in _FILE_PLATFORMS:
+            config.platform = _FILE_PLATFORMS[found]
+        elif found is not None:
+            config.backend = found
     if not config.backend and config.platform in _FILE_PLATFORMS.values():
         config.backend = PLATFORM_BACKENDS[config.platform]
     elif not config.platform and config.backend in _FILE_PLATFORMS:
         config.platform = _FILE_PLATFORMS[config.backend]
 
+
+def _backend_of_file(filename: str, model_path: Path) -> str | None:
+    if filename:
+        return next((backend for backend in _DETECTED if DEFAULT_MODEL_FILENAMES[backend] == filename), None)
+    versions = [entry for entry in _folders(model_path) if entry.name.isdigit()]
+    return next((backend for backend in _DETECTED
+                 if any((version / DEFAULT_MODEL_FILENAMES[backend]).exists() for version in versions)), None)
 
 
 def _folders(path: Path) -> list[Path]:

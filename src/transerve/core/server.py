@@ -30,6 +30,7 @@ from transerve.core.classification import class_count, classify_response, load_l
 from transerve.core.custom_metrics import CustomMetrics
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.log_settings import LogSettings, ServerLog
+from transerve.core.metrics_config import MetricsConfig
 from transerve.core.response_cache import CachingScheduler, ResponseCache
 from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
@@ -98,6 +99,8 @@ class ServerOptions:
     cache_bytes: int | None = None
     #: The `--log-*` flags: the logging extension's settings at start.
     log_settings: LogSettings = field(default_factory=LogSettings)
+    #: `--metrics-config`: which latency metrics the models keep (summaries are observed as requests finish).
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 @dataclass(slots=True)
@@ -251,7 +254,8 @@ class Server:
         return all(record.state is ModelState.READY for record in self._models.values())
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": "transerve", "version": __version__, "extensions": EXTENSIONS}
+        # Triton's name: clients and Triton's own tests compare it; the version says which transerve this is.
+        return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
 
     def get_version(self, name: str, version: str = "") -> ModelVersion:
         """The serving version a request names, or the error Triton gives."""
@@ -277,11 +281,12 @@ class Server:
         return True
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        """As Triton: a request naming a version lists that version, one naming none every ready version."""
         model = self.get_version(name, version)
-        record = self._models[name]
+        versions = sorted(self._models[name].versions) if not version else [int(model.version)]
         return {
             "name": name,
-            "versions": [str(v) for v in sorted(record.versions)],
+            "versions": [str(v) for v in versions],
             "platform": model.config.platform or backend_name(model.config),
             "inputs": model.signature.metadata_tensors("inputs"),
             "outputs": model.signature.metadata_tensors("outputs"),
@@ -599,6 +604,8 @@ class Server:
             await backend_model.unload()
             raise invalid_arg(str(exc)) from None
         stats = ModelStats(load_duration_secs=time.monotonic() - started)
+        if self.options.metrics.summary_latencies:
+            stats.add_summaries(self.options.metrics.quantiles, cached)
         try:
             scheduler = create_scheduler(name, config, backend_model.instances, stats)
             if cached:

@@ -124,8 +124,12 @@ class ModelSignature:
             raise invalid_arg(f"{prefix}input '{duplicate}' already exists in request")
         missing = [name for name in self.required if name not in names]
         if missing or len(names) > len(self.inputs):
+            if len(self.required) == len(self.inputs):
+                counted = f"expected {len(self.inputs)} inputs"
+            else:  # Triton's words when the model has optional inputs
+                counted = f"expected number of inputs between {len(self.required)} and {len(self.inputs)}"
             raise invalid_arg(
-                f"{prefix}expected {len(self.required)} inputs but got {len(names)} inputs for model "
+                f"{prefix}{counted} but got {len(names)} inputs for model "
                 f"'{self.model_name}'. Got input(s) {_names_text(names)}, but missing required input(s) "
                 f"{_names_text(missing)}. "
                 "Please provide all required input(s)."

@@ -7,9 +7,11 @@ none serialises requests.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transerve.core.errors import ErrorCode
+from transerve.core.summary import LatencySummary
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 #: Validation failures never reach the statistics (as in Triton), so what fails here was either refused by
@@ -21,10 +23,15 @@ _FAILURE_REASON = {ErrorCode.UNAVAILABLE: "REJECTED", ErrorCode.CANCELLED: "CANC
 class Duration:
     count: int = 0
     ns: int = 0
+    #: With `summary_latencies`, each request's duration in microseconds is observed here too.
+    summary: LatencySummary | None = None
 
     def add(self, ns: int, count: int = 1) -> None:
+        """`count` requests that took `ns` together (a batch's requests are each charged the same time)."""
         self.count += count
         self.ns += ns
+        if self.summary is not None and count:
+            self.summary.observe(ns // count // 1000, count)
 
     def as_dict(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -57,6 +64,14 @@ class ModelStats:
     #: Failed requests by Triton's metric reason (REJECTED, CANCELED, BACKEND, OTHER).
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     load_duration_secs: float = 0.0
+
+    def add_summaries(self, quantiles: Sequence[tuple[float, float]], cached: bool) -> None:
+        """Observe the latencies Triton summarises: request (not for a model with the response cache, whose
+        request summary Triton 2.51 leaves out), queue and compute, and cache hits and misses when it caches."""
+        durations = ["queue", "compute_input", "compute_infer", "compute_output"]
+        durations += ["cache_hit", "cache_miss"] if cached else ["success"]
+        for name in durations:
+            getattr(self, name).summary = LatencySummary(quantiles)
 
     def record_failure(self, code: ErrorCode, duration_ns: int) -> None:
         """A request that failed after validation: in the scheduler's queue or in the model."""

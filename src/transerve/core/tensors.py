@@ -67,7 +67,7 @@ def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values:
         values = [values]
     count = element_count(shape)
     if datatype == "BYTES":
-        flat = _flatten_strings(name, values)
+        flat = json_strings(name, values)
         if len(flat) != count:
             raise _count_mismatch(name, shape, len(flat))
         array = np.empty(count, dtype=np.object_)
@@ -76,7 +76,7 @@ def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values:
     try:
         raw = np.asarray(values)
     except (ValueError, OverflowError):
-        raise invalid_arg(f"unable to parse 'data' of input '{name}': values are not a regular array") from None
+        raise invalid_arg(f"Unable to parse 'data' of input '{name}': values are not a regular array") from None
     if raw.size != count:
         raise _count_mismatch(name, shape, raw.size)
     return Tensor(name, datatype, _convert(name, datatype, raw, values).reshape(shape))
@@ -84,8 +84,8 @@ def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values:
 
 def _count_mismatch(name: str, shape: tuple[int, ...], got: int) -> Exception:
     return invalid_arg(
-        f"unable to parse 'data' of input '{name}': shape {list(shape)} needs {element_count(shape)} "
-        f"elements but 'data' holds {got}"
+        f"Unable to parse 'data' of input '{name}': Shape does not match true shape of 'data' field: shape "
+        f"{list(shape)} needs {element_count(shape)} elements but 'data' holds {got}"
     )
 
 
@@ -96,18 +96,23 @@ def _convert(name: str, datatype: str, raw: np.ndarray, values: list[Any]) -> np
         return np.empty(0, dtype=dtype)
     if datatype == "BOOL":
         if kind != "b":
-            raise invalid_arg(f"unable to parse 'data' of input '{name}': BOOL values must be true or false")
+            raise _not_json(name, "boolean as boolean")
         return raw
     if dtype.kind in _INT_KINDS:
         if kind not in _INT_KINDS:
             raw = _exact_integers(name, datatype, values)
         info = np.iinfo(dtype)
         if int(raw.min()) < info.min or int(raw.max()) > info.max:
-            raise invalid_arg(f"unable to parse 'data' of input '{name}': a value is out of range for {datatype}")
+            raise invalid_arg(f"Unable to parse 'data' of input '{name}': a value is out of range for {datatype}")
         return raw.astype(dtype, copy=False)
     if kind not in ("i", "u", "f"):
-        raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be numbers")
+        raise _not_json(name, "number as double")
     return raw.astype(dtype, copy=False)
+
+
+def _not_json(name: str, expected: str) -> Exception:
+    """Triton's (TritonJson's) words for a JSON value of the wrong type, naming the input."""
+    return invalid_arg(f"Unable to parse 'data' of input '{name}': attempt to access JSON non-{expected}")
 
 
 def _exact_integers(name: str, datatype: str, values: list[Any]) -> np.ndarray:
@@ -118,10 +123,12 @@ def _exact_integers(name: str, datatype: str, values: list[Any]) -> np.ndarray:
         items = np.empty(0, dtype=object)
     if items.size and all(type(item) is int for item in items):
         return items
-    raise invalid_arg(f"unable to parse 'data' of input '{name}': {datatype} values must be integers")
+    signed = np.dtype(NUMPY_DTYPES[datatype]).kind == "i"
+    raise _not_json(name, "signed-integer as signed-integer" if signed else "unsigned-integer as unsigned-integer")
 
 
-def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:
+def json_strings(name: str, values: list[Any]) -> list[bytes]:
+    """The strings of a JSON array, flat or nested, as UTF-8; anything else in it is an error."""
     flat: list[bytes] = []
     stack = [iter(values)]
     while stack:
@@ -132,7 +139,7 @@ def _flatten_strings(name: str, values: list[Any]) -> list[bytes]:
                 stack.append(iter(item))
                 break
             else:
-                raise invalid_arg(f"unable to parse 'data' of input '{name}': BYTES values must be strings")
+                raise _not_json(name, "string as string")
         else:
             stack.pop()
     return flat

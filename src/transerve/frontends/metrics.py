@@ -1,16 +1,20 @@
-"""Prometheus metrics on the metrics port, with Triton's metric names and labels.
+"""Prometheus metrics on the metrics port, with Triton's metric families: names, types, help texts and labels.
 
 The collector reads the core's statistics when scraped, so the request path only bumps plain
-integers in `ModelStats` and never takes a metrics lock.
+integers in `ModelStats` and never takes a metrics lock. The text is written here rather than by
+prometheus_client, which declares a counter `x` as `x_total` in its `# HELP`/`# TYPE` lines while Triton
+declares `x` itself: a strict parser (and Triton's dashboards) would otherwise see untyped samples.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import psutil
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from transerve.core.server import ModelVersion, Server
@@ -19,16 +23,38 @@ from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpR
 
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-#: (metric name, help, attribute of ModelStats giving a Duration, or a callable) for the per-model counters.
+#: (metric name, help, attribute of ModelStats giving a Duration) for the per-model latency counters.
 _DURATIONS = (
-    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds", "success"),
-    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds", "queue"),
-    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
-     "compute_input"),
-    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
-     "compute_infer"),
-    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
+    ("nv_inference_request_duration_us",
+     "Cumulative inference request duration in microseconds (includes cached requests)", "success"),
+    ("nv_inference_queue_duration_us",
+     "Cumulative inference queuing duration in microseconds (includes cached requests)", "queue"),
+    ("nv_inference_compute_input_duration_us",
+     "Cumulative compute input duration in microseconds (does not include cached requests)", "compute_input"),
+    ("nv_inference_compute_infer_duration_us",
+     "Cumulative compute inference duration in microseconds (does not include cached requests)", "compute_infer"),
+    ("nv_inference_compute_output_duration_us",
+     "Cumulative inference compute output duration in microseconds (does not include cached requests)",
      "compute_output"),
+)
+
+#: The same for `summary_latencies`: (metric name, help, attribute of ModelStats whose Duration has the summary).
+_SUMMARIES = (
+    ("nv_inference_request_summary_us",
+     "Summary of inference request duration in microseconds (includes cached requests)", "success"),
+    ("nv_inference_queue_summary_us",
+     "Summary of inference queuing duration in microseconds (includes cached requests)", "queue"),
+    ("nv_inference_compute_input_summary_us",
+     "Cumulative compute input duration in microseconds (does not include cached requests)", "compute_input"),
+    ("nv_inference_compute_infer_summary_us",
+     "Cumulative compute inference duration in microseconds (does not include cached requests)", "compute_infer"),
+    ("nv_inference_compute_output_summary_us",
+     "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+     "compute_output"),
+    ("nv_cache_hit_summary_per_model", "Summary of cache hit counts/durations per model, in microseconds.",
+     "cache_hit"),
+    ("nv_cache_miss_summary_per_model", "Summary of cache miss counts/durations per model, in microseconds.",
+     "cache_miss"),
 )
 
 
@@ -39,10 +65,12 @@ def _family(name: str, documentation: str, kind: str) -> Metric:
 class TritonMetricsCollector:
     """A prometheus_client collector producing Triton's metric families from the server's state."""
 
-    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True) -> None:
+    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True,
+                 interval_ms: float = 2000.0) -> None:
         self._server = server
-        self._cpu_metrics = cpu_metrics
-        self._gpu = _GpuProbe() if gpu_metrics else None
+        self._counter_latencies = server.options.metrics.counter_latencies
+        self._cpu = _Polled(_cpu_families, interval_ms) if cpu_metrics else None
+        self._gpu = _Polled(_GpuProbe().families, interval_ms) if gpu_metrics else None
         psutil.cpu_percent(interval=None)  # the first reading is meaningless; start the interval now
 
     def collect(self) -> Iterator[Metric]:
@@ -51,12 +79,15 @@ class TritonMetricsCollector:
                           "counter")
         failure = _family("nv_inference_request_failure", "Number of failed inference requests, all batch sizes",
                           "counter")
-        count = _family("nv_inference_count", "Number of inferences performed", "counter")
-        executions = _family("nv_inference_exec_count", "Number of model executions performed", "counter")
+        count = _family("nv_inference_count", "Number of inferences performed (does not include cached requests)",
+                        "counter")
+        executions = _family("nv_inference_exec_count",
+                             "Number of model executions performed (does not include cached requests)", "counter")
         pending = _family("nv_inference_pending_request_count",
                           "Instantaneous number of pending requests awaiting execution per-model.", "gauge")
         load = _family("nv_model_load_duration_secs", "Model load time in seconds", "gauge")
-        durations = [(_family(name, text, "counter"), attribute) for name, text, attribute in _DURATIONS]
+        durations = [(_family(name, text, "counter"), attribute) for name, text, attribute in _DURATIONS
+                     if self._counter_latencies]
         for model in models:
             labels = {"model": model.name, "version": model.version}
             stats = model.stats
@@ -71,13 +102,17 @@ class TritonMetricsCollector:
                 family.add_sample(family.name, labels, getattr(stats, attribute).ns // 1000)
         yield from (success, failure, count, executions)
         yield from (family for family, _ in durations)
+        if self._server.response_cache is not None and self._counter_latencies:
+            yield from _cache_counters(models)
         yield from (pending, load)
         if self._server.response_cache is not None:
-            yield from _cache_families(self._server, models)
-        if self._cpu_metrics:
-            yield from _cpu_families()
+            yield from _cache_gauges(self._server)
+        if self._cpu is not None:
+            yield from self._cpu.families()
         if self._gpu is not None:
             yield from self._gpu.families()
+        # Triton's registry lists counters, then gauges, then summaries, then what backends add.
+        yield from _summary_families(models)
         for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
             family = _family(name, description, kind)
             for sample in samples:
@@ -85,8 +120,24 @@ class TritonMetricsCollector:
             yield family
 
 
-def _cache_families(server: Server, models: list[ModelVersion]) -> Iterator[Metric]:
-    """Triton's response cache metrics: per model that caches, and for the whole cache."""
+def _summary_families(models: list[ModelVersion]) -> Iterator[Metric]:
+    """`summary_latencies`: per model, the quantiles of the window and the cumulative sum and count."""
+    for name, text, attribute in _SUMMARIES:
+        family = _family(name, text, "summary")
+        for model in models:
+            summary = getattr(model.stats, attribute).summary
+            if summary is None:
+                continue
+            labels = {"model": model.name, "version": model.version}
+            family.add_sample(f"{name}_count", labels, summary.count)
+            family.add_sample(f"{name}_sum", labels, summary.sum)
+            for quantile, value in summary.values():
+                family.add_sample(name, {**labels, "quantile": _number(quantile)}, value)
+        yield family
+
+
+def _cache_counters(models: list[ModelVersion]) -> Iterator[Metric]:
+    """Triton's per-model response cache counters, for the models that cache."""
     per_model = [
         (_family("nv_cache_num_hits_per_model", "Number of cache hits per model", "counter"),
          lambda stats: stats.cache_hit.count),
@@ -104,7 +155,12 @@ def _cache_families(server: Server, models: list[ModelVersion]) -> Iterator[Metr
             for family, value in per_model:
                 family.add_sample(family.name, labels, value(model.stats))
     yield from (family for family, _ in per_model)
+
+
+def _cache_gauges(server: Server) -> Iterator[Metric]:
+    """Triton's gauges of the whole response cache."""
     cache = server.response_cache
+    assert cache is not None
     counters = cache.stats
     for name, text, kind, value in (
         ("nv_cache_util", "Cache utilization [0.0 - 1.0]", "gauge", cache.used / cache.size if cache.size else 0.0),
@@ -122,6 +178,24 @@ def _cache_families(server: Server, models: list[ModelVersion]) -> Iterator[Metr
         family = _family(name, text, kind)
         family.add_sample(name, {}, value)
         yield family
+
+
+class _Polled:
+    """Families read at most once per `--metrics-interval-ms`, as Triton polls CPU and GPU metrics: a reading (the
+    CPU utilization is that since the previous one) holds for the interval however often /metrics is scraped."""
+
+    def __init__(self, read: Callable[[], Iterable[Metric]], interval_ms: float) -> None:
+        self._read = read
+        self._interval_s = interval_ms / 1000.0
+        self._read_at = -math.inf
+        self._families: list[Metric] = []
+
+    def families(self) -> list[Metric]:
+        now = time.monotonic()
+        if now - self._read_at >= self._interval_s:
+            self._families = list(self._read())
+            self._read_at = now
+        return self._families
 
 
 def _cpu_families() -> Iterator[Metric]:
@@ -171,9 +245,10 @@ class _GpuProbe:
 class MetricsFrontend:
     """`GET /metrics` in the Prometheus text format on its own port."""
 
-    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True) -> None:
+    def __init__(self, server: Server, cpu_metrics: bool = True, gpu_metrics: bool = True,
+                 interval_ms: float = 2000.0) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(TritonMetricsCollector(server, cpu_metrics, gpu_metrics))
+        self.registry.register(TritonMetricsCollector(server, cpu_metrics, gpu_metrics, interval_ms))
         self._listener: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -195,8 +270,44 @@ class MetricsFrontend:
             return _plain_error(404, "Not Found")
         if request.method != "GET":
             return _plain_error(405, "Method Not Allowed")
-        return HttpResponse(200, generate_latest(self.registry), _CONTENT_TYPE)
+        return HttpResponse(200, exposition(self.registry.collect()), _CONTENT_TYPE)
 
 
 def _plain_error(status: int, message: str) -> HttpResponse:
     return HttpResponse(status, message.encode(), "text/plain")
+
+
+def exposition(families: Iterable[Metric]) -> bytes:
+    """The Prometheus text format as Triton (prometheus-cpp) writes it: each family declared under its own name,
+    whatever its type, with its samples under theirs (`x`, `x_sum`, `x_count`, `x_bucket`); labels sorted, with
+    `quantile` and `le` last; numbers with up to 16 significant digits. A family without samples is left out,
+    as prometheus-cpp leaves it out."""
+    lines = []
+    for family in families:
+        if not family.samples:
+            continue
+        lines.append(f"# HELP {family.name} {_escape_help(family.documentation)}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            labels = sorted(sample.labels.items(), key=lambda item: (item[0] in ("quantile", "le"), item[0]))
+            text = ",".join(f'{key}="{_escape_label(value)}"' for key, value in labels)
+            lines.append(f"{sample.name}{{{text}}} {_number(sample.value)}" if text else
+                         f"{sample.name} {_number(sample.value)}")
+    lines.append("")
+    return "\n".join(lines).encode()
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "Nan"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return f"{value:.16g}"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

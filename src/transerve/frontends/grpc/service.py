@@ -10,11 +10,9 @@ in `http2/`, which routes by the same service descriptor.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import logging
-import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple
 
 import grpc
@@ -25,6 +23,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
 from transerve.core.types import InferRequest, InferResponse
+from transerve.frontends.access import GRPC_GROUPS, HeaderForwarding, Restrictions, grpcio_metadata, metadata_lookup
 from transerve.frontends.grpc.codec import (
     decode_infer_request,
     encode_infer_response,
@@ -62,13 +61,10 @@ _NOT_EXPLICIT = "explicit model load / unload is not allowed if polling is enabl
 #: The service as tritonclient's generated code describes it: method names, request types, streaming.
 SERVICE = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
-#: The custom metadata (headers) of the call being handled, which each transport sets in the call's task.
-CALL_METADATA: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
-    "CALL_METADATA", default=types.MappingProxyType({})
-)
-
-Unary = Callable[[Message], Awaitable[Message]]
-Streaming = Callable[[AsyncIterator[Message]], AsyncIterator[Message]]
+Unary = Callable[..., Awaitable[Message]]
+Streaming = Callable[..., AsyncIterator[Message]]
+#: A call's custom metadata, (lowercase name, value) pairs.
+Metadata = tuple[tuple[str, str], ...]
 
 
 class Rpc(NamedTuple):
@@ -79,19 +75,32 @@ class Rpc(NamedTuple):
     handler: Unary | Streaming
     streaming: bool
     #: The handler answering with the serialized response, for a transport that sends bytes (ModelInfer).
-    serialized: Callable[[Message], Awaitable[bytes]] | None = None
+    serialized: Callable[..., Awaitable[bytes]] | None = None
+    #: Whether the handler takes the call's metadata after its request (inference, for header forwarding).
+    takes_metadata: bool = False
 
 
 class InferenceService:
     """Triton's inference service over the core `Server`; unary methods raise ServerError for a failed RPC."""
 
-    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop, restrictions: Restrictions | None = None,
+                 forwarding: HeaderForwarding | None = None) -> None:
         self._server = server
+        #: `--grpc-restricted-protocol`: RPCs of a restricted group need its header (UNAVAILABLE otherwise).
+        self.restrictions = restrictions if restrictions is not None and restrictions.required else None
+        #: `--grpc-header-forward-pattern`: matching metadata become parameters of inference requests.
+        self._forwarding = forwarding
         # Kept rather than looked up per stream request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = loop
         # Metadata and config answers per (kind, name, version), with the config of the ModelVersion they describe:
         # a load makes new versions with new configs, and holding a config, unlike a version, keeps no backend alive.
         self._cached: dict[tuple[str, str, str], tuple[model_config_pb2.ModelConfig, Message]] = {}
+
+    def refusal(self, method: str, metadata: Metadata) -> str | None:
+        """Triton's message when a call lacks the header its method's group requires; None when it may run."""
+        if self.restrictions is None:
+            return None
+        return self.restrictions.refusal(GRPC_GROUPS.get(method), metadata_lookup(metadata))
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -110,7 +119,8 @@ class InferenceService:
         return service_pb2.ServerMetadataResponse(**self._server.metadata())
 
     async def ModelMetadata(self, request: service_pb2.ModelMetadataRequest) -> service_pb2.ModelMetadataResponse:
-        return self._per_version("metadata", request.name, request.version, self._build_metadata)
+        return self._per_version("metadata", request.name, request.version,
+                                 lambda model: self._build_metadata(model, parse_version(request.version)))
 
     async def ModelConfig(self, request: service_pb2.ModelConfigRequest) -> service_pb2.ModelConfigResponse:
         return self._per_version(
@@ -127,8 +137,8 @@ class InferenceService:
             cached = self._cached[key] = (model.config, build(model))
         return cached[1]
 
-    def _build_metadata(self, model: ModelVersion) -> service_pb2.ModelMetadataResponse:
-        metadata = self._server.model_metadata(model.name, model.version)
+    def _build_metadata(self, model: ModelVersion, version: str) -> service_pb2.ModelMetadataResponse:
+        metadata = self._server.model_metadata(model.name, version)
         tensor = service_pb2.ModelMetadataResponse.TensorMetadata
         return service_pb2.ModelMetadataResponse(
             name=metadata["name"],
@@ -147,20 +157,22 @@ class InferenceService:
 
     # ---- inference -------------------------------------------------------------------------------
 
-    async def ModelInfer(self, request: service_pb2.ModelInferRequest) -> service_pb2.ModelInferResponse:
-        return encode_infer_response(await self._infer_unary(request))
+    async def ModelInfer(
+        self, request: service_pb2.ModelInferRequest, metadata: Metadata = ()
+    ) -> service_pb2.ModelInferResponse:
+        return encode_infer_response(await self._infer_unary(request, metadata))
 
-    async def _model_infer_serialized(self, request: service_pb2.ModelInferRequest) -> bytes:
+    async def _model_infer_serialized(self, request: service_pb2.ModelInferRequest, metadata: Metadata = ()) -> bytes:
         """ModelInfer's answer already serialized, large outputs without protobuf's serializer."""
-        return encode_infer_response_bytes(await self._infer_unary(request))
+        return encode_infer_response_bytes(await self._infer_unary(request, metadata))
 
-    async def _infer_unary(self, request: service_pb2.ModelInferRequest) -> InferResponse:
+    async def _infer_unary(self, request: service_pb2.ModelInferRequest, metadata: Metadata) -> InferResponse:
         if self._is_decoupled(request):  # Triton's gRPC wording; the core's names the HTTP end point
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
-        return await self._server.infer(self._decode(request))
+        return await self._server.infer(self._decode(request, metadata))
 
     async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest]
+        self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], metadata: Metadata = ()
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Requests of a stream run concurrently. Ordinary models' answers come in request order; a decoupled
         model's responses go out as they are produced, each marked with `triton_final_response`. An error is
@@ -168,11 +180,13 @@ class InferenceService:
 
         With the `triton_grpc_error: true` header (Triton's), an error a model or its scheduler answers ends the
         stream with that error's gRPC status instead; a request refused before it runs is still answered on it."""
-        grpc_errors = CALL_METADATA.get().get("triton_grpc_error") == "true"
+        grpc_errors = ("triton_grpc_error", "true") in metadata
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
-        reader = self._loop.create_task(self._read_stream(request_iterator, outbox, window, tasks, grpc_errors))
+        reader = self._loop.create_task(
+            self._read_stream(request_iterator, metadata, outbox, window, tasks, grpc_errors)
+        )
         try:
             while (message := await outbox.get()) is not None:
                 if isinstance(message, ServerError):
@@ -187,6 +201,7 @@ class InferenceService:
     async def _read_stream(
         self,
         requests: AsyncIterator[service_pb2.ModelInferRequest],
+        metadata: Metadata,
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         tasks: set[asyncio.Task[None]],
@@ -197,11 +212,13 @@ class InferenceService:
             async for request in requests:
                 await window.acquire()
                 if self._is_decoupled(request):
-                    answer = self._stream_decoupled(request, outbox, window, grpc_errors)
+                    answer = self._stream_decoupled(request, metadata, outbox, window, grpc_errors)
                 elif grpc_errors:
-                    answer = self._stream_answer_or_end(request, outbox, window, in_order, in_order.ticket())
+                    answer = self._stream_answer_or_end(
+                        request, metadata, outbox, window, in_order, in_order.ticket()
+                    )
                 else:
-                    answer = self._stream_answer(request, window, in_order, in_order.ticket())
+                    answer = self._stream_answer(request, metadata, window, in_order, in_order.ticket())
                 task = self._loop.create_task(answer)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -210,8 +227,11 @@ class InferenceService:
         finally:
             outbox.put_nowait(None)
 
-    def _decode(self, request: service_pb2.ModelInferRequest) -> InferRequest:
-        return decode_infer_request(request, self._server.shared_memory)
+    def _decode(self, request: service_pb2.ModelInferRequest, metadata: Metadata) -> InferRequest:
+        decoded = decode_infer_request(request, self._server.shared_memory)
+        if self._forwarding is not None and metadata:
+            decoded.parameters.update(self._forwarding.parameters(metadata))
+        return decoded
 
     def _is_decoupled(self, request: service_pb2.ModelInferRequest) -> bool:
         try:
@@ -221,10 +241,11 @@ class InferenceService:
         return model.config.model_transaction_policy.decoupled
 
     async def _stream_answer(
-        self, request: service_pb2.ModelInferRequest, window: asyncio.Semaphore, in_order: _InOrder, ticket: int
+        self, request: service_pb2.ModelInferRequest, metadata: Metadata, window: asyncio.Semaphore,
+        in_order: _InOrder, ticket: int,
     ) -> None:
         try:
-            message = _stream_response(await self._server.infer(self._decode(request)))
+            message = _stream_response(await self._server.infer(self._decode(request, metadata)))
         except ServerError as exc:
             message = _stream_error(request, exc.message)
         except Exception:
@@ -237,6 +258,7 @@ class InferenceService:
     async def _stream_answer_or_end(
         self,
         request: service_pb2.ModelInferRequest,
+        metadata: Metadata,
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         in_order: _InOrder,
@@ -244,7 +266,7 @@ class InferenceService:
     ) -> None:
         """`_stream_answer` under triton_grpc_error: a refusal is answered in order, a failure ends the stream."""
         try:
-            stream = self._server.infer_stream(self._decode(request))
+            stream = self._server.infer_stream(self._decode(request, metadata))
         except ServerError as exc:
             window.release()
             in_order.deliver(ticket, _stream_error(request, exc.message))
@@ -265,6 +287,7 @@ class InferenceService:
     async def _stream_decoupled(
         self,
         request: service_pb2.ModelInferRequest,
+        metadata: Metadata,
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         grpc_errors: bool,
@@ -272,7 +295,7 @@ class InferenceService:
         """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
         stream = None
         try:
-            infer_request = self._decode(request)
+            infer_request = self._decode(request, metadata)
             stream = self._server.infer_stream(infer_request)
             empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
                 if "triton_enable_empty_final_response" in request.parameters else False
@@ -408,7 +431,11 @@ class InferenceService:
             if handler is not None:
                 request_type = getattr(service_pb2, method.input_type.name)
                 serialized = self._model_infer_serialized if method.name == "ModelInfer" else None
-                yield Rpc(method.name, request_type, handler, method.client_streaming, serialized)
+                # A stream reads its metadata for triton_grpc_error; ModelInfer only to forward headers.
+                takes_metadata = method.name == "ModelStreamInfer" or (
+                    self._forwarding is not None and method.name == "ModelInfer"
+                )
+                yield Rpc(method.name, request_type, handler, method.client_streaming, serialized, takes_metadata)
 
 
 class _InOrder:
@@ -454,13 +481,27 @@ def _no_repository_name(name: str) -> None:
 # ---- grpc.aio's calling convention --------------------------------------------------------------
 
 
-def _grpcio_unary(name: str, method: Unary) -> Callable[[Message, grpc.aio.ServicerContext], Awaitable[Message]]:
+async def _admit(rpc: Rpc, service: InferenceService, context: grpc.aio.ServicerContext) -> tuple[Any, ...]:
+    """The handler's arguments after the request (the call's metadata, if it takes it), once the call's
+    restrictions allow it to run; aborts it with Triton's UNAVAILABLE otherwise."""
+    metadata = grpcio_metadata(context.invocation_metadata() or ())
+    refusal = service.refusal(rpc.name, metadata)
+    if refusal is not None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+    return (metadata,) if rpc.takes_metadata else ()
+
+
+def _grpcio_unary(rpc: Rpc, service: InferenceService) -> Callable[[Message, grpc.aio.ServicerContext],
+                                                                    Awaitable[Message]]:
     """A unary RPC for grpc.aio: ServerError becomes its gRPC status; anything else is a bug, reported as INTERNAL."""
+    method, name = rpc.handler, rpc.name
+    admit = service.restrictions is not None or rpc.takes_metadata
 
     @functools.wraps(method)
     async def handler(request: Message, context: grpc.aio.ServicerContext) -> Message:  # type: ignore[return]
+        extra = await _admit(rpc, service, context) if admit else ()
         try:
-            return await method(request)
+            return await method(request, *extra)
         except ServerError as exc:
             await context.abort(GRPC_STATUS[exc.code], exc.message)
         except Exception:
@@ -470,14 +511,16 @@ def _grpcio_unary(name: str, method: Unary) -> Callable[[Message, grpc.aio.Servi
     return handler
 
 
-def _grpcio_streaming(method: Streaming) -> Callable[[AsyncIterator[Message], grpc.aio.ServicerContext],
-                                                      AsyncIterator[Message]]:
+def _grpcio_streaming(rpc: Rpc, service: InferenceService) -> Callable[
+        [AsyncIterator[Message], grpc.aio.ServicerContext], AsyncIterator[Message]]:
+    admit = service.restrictions is not None or rpc.takes_metadata
+
     async def handler(requests: AsyncIterator[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        CALL_METADATA.set({key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)})
+        extra = await _admit(rpc, service, context) if admit else ()
         try:
-            async for answer in method(requests):
+            async for answer in rpc.handler(requests, *extra):
                 yield answer
-        except ServerError as exc:
+        except ServerError as exc:  # triton_grpc_error: the stream ends with the error's status
             await context.abort(GRPC_STATUS[exc.code], exc.message)
 
     return handler
@@ -488,7 +531,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, service: InferenceService) -> None:
         for rpc in service.rpcs():
-            adapted = _grpcio_streaming(rpc.handler) if rpc.streaming else _grpcio_unary(rpc.name, rpc.handler)
+            adapted = _grpcio_streaming(rpc, service) if rpc.streaming else _grpcio_unary(rpc, service)
             setattr(self, rpc.name, adapted)
 
 
@@ -535,10 +578,10 @@ def health_check(server: Server) -> Unary:
     return check
 
 
-def health_handler(server: Server) -> grpc.GenericRpcHandler:
+def health_handler(server: Server, service: InferenceService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler("grpc.health.v1.Health", {
         "Check": grpc.unary_unary_rpc_method_handler(
-            _grpcio_unary("Check", health_check(server)),
+            _grpcio_unary(Rpc("Check", HealthCheckRequest, health_check(server), False), service),
             request_deserializer=HealthCheckRequest.FromString,
             response_serializer=HealthCheckResponse.SerializeToString,
         ),
@@ -551,8 +594,11 @@ def health_handler(server: Server) -> grpc.GenericRpcHandler:
 class GrpcFrontend:
     """Serves the inference and health services with grpc.aio on one address, on the running event loop."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, restrictions: Restrictions | None = None,
+                 forwarding: HeaderForwarding | None = None) -> None:
         self.server = server
+        self._restrictions = restrictions
+        self._forwarding = forwarding
         self._grpc: grpc.aio.Server | None = None
         self._stopping: asyncio.Future[None] | None = None
 
@@ -566,10 +612,9 @@ class GrpcFrontend:
             # gRPC sets SO_REUSEPORT by default, which would let a second server share a busy port silently.
             ("grpc.so_reuseport", 0),
         ])
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(InferenceService(self.server, asyncio.get_running_loop())), self._grpc
-        )
-        self._grpc.add_generic_rpc_handlers((health_handler(self.server),))
+        service = InferenceService(self.server, asyncio.get_running_loop(), self._restrictions, self._forwarding)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(service), self._grpc)
+        self._grpc.add_generic_rpc_handlers((health_handler(self.server, service),))
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:
             bound = self._grpc.add_insecure_port(address)

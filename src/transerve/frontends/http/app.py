@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import gzip
 import logging
-import zlib
 from typing import Any
 from urllib.parse import unquote
 
@@ -15,14 +13,32 @@ import orjson
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
 from transerve.core.server import ControlMode, Server
-from transerve.frontends.http.codec import decode_infer_request, encode_infer_response
+from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group
+from transerve.frontends.http.codec import (
+    decode_infer_request,
+    decode_raw_request,
+    encode_infer_response,
+    is_raw_body,
+)
 from transerve.frontends.http.generate import (
     SSE_CONTENT_TYPE,
+    as_answer_error,
     decode_generate_request,
     event_stream,
+    first_event,
+    refused,
     single_response,
 )
-from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse, decompress_body
+from transerve.frontends.http.protocol import (
+    ENCODINGS,
+    HttpConnection,
+    HttpRequest,
+    HttpResponse,
+    UnsupportedEncoding,
+    compress_body,
+    decompress_body,
+    response_encoding,
+)
 
 log = logging.getLogger("transerve.http")
 
@@ -52,15 +68,22 @@ def _json(document: Any) -> HttpResponse:
 class HttpFrontend:
     """Routes requests to the core and serves them on one listening socket."""
 
-    def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024,
+                 restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None) -> None:
         self.server = server
         self.max_input_size = max_input_size
+        #: `--http-restricted-api`: groups answered only to requests with their header (403 otherwise, as Triton).
+        self.restrictions = restrictions if restrictions is not None and restrictions.required else None
+        #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
+        self.forwarding = forwarding
         self._listener: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
+        keep_names = self.forwarding is not None
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, self.max_input_size, error_response), host, port, reuse_address=True
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names), host, port,
+            reuse_address=True,
         )
 
     def stop_accepting(self, grace: float) -> None:
@@ -76,15 +99,17 @@ class HttpFrontend:
             response = await self._route(request)
         except ServerError as exc:
             response = error_response(HTTP_STATUS[exc.code], exc.message)
-        accept = request.headers.get("accept-encoding")
-        if accept and response.body and response.status == 200:
-            response = _compress(response, accept)
         return response
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
         parts = request.path.strip("/").split("/")
         if not parts or parts[0] != "v2":
             return error_response(404, "Not Found")
+        if self.restrictions is not None:  # before anything else, the method included, as Triton checks it
+            group = http_group([unquote(part) for part in parts[1:]])
+            refusal = self.restrictions.refusal(group, header_lookup(request.headers))
+            if refusal is not None:
+                return error_response(403, refusal)
         method = request.method
         n = len(parts)
         if n == 1:
@@ -147,41 +172,55 @@ class HttpFrontend:
         return error_response(404, "Not Found")
 
     async def _infer(self, request: HttpRequest, name: str, version: str) -> HttpResponse:
-        body = request.body
         encoding = request.headers.get("content-encoding")
-        if encoding:
-            try:
-                body = decompress_body(body, encoding, self.max_input_size)
-            except ValueError as exc:
-                raise invalid_arg(str(exc)) from None
+        try:
+            body = decompress_body(request.body, encoding, self.max_input_size) if encoding else request.body
+        except UnsupportedEncoding as exc:  # Triton's answer: 501, naming the encodings it takes
+            return HttpResponse(501, orjson.dumps({"error": str(exc)}), headers=[("Accept-Encoding", ENCODINGS)])
+        except ValueError as exc:
+            raise invalid_arg(str(exc)) from None
         header_length = request.headers.get("inference-header-content-length")
-        infer_request, binary_default = decode_infer_request(name, version, body, header_length,
-                                                             self.server.shared_memory)
+        if is_raw_body(body, header_length):
+            signature = self.server.get_version(name, version).signature
+            infer_request, binary_default = decode_raw_request(name, version, signature, body), True
+        else:
+            infer_request, binary_default = decode_infer_request(name, version, body, header_length,
+                                                                 self.server.shared_memory)
+        if self.forwarding is not None and request.raw_headers:
+            infer_request.parameters.update(self.forwarding.parameters(request.raw_headers))
         response = await self.server.infer(infer_request)
         payload, header_length = encode_infer_response(response, infer_request, binary_default)
-        if header_length is None:
-            return HttpResponse(200, payload)
-        return HttpResponse(200, payload, "application/octet-stream",
-                            [("Inference-Header-Content-Length", str(header_length))])
+        content_type, headers = "application/json", []
+        if header_length is not None:
+            content_type = "application/octet-stream"
+            headers.append(("Inference-Header-Content-Length", str(header_length)))
+        # Triton compresses inference answers only, as the client's Accept-Encoding ranks gzip and deflate.
+        accept = request.headers.get("accept-encoding")
+        response_coding = response_encoding(accept) if accept else None
+        if response_coding is not None:
+            payload = compress_body(payload, response_coding)
+            headers.append(("Content-Encoding", response_coding))
+        return HttpResponse(200, payload, content_type, headers)
 
     async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
-        body = request.body
-        encoding = request.headers.get("content-encoding")
-        if encoding:
-            try:
-                body = decompress_body(body, encoding, self.max_input_size)
-            except ValueError as exc:
-                raise invalid_arg(str(exc)) from None
         model = self.server.get_version(name, version)
-        infer_request = decode_generate_request(name, version, model.signature, body)
+        if request.headers.get("content-encoding", "identity") not in ("", "identity"):
+            raise invalid_arg("Unsupported content-encoding, only 'identity' is supported.")
+        infer_request = decode_generate_request(name, version, model.signature, request.body)
         stream = self.server.infer_stream(infer_request)
-        if streaming:
-            return HttpResponse(200, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream))
         try:
-            return _json(await single_response(stream))
-        finally:
+            if not streaming:
+                return _json(await single_response(stream))
+            first = await first_event(stream)
+            if refused(first):
+                raise first
+        except BaseException:  # the client went away, or the answer is an error: stop the model
             if not stream.closed:
                 stream.cancel()
+            raise
+        # As in Triton, the first response sets the status: an error there is the request's error.
+        status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
+        return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
 
     def _shared_memory(self, request: HttpRequest, cuda: bool, parts: list[str]) -> HttpResponse:
         """`status`, `unregister` and `region/<name>/{status,register,unregister}` of the system shared memory
@@ -271,14 +310,3 @@ def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, 
                 raise invalid_arg(f"load parameter '{key}' is not valid base64") from None
     return config, files
 
-
-def _compress(response: HttpResponse, accept: str) -> HttpResponse:
-    accept = accept.lower()
-    if "gzip" in accept:
-        body, encoding = gzip.compress(response.body, compresslevel=1), "gzip"
-    elif "deflate" in accept:
-        body, encoding = zlib.compress(response.body, 1), "deflate"
-    else:
-        return response
-    return HttpResponse(response.status, body, response.content_type,
-                        [*response.headers, ("Content-Encoding", encoding)])

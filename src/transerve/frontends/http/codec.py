@@ -8,6 +8,7 @@ import numpy as np
 import orjson
 
 from transerve.core.classification import PARAMETER as CLASSIFICATION
+from transerve.core.datatypes import ELEMENT_SIZE
 from transerve.core.errors import invalid_arg, not_found
 from transerve.core.protocol_parameters import (
     FRONTEND_PARAMETERS,
@@ -15,10 +16,57 @@ from transerve.core.protocol_parameters import (
     apply_scheduling_parameter,
 )
 from transerve.core.shared_memory import SharedMemoryRegistry, placement
+from transerve.core.signature import ModelSignature
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+RESERVED_PARAMETER = "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."
+
+
+def is_raw_body(body: bytes, header_length: str | None) -> bool:
+    """Whether an infer body is Triton's raw form, the data of the model's one input with no JSON at all:
+    `Inference-Header-Content-Length: 0`, or an empty body without that header."""
+    if header_length is None:
+        return not body
+    try:
+        return int(header_length) == 0
+    except ValueError:
+        return False  # decode_infer_request refuses the header
+
+
+def decode_raw_request(model_name: str, model_version: str, signature: ModelSignature, body: bytes) -> InferRequest:
+    """A raw body as the model's only input, shaped as Triton deduces it from the configuration: the batch
+    dimension 1, and the one variable dimension (at most one) whatever the bytes fill; a BYTES input takes the
+    whole body as its single element. Its outputs are answered in binary (`binary_default`), as Triton does."""
+    prefix = "[request id: <id_unknown>] "
+    if len(signature.inputs) != 1:
+        raise invalid_arg(f"{prefix}Raw request must only have 1 input (found 1) to be deduced but got "
+                          f"{len(signature.inputs)} inputs in '{model_name}' model configuration")
+    spec = next(iter(signature.inputs.values()))
+    shape = [1] if signature.max_batch_size > 0 else []
+    variable, count = None, 1
+    for dim in spec.dims:
+        if dim == -1:
+            if variable is not None:
+                raise invalid_arg(f"{prefix}The shape of the raw input '{spec.name}' can not be deduced because "
+                                  "there are more than one variable-sized dimension")
+            variable = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    if spec.datatype == "BYTES":
+        if variable is not None or count != 1:
+            raise invalid_arg(f"{prefix}For BYTE datatype raw input '{spec.name}', the model must have input "
+                              "shape [1]")
+        element = np.empty(1, dtype=np.object_)
+        element[0] = bytes(body)
+        tensor = Tensor(spec.name, "BYTES", element.reshape(shape))
+    else:
+        if variable is not None:  # a zero-sized fixed dimension leaves nothing to fill
+            shape[variable] = len(body) // (count * ELEMENT_SIZE[spec.datatype]) if count else 0
+        tensor = tensor_from_bytes(spec.name, spec.datatype, tuple(shape), body, model_name)
+    return InferRequest(model_name=model_name, model_version=model_version, inputs=[tensor])
 
 
 def decode_infer_request(
@@ -40,8 +88,6 @@ def decode_infer_request(
         header, binary = memoryview(body)[:split], memoryview(body)[split:]
     else:
         header, binary = body, memoryview(b"")
-    if not header:
-        raise invalid_arg("the request body is empty: expected a JSON inference request")
     try:
         document = orjson.loads(header)
     except orjson.JSONDecodeError as exc:
@@ -72,6 +118,8 @@ def decode_infer_request(
     for key, value in parameters.items():
         if key in SCHEDULING_PARAMETERS:
             apply_scheduling_parameter(request, key, value)
+        elif key.startswith("triton_"):  # Triton's HTTP frontend allows none of them, unlike its gRPC one
+            raise invalid_arg(RESERVED_PARAMETER)
         elif key not in FRONTEND_PARAMETERS:
             request.parameters[key] = value
     # As in Triton, binary_data_output is the default only when the request lists no outputs.
@@ -161,7 +209,8 @@ def encode_infer_response(
         elif wants_binary.get(tensor.name, binary_default):
             blob = wire_bytes(tensor)
             entry["parameters"] = {**tensor.parameters, "binary_data_size": len(blob)}
-            blobs.append(blob)
+            if blob:  # as Triton: an answer whose binary outputs are all empty is plain JSON
+                blobs.append(blob)
         else:
             if tensor.parameters:
                 entry["parameters"] = tensor.parameters

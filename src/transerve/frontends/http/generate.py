@@ -1,91 +1,141 @@
 """Triton's generate extension: `/generate` and `/generate_stream` (server-sent events).
 
-Top-level keys of the request object that name a model input become that input (its datatype and
-shape from the model's configuration); the others, and the keys of `parameters`, become request
-parameters. A response is one flat object: `model_name`, `model_version` and each output by name.
+A request is one JSON object. Each of its members, and each member of its `parameters` object, that names a
+model input becomes that input (its datatype and shape from the model's metadata); the others become request
+parameters, and `id` is also the request's id. Members are taken in their order, duplicates included, so a
+repeated input is refused as Triton refuses it. A response is one flat object: `id` when the request had one,
+`model_name`, `model_version`, the response's parameters and each output by name.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import orjson
 
-from transerve.core.errors import ServerError, invalid_arg
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
 from transerve.core.signature import ModelSignature, TensorSpec
-from transerve.core.streams import ResponseStream
-from transerve.core.tensors import tensor_from_values
+from transerve.core.streams import ResponseStream, StreamItem
+from transerve.core.tensors import json_strings, tensor_from_values
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 
+#: Triton's words when /generate gets other than one response.
+EXACTLY_ONE = ("generate expects model to produce exactly 1 response, use generate stream for model that "
+               "generates various number of responses")
 
-def decode_generate_request(
-    name: str, version: str, signature: ModelSignature, body: bytes
-) -> InferRequest:
+_PARAMETERS = "parameters"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _JsonObject:
+    """A JSON object as its members in order, duplicate names kept (a dict would keep only the last)."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: list[tuple[str, Any]]) -> None:
+        self.members = members
+
+
+def _parse(body: bytes) -> Any:
+    """The document with its objects as `_JsonObject`s. orjson checks it first (syntax, UTF-8, lone surrogates,
+    NaN, nesting), with its clear messages; the standard parser then keeps duplicate members."""
     try:
-        document = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError as exc:
+        orjson.loads(body)
+        return json.loads(body, object_pairs_hook=_JsonObject)
+    except (orjson.JSONDecodeError, RecursionError) as exc:
         raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
-    if not isinstance(document, dict):
+
+
+def decode_generate_request(name: str, version: str, signature: ModelSignature, body: bytes) -> InferRequest:
+    document = _parse(body)
+    if not isinstance(document, _JsonObject):
         raise invalid_arg("the generate request must be a JSON object")
     request = InferRequest(model_name=name, model_version=version, inputs=[])
-    parameters = document.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise invalid_arg("'parameters' must be a JSON object")
-    for key, value in document.items():
-        if key == "parameters":
+    request_id = next((value for key, value in document.members if key == "id"), "")
+    if not isinstance(request_id, str):
+        raise invalid_arg("Unable to parse 'id': attempt to access JSON non-string as string")
+    request.id = request_id
+    for key, value in document.members:
+        if key != _PARAMETERS:
+            _member(request, signature, key, value)
             continue
-        spec = signature.inputs.get(key)
-        if spec is not None:
-            request.inputs.append(_tensor(spec, value, signature.max_batch_size > 0))
-        else:
-            _parameter(request, key, value)
-    for key, value in parameters.items():
-        _parameter(request, key, value)
+        if _PARAMETERS in signature.inputs:
+            raise invalid_arg(f"Keyword '{_PARAMETERS}' for nested schema also given as input tensor name")
+        if not isinstance(value, _JsonObject):
+            raise invalid_arg(f"Expected JSON object for keyword: '{_PARAMETERS}': "
+                              "attempt to access JSON non-object as object")
+        try:
+            for nested_key, nested_value in value.members:
+                _member(request, signature, nested_key, nested_value)
+        except ServerError as exc:
+            raise ServerError(exc.code, f"Converting keyword: '{_PARAMETERS}': {exc.message}") from None
     return request
 
 
+def _member(request: InferRequest, signature: ModelSignature, key: str, value: Any) -> None:
+    """One member: the input it names, or else a request parameter."""
+    spec = signature.inputs.get(key)
+    if spec is None:
+        _parameter(request, key, value)
+        return
+    if any(tensor.name == key for tensor in request.inputs):
+        raise invalid_arg(f"[request id: {request.id or '<id_unknown>'}] input '{key}' already exists in request")
+    request.inputs.append(_tensor(spec, value))
+
+
 def _parameter(request: InferRequest, key: str, value: Any) -> None:
-    if not isinstance(value, (str, int, float)):  # bool is an int
-        raise invalid_arg(f"parameter '{key}' must be a string, a number or a boolean")
+    if isinstance(value, (_JsonObject, list)) or value is None:
+        raise invalid_arg(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT64_MIN <= value <= _INT64_MAX:
+        value = float(value)  # as Triton: a number that is no int64 is a double parameter
     if key in SCHEDULING_PARAMETERS:
         apply_scheduling_parameter(request, key, value)
     else:
-        request.parameters[key] = value
+        request.parameters.setdefault(key, value)  # as in Triton, a repeated parameter keeps its first value
 
 
-def _tensor(spec: TensorSpec, value: Any, batching: bool) -> Tensor:
-    """A JSON value as the input's tensor: a scalar is one element, a list its elements, shaped by the config."""
+def _tensor(spec: TensorSpec, value: Any) -> Tensor:
+    """A JSON value as the input's tensor: a scalar is one element, an array its elements, shaped as Triton
+    shapes them from the metadata shape: fixed dimensions divide the count, the innermost variable one takes
+    the rest and other variable ones (the batch dimension among them) are 1."""
     values = value if isinstance(value, list) else [value]
-    count = len(values)
-    dims = list(spec.dims)
-    fixed = 1
-    for dim in dims:
+    if spec.datatype == "BYTES":
+        json_strings(spec.name, values)  # Triton checks the strings before the shape
+    remaining = len(values)
+    dims = list(spec.shape)
+    for dim in reversed(dims):
         if dim != -1:
-            fixed *= dim
-    variable = [i for i, dim in enumerate(dims) if dim == -1]
-    if variable:
-        if fixed == 0 or count % fixed:
-            raise invalid_arg(f"input '{spec.name}' takes a multiple of {fixed} values, got {count}")
-        for position, index in enumerate(variable):
-            dims[index] = count // fixed if position == 0 else 1
-    elif fixed != count:
-        raise invalid_arg(f"input '{spec.name}' takes {fixed} values, got {count}")
-    shape = tuple(([1] if batching else []) + dims)
-    return tensor_from_values(spec.name, spec.datatype, shape, values)
+            if dim == 0 or remaining % dim:
+                raise _unshapeable(spec)
+            remaining //= dim
+    for index in reversed(range(len(dims))):
+        if dims[index] == -1:
+            dims[index], remaining = remaining, 1
+    if remaining != 1:
+        raise _unshapeable(spec)
+    return tensor_from_values(spec.name, spec.datatype, tuple(dims), values)
+
+
+def _unshapeable(spec: TensorSpec) -> ServerError:
+    return invalid_arg(f"The schema can not convert input '{spec.name}' to tensor with proper shape")
 
 
 def encode_generate_response(response: InferResponse) -> dict[str, Any]:
-    """Triton's flat object: the response's parameters and its outputs by name, next to the model's name."""
+    """Triton's flat object: the response's parameters and its outputs by name, next to the request's id and the
+    model's name, in Triton's order (by name)."""
     document: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version,
                                 **response.parameters}
+    if response.id:
+        document["id"] = response.id
     for tensor in response.outputs:
         document[tensor.name] = _json_value(tensor)
-    return document
+    return dict(sorted(document.items()))
 
 
 def _json_value(tensor: Tensor) -> Any:
@@ -100,28 +150,64 @@ def _json_value(tensor: Tensor) -> Any:
     return values[0] if len(values) == 1 else values
 
 
+def refused(item: StreamItem) -> bool:
+    """Whether a stream's first item is a refusal before the model ran (a full queue, a server shutting down):
+    Triton answers those before it starts its answer, as a plain error with their own status (503)."""
+    return isinstance(item, ServerError) and item.code is ErrorCode.UNAVAILABLE
+
+
+def as_answer_error(error: ServerError) -> ServerError:
+    """An error that answers a generate request: a refusal keeps its code; any other is a 400, as Triton 2.51
+    answers every error response of a model on these endpoints, whatever its code."""
+    return error if refused(error) else ServerError(ErrorCode.INVALID_ARG, error.message)
+
+
 async def single_response(stream: ResponseStream) -> dict[str, Any]:
-    """`/generate`: exactly one response is expected, as Triton requires."""
-    responses = [response async for response in stream]
-    if len(responses) != 1:
-        raise invalid_arg(f"the model produced {len(responses)} responses where /generate expects exactly one: "
-                          "use /generate_stream")
-    return encode_generate_response(responses[0])
+    """`/generate`: exactly one response is expected, as Triton requires; the others are counted, not kept."""
+    first: StreamItem = None
+    count = 0
+    while True:
+        try:
+            item, _ = await stream.receive()
+        except StopAsyncIteration:
+            break
+        if item is not None:
+            if count == 0:
+                first = item
+            count += 1
+    if count != 1 or first is None:
+        raise invalid_arg(EXACTLY_ONE)
+    if isinstance(first, ServerError):
+        raise as_answer_error(first)
+    return encode_generate_response(first)
 
 
-async def event_stream(stream: ResponseStream) -> AsyncIterator[bytes]:
-    """`/generate_stream`: one `data:` event per response; an error response is an error event, and, as in
-    Triton, the stream goes on after it until the model's final flag."""
+async def first_event(stream: ResponseStream) -> StreamItem:
+    """The first response (or error) of a stream, None when there is none; Triton waits for it before it
+    answers, so that an error there sets the status."""
+    while True:
+        try:
+            item, _ = await stream.receive()
+        except StopAsyncIteration:
+            return None
+        if item is not None:
+            return item
+
+
+async def event_stream(stream: ResponseStream, first: StreamItem) -> AsyncIterator[bytes]:
+    """`/generate_stream`: one `data:` event per response, starting with `first`; an error response is an error
+    event, and, as in Triton, the stream goes on after it until the model's final flag."""
     try:
+        item = first
         while True:
-            try:
-                item, _ = await stream.receive()
-            except StopAsyncIteration:
-                return
             if isinstance(item, ServerError):
                 yield b"data: " + orjson.dumps({"error": item.message}) + b"\n\n"
             elif item is not None:
                 yield b"data: " + orjson.dumps(encode_generate_response(item)) + b"\n\n"
+            try:
+                item, _ = await stream.receive()
+            except StopAsyncIteration:
+                return
     finally:
         if not stream.closed:
             stream.cancel()  # the client went away mid-stream: stop the model

@@ -2,12 +2,16 @@
 
 It knows nothing of KServe: it parses requests, hands each to an async handler, and writes
 the responses back in request order. Bodies over the size limit are refused as soon as
-their declared length is seen, before they are read.
+their declared length is seen, before they are read. Bodies may come chunked; a request that
+declares both `Transfer-Encoding: chunked` and a `Content-Length` (as `requests` sends a body the
+caller chunked by hand) is read by its chunks, as RFC 9112 section 6.3 says, and its connection is
+closed after the answer so that nothing smuggled after it can be read as another request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import zlib
 from collections import deque
@@ -19,8 +23,8 @@ import httptools
 log = logging.getLogger("transerve.http")
 
 _REASONS = {
-    200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
-    500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+    200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
 }
 
 
@@ -30,6 +34,8 @@ class HttpRequest:
     path: str
     headers: dict[str, str]
     body: bytes
+    #: Every header with its name as sent, when the connection keeps them (for header forwarding).
+    raw_headers: list[tuple[str, str]] | None = None
 
 
 @dataclass(slots=True)
@@ -58,15 +64,18 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task",
+        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_framed_twice", "_raw_headers",
     )
 
-    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse]):
+    def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
+                 keep_header_names: bool = False):
         self._handler = handler
         self._max_body = max_body
         self._error_response = error_response
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
+        self._parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self._framed_twice = False
         self._url = b""
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
@@ -80,6 +89,8 @@ class HttpConnection(asyncio.Protocol):
         #: The task answering this connection's requests; cancelled when the client goes away, which drops
         #: its queued request and tells a streaming model to stop.
         self._task: asyncio.Task | None = None
+        #: Headers as sent, kept only when asked (names are otherwise lowercased into a dict).
+        self._raw_headers: list[tuple[str, str]] | None = [] if keep_header_names else None
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -115,16 +126,25 @@ class HttpConnection(asyncio.Protocol):
         self._headers = {}
         self._body = []
         self._body_size = 0
+        self._framed_twice = False
+        if self._raw_headers is not None:
+            self._raw_headers = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        self._headers[key.lower()] = text
+        if self._raw_headers is not None:
+            self._raw_headers.append((key, text))
 
     def on_headers_complete(self) -> None:
         length = self._headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self._max_body:
+        if "transfer-encoding" in self._headers:
+            # The chunks frame the body, not the declared length; answer, then close (RFC 9112, 6.3).
+            self._framed_twice = length is not None
+        elif length is not None and length.isdigit() and int(length) > self._max_body:
             raise RequestRejected(self._error_response(
                 413, f"request body of {length} bytes exceeds the limit of {self._max_body} bytes "
                      "(--http-max-input-size)"))
@@ -140,8 +160,8 @@ class HttpConnection(asyncio.Protocol):
         parsed = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = HttpRequest(self._parser.get_method().decode("ascii"), parsed.path.decode("latin-1"),
-                              self._headers, body)
-        self._queue.append((request, self._parser.should_keep_alive()))
+                              self._headers, body, self._raw_headers)
+        self._queue.append((request, self._parser.should_keep_alive() and not self._framed_twice))
         if len(self._queue) > 64 and not self._paused and self._transport is not None:
             self._paused = True
             self._transport.pause_reading()
@@ -215,6 +235,44 @@ class HttpConnection(asyncio.Protocol):
             self._transport.close()
 
 
+#: The body encodings understood both ways, as Triton names them in its `Accept-Encoding` answer.
+ENCODINGS = "gzip, deflate"
+
+
+class UnsupportedEncoding(ValueError):
+    """A `Content-Encoding` other than gzip, deflate or identity."""
+
+
+def response_encoding(accept_encoding: str) -> str | None:
+    """The encoding to compress a response with, chosen from `Accept-Encoding` as Triton chooses: the highest
+    `q` among identity, gzip and deflate (the first of equals), none when identity wins or nothing is named.
+
+    Entries that name anything else, or whose weight does not parse, are skipped; a weight of 0 never wins.
+    """
+    chosen, weight = "identity", 0.0
+    for entry in accept_encoding.split(","):
+        name, _, parameter = entry.strip().partition(";")
+        name = name.strip()
+        entry_weight = 1.0
+        if parameter:
+            key, _, value = parameter.strip().partition("=")
+            if key.strip() != "q":
+                continue
+            try:
+                entry_weight = float(value)
+            except ValueError:
+                continue
+        if name in ("identity", "gzip", "deflate") and entry_weight > weight:
+            chosen, weight = name, entry_weight
+    return None if chosen == "identity" else chosen
+
+
+def compress_body(body: bytes, encoding: str) -> bytes:
+    """`gzip` or `deflate` (zlib format, which clients inflate with zlib), at the fastest level: a response
+    is compressed for the wire once, and speed matters more than the last bytes."""
+    return gzip.compress(body, compresslevel=1) if encoding == "gzip" else zlib.compress(body, 1)
+
+
 def decompress_body(body: bytes, encoding: str, limit: int) -> bytes:
     """Undo `Content-Encoding: gzip|deflate`, refusing output past `limit` (a zip bomb stops early)."""
     encoding = encoding.strip().lower()
@@ -225,7 +283,7 @@ def decompress_body(body: bytes, encoding: str, limit: int) -> bytes:
     elif encoding == "deflate":
         wbits = zlib.MAX_WBITS
     else:
-        raise ValueError(f"unsupported Content-Encoding '{encoding}' (use gzip or deflate)")
+        raise UnsupportedEncoding(f"Unsupported compression type '{encoding}' (use {ENCODINGS})")
     decompressor = zlib.decompressobj(wbits)
     try:
         data = decompressor.decompress(body, limit + 1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hpack import Decoder, Encoder, HPACKError, NeverIndexedHeaderTuple
 from hpack.table import HeaderTable
 
+from transerve.frontends.access import is_custom_metadata
 from transerve.frontends.grpc.http2.frames import COMPRESSION_ERROR, PROTOCOL_ERROR, H2ConnectionError, H2StreamError
 
 #: gRPC status codes this transport sets itself.
@@ -35,7 +36,7 @@ class RequestHead:
     timeout: float | None = None
     http_status: int = 200
     refusal: tuple[int, str] | None = None
-    #: The call's custom metadata (headers that are neither pseudo-headers nor HTTP/2's or gRPC's own).
+    #: The call's custom metadata, as Triton's server sees it (restrictions and header forwarding read it).
     metadata: tuple[tuple[str, str], ...] = ()
 
 
@@ -113,8 +114,8 @@ def _request_head(headers: list[tuple[bytes, bytes]]) -> RequestHead:
             timeout = value
         elif name == b"grpc-encoding":
             encoding = value
-        elif name != b"te" and not name.startswith(b"grpc-"):
-            metadata.append((name.decode("latin-1"), value.decode("latin-1")))
+        elif is_custom_metadata(text := name.decode("latin-1")):
+            metadata.append((text, value.decode("latin-1")))
     path = pseudo.get(b":path")
     if not path or b":method" not in pseudo or b":scheme" not in pseudo:
         raise H2StreamError(PROTOCOL_ERROR, "malformed request: :method, :scheme or :path missing")

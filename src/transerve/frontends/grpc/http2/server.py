@@ -10,11 +10,11 @@ from google.protobuf.message import DecodeError, Message
 
 from transerve.core.errors import ServerError, internal
 from transerve.core.server import Server
+from transerve.frontends.access import HeaderForwarding, Restrictions
 from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.headers import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
 from transerve.frontends.grpc.http2.stream import Stream
 from transerve.frontends.grpc.service import (
-    CALL_METADATA,
     GRPC_STATUS,
     MAX_MESSAGE_BYTES,
     SERVICE,
@@ -32,8 +32,9 @@ _STATUS = {code: status.value[0] for code, status in GRPC_STATUS.items()}
 class Router:
     """Starts each call: a unary one once its request is complete, a streaming one as soon as it opens."""
 
-    def __init__(self, routes: dict[bytes, Rpc]) -> None:
+    def __init__(self, routes: dict[bytes, Rpc], service: InferenceService) -> None:
         self._routes = routes
+        self._service = service
 
     def call_opened(self, connection: Http2Connection, stream: Stream) -> None:
         head = stream.head
@@ -43,6 +44,11 @@ class Router:
         if head.refusal is not None:
             connection.finish(stream, *head.refusal)
             return
+        if self._service.restrictions is not None:  # first, as Triton, whose every method exists
+            refusal = self._service.refusal(head.path.rpartition(b"/")[2].decode("latin-1"), head.metadata)
+            if refusal is not None:
+                connection.finish(stream, UNAVAILABLE, refusal)
+                return
         rpc = self._routes.get(head.path)
         if rpc is None:
             connection.finish(stream, UNIMPLEMENTED, f"method {head.path.decode('latin-1')} is not implemented")
@@ -77,10 +83,11 @@ async def _run_unary(connection: Http2Connection, stream: Stream, rpc: Rpc) -> N
         if len(stream.messages) != 1 or stream.inbox:
             raise internal(f"{rpc.name} takes exactly one request message")
         request = _parse(rpc, stream.messages.popleft())
+        extra = (stream.head.metadata,) if rpc.takes_metadata else ()
         if rpc.serialized is not None:
-            answer = await rpc.serialized(request)
+            answer = await rpc.serialized(request, *extra)
         else:
-            answer = (await rpc.handler(request)).SerializeToString()  # type: ignore[misc]
+            answer = (await rpc.handler(request, *extra)).SerializeToString()  # type: ignore[misc]
     except ServerError as exc:
         connection.finish(stream, _STATUS[exc.code], exc.message)
     except Exception:
@@ -91,9 +98,9 @@ async def _run_unary(connection: Http2Connection, stream: Stream, rpc: Rpc) -> N
 
 
 async def _run_streaming(connection: Http2Connection, stream: Stream, rpc: Rpc) -> None:
-    CALL_METADATA.set(dict(stream.head.metadata))  # this task's context: the handler reads it
     try:
-        async for answer in rpc.handler(_Requests(connection, stream, rpc)):  # type: ignore[union-attr]
+        extra = (stream.head.metadata,) if rpc.takes_metadata else ()
+        async for answer in rpc.handler(_Requests(connection, stream, rpc), *extra):  # type: ignore[union-attr]
             if not connection.send_message(stream, answer.SerializeToString()):
                 await connection.drained(stream)
     except ServerError as exc:
@@ -137,9 +144,12 @@ class _Requests:
 class NativeGrpcFrontend:
     """Serves the inference and health services over the native HTTP/2 transport, on the running event loop."""
 
-    def __init__(self, server: Server, max_message: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, server: Server, max_message: int = MAX_MESSAGE_BYTES, restrictions: Restrictions | None = None,
+                 forwarding: HeaderForwarding | None = None) -> None:
         self.server = server
         self.max_message = max_message
+        self._restrictions = restrictions
+        self._forwarding = forwarding
         self._router: Router | None = None
         self._listener: asyncio.base_events.Server | None = None
         self._connections: set[Http2Connection] = set()
@@ -148,10 +158,10 @@ class NativeGrpcFrontend:
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port; raises OSError when the address cannot be bound."""
         loop = asyncio.get_running_loop()
-        service = InferenceService(self.server, loop)
+        service = InferenceService(self.server, loop, self._restrictions, self._forwarding)
         routes = {f"/{SERVICE.full_name}/{rpc.name}".encode(): rpc for rpc in service.rpcs()}
         routes[b"/grpc.health.v1.Health/Check"] = Rpc("Check", HealthCheckRequest, health_check(self.server), False)
-        self._router = Router(routes)
+        self._router = Router(routes, service)
         self._listener = await loop.create_server(self._connect, host.strip("[]"), port, reuse_address=True)
 
     def _connect(self) -> Http2Connection:
