@@ -661,8 +661,8 @@ def test_errors_responses_and_requests_behave_as_in_triton():
     )
     with pytest.raises(pb_utils.TritonModelException, match="only inside a model served by transerve"):
         request.exec()
-    with pytest.raises(pb_utils.TritonModelException, match="needs a decoupled model"):
-        request.get_response_sender()
+    with pytest.raises(pb_utils.TritonModelException, match="has no reference to the decoupled state of the model"):
+        request.get_response_sender().send(pb_utils.InferenceResponse())
     assert request.parameters() == "{}" and not request.is_cancelled()
     assert pb_utils.Logger.LogLevel.WARNING is pb_utils.LogLevel.WARNING
 

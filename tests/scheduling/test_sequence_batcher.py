@@ -423,6 +423,26 @@ def test_oldest_waits_for_a_preferred_batch_up_to_the_queue_delay():
     run(test)
 
 
+@pytest.mark.parametrize("strategy", ["direct { }", "oldest { }"])
+def test_iterative_sequences_make_each_request_without_sequence_a_sequence_of_its_own(strategy: str):
+    async def test() -> None:
+        instance = Accumulator()
+        batcher, _ = make(config(f"iterative_sequence: true {strategy}", max_batch_size=1), instance)
+        # One slot: each request holds it only while it runs, so the three run one after the other.
+        assert [await output(f) for f in [batcher.submit(request(0, value)) for value in (1, 2, 3)]] == [1, 2, 3]
+        assert [batch[0]["CORRID"] for batch in instance.batches] == [1, 2, 3]
+        assert {(batch[0]["START"], batch[0]["END"]) for batch in instance.batches} == {(1, 0.0)}
+        assert [request.flags for (request,) in instance.requests] == [SEQUENCE_START] * 3
+        # A request that names its sequence is an ordinary sequence request, START needed.
+        with pytest.raises(ServerError, match="must specify the START flag"):
+            await batcher.submit(request(9, 4))
+        with pytest.raises(ServerError, match="must specify batch-size 1"):
+            await batcher.submit(request(0, 1, batch=2))
+        assert not batcher._single and not batcher._assigned
+
+    run(test)
+
+
 def test_max_batch_size_zero_runs_one_request_at_a_time():
     async def test() -> None:
         instance = Accumulator()
@@ -484,7 +504,6 @@ def test_control_input_mistakes_fail_the_load_with_tritons_words(controls: str, 
          "size for m"),
         ("direct { minimum_slot_utilization: 1.5 }", "sequence batching minimum slot utilization must be in range "
          "(0.0, 1.0] for m"),
-        ("iterative_sequence: true", "sequence_batching.iterative_sequence (request rescheduling) is not supported"),
     ],
 )
 def test_strategy_mistakes_fail_the_load(body: str, message: str):

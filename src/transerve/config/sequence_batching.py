@@ -72,10 +72,6 @@ def check_sequence_batching(config: model_config_pb2.ModelConfig) -> None:
                 raise ValueError(f"sequence batching preferred batch size must be <= max batch size for {name}")
     if batching.HasField("direct") and not 0.0 <= batching.direct.minimum_slot_utilization <= 1.0:
         raise ValueError(f"sequence batching minimum slot utilization must be in range (0.0, 1.0] for {name}")
-    if batching.iterative_sequence:
-        raise ValueError(
-            f"model '{name}': sequence_batching.iterative_sequence (request rescheduling) is not supported"
-        )
 
 
 def sequence_controls(config: model_config_pb2.ModelConfig) -> SequenceControls:

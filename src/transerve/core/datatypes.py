@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import struct
 
-import ml_dtypes
 import numpy as np
 
 from transerve.core.errors import invalid_arg
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
+try:
+    import ml_dtypes
+except ImportError:  # a python-backend worker in a model's own environment (EXECUTION_ENV_PATH) may lack it
+    ml_dtypes = None
+
+#: Without ml_dtypes, BF16 values are their raw 16 bits (a one-field record), which still travel unchanged.
+BF16 = np.dtype(ml_dtypes.bfloat16) if ml_dtypes is not None else np.dtype([("bfloat16", "<u2")])
 
 #: Protocol datatype name -> numpy dtype.
 NUMPY_DTYPES: dict[str, np.dtype] = {

@@ -27,6 +27,7 @@ from transerve.config.model_config import (
 )
 from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response, load_labels
+from transerve.core.custom_metrics import CustomMetrics
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.log_settings import LogSettings, ServerLog
 from transerve.core.metrics_config import MetricsConfig
@@ -189,6 +190,8 @@ class Server:
         self.tracing = Tracer(options.trace, self.model_ready)
         #: The responses of models whose config enables `response_cache`, when the server has a cache.
         self.response_cache = ResponseCache(options.cache_bytes) if options.cache_bytes is not None else None
+        #: Metric families that model code created (pb_utils.MetricFamily), shown on /metrics.
+        self.custom_metrics = CustomMetrics()
         self._models: dict[str, ModelRecord] = {}
         self._backends: dict[str, Backend] = {}
         self._backend_types = _backend_registry()

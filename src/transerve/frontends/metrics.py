@@ -111,8 +111,13 @@ class TritonMetricsCollector:
             yield from self._cpu.families()
         if self._gpu is not None:
             yield from self._gpu.families()
-        # Triton's registry lists counters, then gauges, then summaries.
+        # Triton's registry lists counters, then gauges, then summaries, then what backends add.
         yield from _summary_families(models)
+        for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
+            family = _family(name, description, kind)
+            for sample in samples:
+                family.add_sample(*sample)
+            yield family
 
 
 def _summary_families(models: list[ModelVersion]) -> Iterator[Metric]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -184,6 +185,10 @@ class SequenceBatcher:
         self._reaper: asyncio.TimerHandle | None = None
         self._queued = 0
         self._running = 0
+        #: iterative_sequence: ids given to requests sent outside a sequence, each a sequence of its own.
+        self._iterative = batching.iterative_sequence
+        self._own_ids = itertools.count(1)
+        self._single: set[int | str] = set()
 
     # ---- the face the core sees -----------------------------------------------------------------------
 
@@ -197,11 +202,18 @@ class SequenceBatcher:
         future: asyncio.Future[InferResponse] = self._loop.create_future()
         if on_done is not None:
             future.add_done_callback(on_done)
+        if self._iterative and (request.correlation_id == 0 or request.correlation_id == ""):
+            # Triton's iterative sequencer makes such a request a sequence of its own, which ends when the model
+            # releases the request; the backend runs it again meanwhile if the model reschedules it.
+            request.correlation_id = next(self._own_ids)
+            request.flags = SEQUENCE_START
+            self._single.add(request.correlation_id)
         correlation_id, flags = request.correlation_id, request.flags
         slot = self._assigned.get(correlation_id)
         backlog = self._backlogged.get(correlation_id) if slot is None else None
         error = self._refusal(request, known=slot is not None or backlog is not None)
         if error is not None:
+            self._single.discard(correlation_id)
             future.set_exception(error)
             return future
         if flags & SEQUENCE_START and (slot is not None or backlog is not None):
@@ -211,7 +223,7 @@ class SequenceBatcher:
                 correlation_id,
                 self._model_name,
             )
-        ends = flags & SEQUENCE_END
+        ends = flags & SEQUENCE_END or correlation_id in self._single
         if ends:
             # An ended sequence is not the reaper's business any more.
             self._last_seen.pop(correlation_id, None)
@@ -309,6 +321,16 @@ class SequenceBatcher:
             self._arm_reaper(next_deadline)
 
     # ---- what lanes share ------------------------------------------------------------------------------
+
+    def ends(self, request: InferRequest) -> bool:
+        """Whether the request, about to execute, is its sequence's last (END, or a sequence of its own)."""
+        if request.flags & SEQUENCE_END:
+            return True
+        if request.correlation_id in self._single:
+            self._single.discard(request.correlation_id)
+            self._assigned.pop(request.correlation_id, None)  # set if it came through the backlog
+            return True
+        return False
 
     def prepare(self, request: InferRequest) -> None:
         """Add the control inputs to a request about to be batched (replacing any the client sent)."""
@@ -513,7 +535,7 @@ class _DirectLane(_Lane):
             self.batcher.prepare(request)
             requests.append(request)
             futures.append(pending.future)
-            if request.flags & SEQUENCE_END:
+            if self.batcher.ends(request):
                 self.batcher.release(slot)
         self.busy = True
         self.batcher.execute(self, requests, futures, self._finished)
@@ -557,7 +579,7 @@ class _OldestLane(_Lane):
             self.batcher.prepare(request)
             slot.in_flight = True
             self._ready.append((slot, pending, time.monotonic_ns()))
-            if request.flags & SEQUENCE_END:
+            if self.batcher.ends(request):
                 self.batcher.release(slot)
 
     def schedule(self) -> None:

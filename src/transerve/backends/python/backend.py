@@ -23,9 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
+from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
+from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
+from transerve.backends.python.environments import ExecutionEnvironments, Interpreter
 from transerve.backends.python.ipc import (
     DEFAULT_ARENA_BYTES,
     OP_AUTO_COMPLETE,
@@ -34,6 +38,8 @@ from transerve.backends.python.ipc import (
     OP_INITIALIZE,
     OP_IS_READY,
     OP_LOAD,
+    PENDING,
+    RESCHEDULED,
     AsyncConnection,
     ConnectionLost,
     Endpoint,
@@ -41,8 +47,10 @@ from transerve.backends.python.ipc import (
     Region,
     socket_pair,
 )
-from transerve.backends.python.streams import WorkerStreams
+from transerve.backends.python.streams import LateResponse, WorkerStreams
 from transerve.config import model_config
+from transerve.config.sequence_batching import sequence_controls
+from transerve.core.datatypes import NUMPY_DTYPES
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
@@ -67,6 +75,8 @@ class WorkerSpec:
     max_inflight: int
     #: The server's log settings page (`core.log_settings`), which `pb_utils.Logger` follows; None: none.
     log_fd: int | None = None
+    #: The model's own Python environment (EXECUTION_ENV_PATH); None: the server's interpreter.
+    interpreter: Interpreter | None = None
 
 
 class WorkerProcess:
@@ -94,7 +104,7 @@ class WorkerProcess:
         to_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-in")
         from_worker = Region.create(spec.arena_bytes, f"transerve-{instance}-out")
         command = [
-            sys.executable,
+            *(spec.interpreter.command if spec.interpreter else (sys.executable,)),
             "-m",
             "transerve.backends.python.worker",
             "--socket-fd",
@@ -114,7 +124,7 @@ class WorkerProcess:
                 pass_fds=passed,
                 stdin=subprocess.DEVNULL,
                 stdout=_stderr_fd(),
-                env=_worker_environment(),
+                env=spec.interpreter.environment if spec.interpreter else _worker_environment(),
             )
         except BaseException:
             parent.close()
@@ -229,7 +239,13 @@ class PythonInstance(BackendInstance):
     """
 
     def __init__(
-        self, spec: WorkerSpec, name: str, initialize_args: dict[str, str], decoupled: bool, runtime: Any
+        self,
+        spec: WorkerSpec,
+        name: str,
+        initialize_args: dict[str, str],
+        decoupled: bool,
+        runtime: Any,
+        rescheduling: Rescheduling | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
@@ -238,6 +254,7 @@ class PythonInstance(BackendInstance):
         self._initialize_args = initialize_args
         self._decoupled = decoupled
         self._runtime = runtime
+        self._rescheduling = rescheduling
         self._worker: WorkerProcess | None = None
         self._starting: asyncio.Task[WorkerProcess] | None = None
         self._has_is_ready = False
@@ -331,11 +348,17 @@ class PythonInstance(BackendInstance):
         return await (self._send(worker, requests, functools.partial(_settle, future)) or future)
 
     def _send(
-        self, worker: WorkerProcess, requests: list[InferRequest], done: Callable[[ExecutionResult], None]
+        self,
+        worker: WorkerProcess,
+        requests: list[InferRequest],
+        done: Callable[[ExecutionResult], None],
+        tokens: list[int] | None = None,
     ) -> asyncio.Future[ExecutionResult] | None:
-        """Send an execute whose reply calls `done`; a settled future instead if it cannot be sent."""
+        """Send an execute whose reply calls `done`; a settled future instead if it cannot be sent. A request
+        run again keeps the `tokens` its responses already go under."""
         try:
-            tokens = worker.streams.open(requests) if self._decoupled and worker.streams else None
+            if tokens is None and self._decoupled and worker.streams:
+                tokens = worker.streams.open(requests)
             worker.connection.call(
                 OP_EXECUTE,
                 _execute_body(requests, tokens),
@@ -361,14 +384,57 @@ class PythonInstance(BackendInstance):
         outputs: list[list[Entry]],
     ) -> None:
         try:
-            result = self._execution_result(worker, requests, tokens, body, outputs)
+            result, late, again = self._execution_result(worker, requests, tokens, body, outputs)
         except Exception as exc:  # a reply this server cannot read: fail its requests, keep serving
             logger.exception("model '%s': bad reply from instance '%s'", self._spec.model_name, self.name)
             error = ServerError(
                 ErrorCode.INTERNAL, f"model '{self._spec.model_name}' instance '{self.name}' failed: {exc!r}"
             )
-            result = ExecutionResult([error] * len(requests))
-        done(result)
+            result, late, again = ExecutionResult([error] * len(requests)), [], []
+        if not late and not again:
+            done(result)
+            return
+        completion = _Completion(result, done, len(late) + bool(again))
+        for index, late_id in late:
+            worker.streams.expect_late(late_id, functools.partial(self._late, completion, requests[index], index))
+        if again:
+            self._run_again(worker, requests, tokens, again, completion)
+
+    def _late(
+        self, completion: _Completion, request: InferRequest, index: int, response: LateResponse | ServerError
+    ) -> None:
+        """A non-decoupled request's response, sent by its model after `execute` returned."""
+        if isinstance(response, ServerError):
+            completion.settle(index, response)
+            return
+        error, parameters, tensors = response
+        if error is not None:
+            completion.settle(index, ServerError(ErrorCode[error[0]], error[1]))
+            return
+        outputs = [Tensor(name, datatype, data) for name, datatype, data in tensors]
+        completion.settle(
+            index,
+            InferResponse(
+                self._spec.model_name, self._spec.model_version, outputs, id=request.id, parameters=parameters or {}
+            ),
+        )
+
+    def _run_again(
+        self,
+        worker: WorkerProcess,
+        requests: list[InferRequest],
+        tokens: list[int] | None,
+        again: list[int],
+        completion: _Completion,
+    ) -> None:
+        """Run rescheduled requests again at once, on this instance, as one execute; their results replace the
+        placeholders of the first."""
+        assert self._rescheduling is not None
+        rerun = [self._rescheduling.again(requests[index]) for index in again]
+        rerun_tokens = None if tokens is None else [tokens[index] for index in again]
+        settled = self._send(worker, rerun, functools.partial(completion.merge, again), rerun_tokens)
+        if settled is not None:
+            settled.add_done_callback(lambda future: completion.merge(again, future.result()))
 
     def _execution_result(
         self,
@@ -377,41 +443,41 @@ class PythonInstance(BackendInstance):
         tokens: list[int] | None,
         body: tuple[Any, Any],
         outputs: list[list[Entry]],
-    ) -> ExecutionResult:
+    ) -> tuple[ExecutionResult, list[tuple[int, int]], list[int]]:
+        """The reply's result, the (index, id) of responses still to come, and the indexes of requests to run
+        again."""
         results, (input_ns, infer_ns, output_ns) = body
-        if tokens is not None:
-            return ExecutionResult(self._decoupled_results(worker, tokens, results), input_ns, infer_ns, output_ns)
-        model_name, model_version = self._spec.model_name, self._spec.model_version
+        late: list[tuple[int, int]] = []
+        again: list[int] = []
         responses: list[InferResponse | ServerError | None] = []
-        for request, (code, message, parameters), tensors in zip(requests, results, outputs, strict=True):
-            if code is not None:
-                responses.append(ServerError(ErrorCode[code], message))
-                continue
-            responses.append(
-                InferResponse(
-                    model_name,
-                    model_version,
-                    [Tensor(name, datatype, data) for name, datatype, data in tensors],
-                    id=request.id,
-                    parameters=parameters or {},
+        model_name, model_version = self._spec.model_name, self._spec.model_version
+        for index, ((code, message, parameters), tensors) in enumerate(zip(results, outputs, strict=True)):
+            if code is None:  # a decoupled request's responses went through its stream
+                responses.append(
+                    None if tokens is not None else InferResponse(
+                        model_name,
+                        model_version,
+                        [Tensor(name, datatype, data) for name, datatype, data in tensors],
+                        id=requests[index].id,
+                        parameters=parameters or {},
+                    )
                 )
-            )
-        return ExecutionResult(responses, input_ns, infer_ns, output_ns)
-
-    @staticmethod
-    def _decoupled_results(
-        worker: WorkerProcess, tokens: list[int], results: list[Any]
-    ) -> list[InferResponse | ServerError | None]:
-        """None per request (its responses went through its stream), or the error that ends it."""
-        outcomes: list[InferResponse | ServerError | None] = []
-        for token, (code, message, _) in zip(tokens, results, strict=True):
-            if code is None:
-                outcomes.append(None)
-                continue
-            if worker.streams is not None:
-                worker.streams.drop(token)
-            outcomes.append(ServerError(ErrorCode[code], message))
-        return outcomes
+            elif code == PENDING:
+                late.append((index, message))
+                responses.append(None)
+            elif code == RESCHEDULED and self._rescheduling is not None:
+                again.append(index)
+                responses.append(None)
+            else:
+                if code == RESCHEDULED:
+                    code, message = "INTERNAL", (
+                        f"model '{model_name}' rescheduled a request, which needs "
+                        "'sequence_batching { iterative_sequence: true }' in its configuration"
+                    )
+                if tokens is not None and worker.streams is not None:
+                    worker.streams.drop(tokens[index])
+                responses.append(ServerError(ErrorCode[code], message))
+        return ExecutionResult(responses, input_ns, infer_ns, output_ns), late, again
 
     def _exit_message(self, exit_code: int) -> str:
         return (
@@ -456,6 +522,58 @@ class PythonInstance(BackendInstance):
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
+class _Completion:
+    """An execution some of whose results come after its reply: responses a non-decoupled model sends after
+    `execute` returned, and the results of rescheduled requests run again. `done` runs once all are in."""
+
+    __slots__ = ("_result", "_done", "_waiting")
+
+    def __init__(self, result: ExecutionResult, done: Callable[[ExecutionResult], None], waiting: int) -> None:
+        self._result = result
+        self._done = done
+        self._waiting = waiting
+
+    def settle(self, index: int, outcome: InferResponse | ServerError) -> None:
+        self._result.results[index] = outcome
+        self._one_less()
+
+    def merge(self, indexes: list[int], rerun: ExecutionResult) -> None:
+        """The results of the requests at `indexes`, run again; their compute time adds to the execution's."""
+        for index, outcome in zip(indexes, rerun.results, strict=True):
+            self._result.results[index] = outcome
+        self._result.compute_input_ns += rerun.compute_input_ns
+        self._result.compute_infer_ns += rerun.compute_infer_ns
+        self._result.compute_output_ns += rerun.compute_output_ns
+        self._one_less()
+
+    def _one_less(self) -> None:
+        self._waiting -= 1
+        if self._waiting == 0:
+            self._done(self._result)
+
+
+class Rescheduling:
+    """How a rescheduled request runs again (`sequence_batching { iterative_sequence: true }`): as Triton's
+    iterative sequencer re-enqueues it, with flags 0, so its START and END control inputs (if the model declares
+    them) become false."""
+
+    def __init__(self, config: model_config_pb2.ModelConfig) -> None:
+        controls = sequence_controls(config)
+        shape = (1, 1) if config.max_batch_size > 0 else (1,)
+        self._false: dict[str, Tensor] = {}
+        for control in (controls.start, controls.end):
+            if control is not None:
+                data = np.full(shape, control.false_value, dtype=NUMPY_DTYPES[control.datatype])
+                data.flags.writeable = False
+                self._false[control.name] = Tensor(control.name, control.datatype, data)
+
+    def again(self, request: InferRequest) -> InferRequest:
+        request.flags = 0
+        if self._false:
+            request.inputs = [self._false.get(tensor.name, tensor) for tensor in request.inputs]
+        return request
+
+
 def _settle(future: asyncio.Future[ExecutionResult], result: ExecutionResult) -> None:
     if not future.done():
         future.set_result(result)
@@ -486,6 +604,9 @@ class PythonBackend(Backend):
 
     name = "python"
 
+    def __init__(self) -> None:
+        self._environments = ExecutionEnvironments()
+
     async def load(self, context: ModelContext) -> BackendModel:
         where = f"failed to load '{context.name}' version {context.version}"
         try:
@@ -496,6 +617,14 @@ class PythonBackend(Backend):
 
     async def _load(self, context: ModelContext) -> BackendModel:
         config = context.config
+        interpreter = None
+        if ENV_PARAMETER in config.parameters and config.parameters[ENV_PARAMETER].string_value:
+            interpreter = await self._environments.interpreter(
+                config.parameters[ENV_PARAMETER].string_value,
+                context.model_path,
+                context.repository_path,
+                _setting(context.backend_config, "execution-env-max-bytes", DEFAULT_ENV_MAX_BYTES, 1),
+            )
         spec = WorkerSpec(
             model_name=context.name,
             model_version=context.version,
@@ -503,6 +632,7 @@ class PythonBackend(Backend):
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
             log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
+            interpreter=interpreter,
         )
         if not spec.model_file.is_file():
             raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
@@ -523,9 +653,15 @@ class PythonBackend(Backend):
                 await first.abort()
                 raise
         decoupled = config.model_transaction_policy.decoupled
+        rescheduling = Rescheduling(config) if config.sequence_batching.iterative_sequence else None
         instances = [
             PythonInstance(
-                spec, name, _initialize_args(context, config, name, kind, device), decoupled, context.runtime
+                spec,
+                name,
+                _initialize_args(context, config, name, kind, device),
+                decoupled,
+                context.runtime,
+                rescheduling,
             )
             for name, kind, device in names
         ]

@@ -99,9 +99,10 @@ class Channel:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._on_call: Callable[[], None] | None = None
         self.gone = False
-        #: BLS calls whose response iterator was dropped before its final answer: their cancellations go out
-        #: with the next message sent (a finalizer appends here, as it may run while this thread holds `_io`).
-        self.dropped_bls: deque[int] = deque()
+        #: Messages that finalizers queue (the cancellation of a BLS call whose response iterator was dropped, the
+        #: deletion of a custom metric): (op, id, body), sent before the next message (a finalizer may run while
+        #: this thread holds `_io`).
+        self.later: deque[tuple[int, int, Any]] = deque()
 
     # ---- sending ----------------------------------------------------------------------------------
 
@@ -121,11 +122,11 @@ class Channel:
             send_datagram(self._sock, data, fds)
 
     def _before_send(self) -> None:
-        """Under `_io`: hand the server the blocks it may reuse, and cancel the BLS calls dropped since."""
+        """Under `_io`: hand the server the blocks it may reuse, and send what finalizers queued since."""
         if self._released:
             self._endpoint.release(self._released)
-        while self.dropped_bls:
-            data, fds = self._endpoint.encode(OP_CANCEL, self.dropped_bls.popleft(), None, None)
+        while self.later:
+            data, fds = self._endpoint.encode(*self.later.popleft(), None)
             send_datagram(self._sock, data, fds)
 
     def cancel_bls(self, call_id: int) -> None:
@@ -159,8 +160,9 @@ class Channel:
             send_datagram(self._sock, data, fds)
         return True
 
-    def start_bls(self, body: Any, inputs: list[Entry]) -> tuple[int, BlsCall]:
-        """Register a BLS call and send it; its answers arrive in the returned BlsCall."""
+    def start_bls(self, body: Any, inputs: list[Entry], op: int = OP_BLS_CALL) -> tuple[int, BlsCall]:
+        """Register a BLS call (or another call to the server, e.g. OP_MODEL_CONTROL) and send it; its answers
+        arrive in the returned BlsCall."""
         call = BlsCall()
         with self._state:
             self._next_bls += 1
@@ -169,7 +171,7 @@ class Channel:
             if self.gone:
                 call._deliver(_GONE, [])
                 return call_id, call
-        self.send(OP_BLS_CALL, call_id, body, [inputs])
+        self.send(op, call_id, body, [inputs] if inputs else ())
         return call_id, call
 
     def finish_bls(self, call_id: int) -> None:

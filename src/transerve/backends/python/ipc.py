@@ -86,6 +86,20 @@ OP_RESPONSE = 9
 # worker -> server: a BLS request; the server answers with OP_BLS_RESPONSE messages under the same id
 OP_BLS_CALL = 10
 OP_BLS_RESPONSE = 11
+# worker -> server: the one response of a non-decoupled request, sent after its execute's reply, under the id the
+# reply gave it (no answer)
+OP_LATE_RESPONSE = 12
+# worker -> server: load, unload or ask the readiness of a model (pb_utils.load_model, ...); answered by one
+# OP_BLS_RESPONSE (final, error, value)
+OP_MODEL_CONTROL = 13
+# worker -> server: a custom metric operation (pb_utils.MetricFamily, Metric); answered by one OP_BLS_RESPONSE
+# (final, error, value), except a deletion, which is not answered
+OP_METRIC = 14
+
+#: Execute results other than (None, None, parameters) and (error code name, message, None): a non-decoupled
+#: response that follows with OP_LATE_RESPONSE under the id in the message's place, and a request to run again.
+PENDING = "PENDING"
+RESCHEDULED = "RESCHEDULED"
 
 #: A tensor in transit: (name, datatype, array).
 Entry = tuple[str, str, np.ndarray]

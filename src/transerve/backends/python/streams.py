@@ -3,6 +3,8 @@
 * Decoupled requests: each gets a token, sent with the execute; the worker sends the request's
   responses under that token as the model produces them (from `execute` or later, from any of its
   threads), and they go into the request's ResponseStream. Cancelling the stream tells the worker.
+* Late responses: a non-decoupled request whose model sends its one response after `execute` returned gets an
+  id in the execute's reply; the response follows under that id (possibly before the reply is read).
 * BLS calls: the worker asks for an inference on another model; it runs through the core
   (`ModelContext.runtime`), in-process, and every answer goes back under the call's id. As in
   Triton, errors are answers, never exceptions: a request the core refuses before running it comes
@@ -17,12 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from transerve.backends.python.ipc import OP_BLS_CALL, OP_BLS_RESPONSE, OP_CANCEL, OP_RESPONSE, AsyncConnection, Entry
-from transerve.core.errors import ErrorCode, ServerError
+from transerve.backends.python.ipc import (
+    OP_BLS_CALL,
+    OP_BLS_RESPONSE,
+    OP_CANCEL,
+    OP_LATE_RESPONSE,
+    OP_METRIC,
+    OP_MODEL_CONTROL,
+    OP_RESPONSE,
+    AsyncConnection,
+    Entry,
+)
+from transerve.core.errors import ErrorCode, ServerError, unavailable
 from transerve.core.streams import ResponseStream
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+
+logger = logging.getLogger(__name__)
+
+#: A late response as it arrives: (error code name and message, or None; parameters or None; output tensors).
+LateResponse = tuple[tuple[str, str] | None, dict[str, Any] | None, list[Entry]]
 
 
 class WorkerStreams:
@@ -40,6 +59,10 @@ class WorkerStreams:
         #: The called models' streams of running BLS calls, and calls the worker cancelled before theirs opened.
         self._call_streams: dict[int, ResponseStream] = {}
         self._cancelled_calls: set[int] = set()
+        #: Late responses awaited by id, and those that came before the reply that announced them.
+        self._late: dict[int, Callable[[LateResponse | ServerError], None]] = {}
+        self._early: dict[int, LateResponse] = {}
+        self._unloading: set[asyncio.Task[None]] = set()
         connection.on_message = self._on_message
 
     # ---- decoupled requests -----------------------------------------------------------------------
@@ -83,18 +106,47 @@ class WorkerStreams:
         else:
             stream.close()
 
+    # ---- late responses of non-decoupled requests ------------------------------------------------
+
+    def expect_late(self, late_id: int, settle: Callable[[LateResponse | ServerError], None]) -> None:
+        """Call `settle` with the response sent under `late_id` (or the error that ends the worker first)."""
+        early = self._early.pop(late_id, None)
+        if early is not None:
+            settle(early)
+            return
+        self._late[late_id] = settle
+        self._connection.open_streams += 1
+
+    def _late_response(self, late_id: int, body: tuple[Any, Any], tensors: list[Entry]) -> None:
+        error, parameters = body
+        settle = self._late.pop(late_id, None)
+        if settle is None:
+            self._early[late_id] = (error, parameters, tensors)
+            return
+        self._connection.open_streams -= 1
+        settle((error, parameters, tensors))
+
     # ---- BLS ------------------------------------------------------------------------------------------
 
     def _on_message(self, op: int, call_id: int, body: Any, groups: list[list[Entry]]) -> None:
         if op == OP_RESPONSE:
             self._respond(call_id, body, groups[0] if groups else [])
+        elif op == OP_LATE_RESPONSE:
+            self._late_response(call_id, body, groups[0] if groups else [])
         elif op == OP_BLS_CALL:
-            task = asyncio.get_running_loop().create_task(self._run_call(call_id, body, groups[0]))
-            self._calls[call_id] = task
-            self._connection.open_streams += 1
-            task.add_done_callback(lambda _: self._call_done(call_id))
+            self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else []))
+        elif op == OP_MODEL_CONTROL:
+            self._start_call(call_id, self._model_control(call_id, *body))
+        elif op == OP_METRIC:
+            self._metric(call_id, body)
         elif op == OP_CANCEL:  # the model cancelled a BLS call, or dropped its response iterator
             self._cancel_call(call_id)
+
+    def _start_call(self, call_id: int, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._calls[call_id] = task
+        self._connection.open_streams += 1
+        task.add_done_callback(lambda _: self._call_done(call_id))
 
     def _cancel_call(self, call_id: int) -> None:
         if call_id not in self._calls:  # it has ended
@@ -184,6 +236,61 @@ class WorkerStreams:
     ) -> None:
         self._connection.notify(OP_BLS_RESPONSE, call_id, (final, error, parameters), groups or ())
 
+    # ---- model control from model code ----------------------------------------------------------------
+
+    async def _model_control(self, call_id: int, action: str, name: str, argument: Any, files: Any) -> None:
+        """pb_utils.load_model / unload_model / is_model_ready, answered as (True, error, value).
+
+        Loading answers once the model is loaded; unloading once it has begun, as Triton's does (a model may
+        unload itself from `execute`, which the unload would otherwise wait for)."""
+        server = self._runtime
+        value = None
+        try:
+            if action == "ready":
+                value = server.model_ready(name, argument)
+            elif server.options.control_mode.value != "explicit":  # core.server.ControlMode, not imported here
+                raise unavailable("explicit model load / unload is not allowed if polling is enabled")
+            elif action == "load":
+                await server.load_model(name, argument or None, files or None)
+            else:
+                task = asyncio.get_running_loop().create_task(server.unload_model(name, bool(argument)))
+                self._unloading.add(task)
+                task.add_done_callback(self._unloaded)
+        except ServerError as exc:
+            self._answer(call_id, True, (exc.code.name, exc.message))
+            return
+        self._connection.notify(OP_BLS_RESPONSE, call_id, (True, None, value))
+
+    def _unloaded(self, task: asyncio.Task[None]) -> None:
+        self._unloading.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("model '%s': an unload it asked for failed: %s", self._model_name, task.exception())
+
+    # ---- custom metrics --------------------------------------------------------------------------------
+
+    def _metric(self, call_id: int, body: tuple[Any, ...]) -> None:
+        """A pb_utils.MetricFamily or Metric operation on the server's registry; the worker owns what it creates
+        until it deletes it or goes away."""
+        action, *arguments = body
+        metrics = self._runtime.custom_metrics
+        if action == "delete":
+            metrics.delete(*arguments)
+            return
+        operations = {
+            "family": lambda *args: metrics.new_family(self, *args),
+            "metric": lambda *args: metrics.new_metric(self, *args),
+            "increment": metrics.increment,
+            "set": metrics.set,
+            "observe": metrics.observe,
+            "value": metrics.value,
+        }
+        try:
+            value = operations[action](*arguments)
+        except ServerError as exc:
+            self._answer(call_id, True, (exc.code.name, exc.message))
+            return
+        self._connection.notify(OP_BLS_RESPONSE, call_id, (True, None, value))
+
     # ---- the worker is gone -------------------------------------------------------------------------
 
     def lost(self, reason: str) -> None:
@@ -195,3 +302,10 @@ class WorkerStreams:
             stream.fail(error)
         for task in self._calls.values():
             task.cancel()
+        if self._runtime is not None:
+            self._runtime.custom_metrics.release(self)
+        late, self._late = self._late, {}
+        self._early.clear()
+        for settle in late.values():
+            self._connection.open_streams -= 1
+            settle(error)

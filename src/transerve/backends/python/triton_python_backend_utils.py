@@ -19,15 +19,19 @@ import datetime
 import enum
 import json
 import mmap
+import operator
 import os
 import sys
+import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from transerve.backends.python.channel import BlsCall, Channel
-from transerve.backends.python.ipc import Entry
+from transerve.backends.python.ipc import OP_CANCEL, OP_LATE_RESPONSE, OP_METRIC, OP_MODEL_CONTROL, Entry
+from transerve.core.custom_metrics import Kind as MetricKind
 from transerve.core.datatypes import BF16, NUMPY_DTYPES, TRITON_ENUM, deserialize_bytes, serialize_bytes
 from transerve.core.log_settings import read_page
 
@@ -115,6 +119,9 @@ class Tensor:
     __slots__ = ("_name", "_array", "_datatype")
 
     def __init__(self, name: str, numpy_array: Any) -> None:
+        _require(name, str, "Tensor", "name")
+        if numpy_array is None:
+            raise TypeError("Tensor(): numpy_array must be an array, not None")
         if not name:
             raise TritonModelException("Tensor name cannot be an empty string.")
         array = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
@@ -177,6 +184,8 @@ class Tensor:
             array = np.from_dlpack(tensor)
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise TritonModelException(f"failed to import the DLPack tensor: {exc}") from None
+        if _NUMPY_1 and not array.flags.writeable:
+            array = np.asarray(_Writable(array))
         return Tensor(name, array)
 
     def __repr__(self) -> str:
@@ -196,6 +205,23 @@ def _datatype_of(dtype: np.dtype) -> str:
             "use dtype=np.object_ (str or bytes elements) or np.bytes_"
         )
     raise TritonModelException(f"NumPy dtype is not supported: {dtype}")
+
+
+#: NumPy 1.x imports every DLPack tensor read-only (DLPack had no read-only flag then) and cannot export such an
+#: array again; Triton's DLPack tensors are writable, as NumPy 2 imports them.
+_NUMPY_1 = np.lib.NumpyVersion(np.__version__) < "2.0.0"
+
+
+class _Writable:
+    """The memory of a read-only imported array as a writable one (NumPy 1.x); keeps the import alive."""
+
+    __slots__ = ("_array", "__array_interface__")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        interface = dict(array.__array_interface__)
+        interface["data"] = (interface["data"][0], False)
+        self.__array_interface__ = interface
 
 
 class _DLTensorHead(ctypes.Structure):
@@ -224,6 +250,41 @@ class _Capsule:
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi)
 )
+
+
+def _require(value: Any, kind: type, where: str, name: str) -> None:
+    """TypeError for an argument of the wrong type, as Triton's C++ bindings raise it."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{where}(): {name} must be {kind.__name__}, not {type(value).__name__}")
+
+
+def _integer(value: Any, where: str, name: str) -> int:
+    """An integer argument: a Python or NumPy integer, as the C++ bindings convert them."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{where}(): {name} must be an integer, not {type(value).__name__}") from None
+
+
+def _require_list(values: Any, kind: type, where: str, name: str) -> list[Any]:
+    if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{where}(): {name} must be a list, not {type(values).__name__}")
+    values = list(values)
+    for value in values:
+        _require(value, kind, where, f"every item of {name}")
+    return values
+
+
+def _tensor_list(tensors: Any, where: str, name: str) -> list[Tensor]:
+    """A list of Tensors; None in it is the model's mistake (TritonModelException), another type a TypeError."""
+    if tensors is None or not isinstance(tensors, Iterable):
+        raise TypeError(f"{where}(): {name} must be a list of pb_utils.Tensor, not {type(tensors).__name__}")
+    tensors = list(tensors)
+    for tensor in tensors:
+        if tensor is None:
+            raise TritonModelException(f"{where}: {name} must not contain None")
+        _require(tensor, Tensor, where, f"every item of {name}")
+    return tensors
 
 
 def _check_parameters(parameters: Any) -> dict[str, Any]:
@@ -264,6 +325,8 @@ class InferenceRequest:
         "_parameters_json",
         "_token",
         "_sender",
+        "_served",
+        "_release_flags",
     )
 
     def __init__(
@@ -280,15 +343,23 @@ class InferenceRequest:
         trace: Any = None,
         parameters: dict[str, Any] | None = None,
     ) -> None:
-        """The BLS form; like Triton's, `inputs`, `requested_output_names` and `model_name` are required."""
-        if inputs is None or requested_output_names is None or model_name is None:
-            raise TypeError("InferenceRequest needs inputs, requested_output_names and model_name")
+        """The BLS form; like Triton's, `inputs`, `requested_output_names` and `model_name` are required, and
+        arguments of the wrong type raise TypeError as its C++ bindings do."""
+        _require(request_id, str, "InferenceRequest", "request_id")
+        if correlation_id is None:
+            raise TypeError("InferenceRequest(): correlation_id must not be None")
         if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
+        _require(model_name, str, "InferenceRequest", "model_name")
+        model_version, flags, timeout = (
+            _integer(value, "InferenceRequest", name)
+            for name, value in (("model_version", model_version), ("flags", flags), ("timeout", timeout))
+        )
         self._request_id = request_id
         self._correlation_id = correlation_id
-        self._inputs = list(inputs)
-        self._requested_output_names = list(requested_output_names)
+        self._inputs = _tensor_list(inputs, "InferenceRequest", "inputs")
+        self._requested_output_names = _require_list(requested_output_names, str, "InferenceRequest",
+                                                     "requested_output_names")
         self._model_name = model_name
         self._model_version = model_version
         self._flags = flags
@@ -297,6 +368,8 @@ class InferenceRequest:
         self._parameters_json: str | None = None
         self._token: int | None = None
         self._sender: InferenceResponseSender | None = None
+        self._served = False
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
     def _received(
@@ -329,6 +402,8 @@ class InferenceRequest:
         request._parameters_json = None
         request._token = token
         request._sender = None
+        request._served = True
+        request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -367,19 +442,19 @@ class InferenceRequest:
         return self._token in channel.cancelled
 
     def get_response_sender(self) -> InferenceResponseSender:
-        """The sender of this request's responses (the same one on every call)."""
-        if self._token is None:
-            raise TritonModelException(
-                "get_response_sender() needs a decoupled model (model_transaction_policy { decoupled: true }); "
-                "other models return their responses from execute"
-            )
+        """The sender of this request's responses (the same one on every call). A decoupled model sends any
+        number of responses with it; any other model may send its one response with it instead of returning it
+        from `execute`, before, during or after `execute` returns (Triton 24.x)."""
         if self._sender is None:
             self._sender = InferenceResponseSender(self)
         return self._sender
 
     def set_release_flags(self, flags: int) -> None:
-        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
-            raise TritonModelException("rescheduling requests is not supported yet")
+        """`TRITONSERVER_REQUEST_RELEASE_RESCHEDULE` runs the request again once `execute` returns (models with
+        `sequence_batching { iterative_sequence: true }`); for it `execute` returns None, not a response."""
+        if flags is None:
+            raise TypeError("set_release_flags(): flags must be an integer, not None")
+        self._release_flags = int(flags)
 
     def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
         """Run this request on its model and wait: one response, or with `decoupled` an iterator of
@@ -399,7 +474,7 @@ class InferenceRequest:
         return _finish_single(call_id, call)
 
     def _start(self, decoupled: bool) -> tuple[int, BlsCall]:
-        if self._model_name is None or self._token is not None:
+        if self._served:
             raise TritonModelException("only a request built with pb_utils.InferenceRequest(...) can be executed")
         inputs = []
         for tensor in self._inputs:
@@ -421,12 +496,24 @@ class InferenceRequest:
 
 
 class InferenceResponseSender:
-    """Sends one decoupled request's responses to the server as they are produced, from any thread."""
+    """Sends one request's responses to the server, from any thread, with Triton's rules.
 
-    __slots__ = ("_request",)
+    A decoupled model's responses go out as they are sent. A non-decoupled model sends one response and
+    nothing after it: sent before `execute` returns, it is held and travels in the execute's reply; sent later,
+    it goes out at once under the id the reply gave the request (`_late`).
+    """
+
+    __slots__ = ("_request", "_lock", "_sent", "_closed", "_held", "_late")
 
     def __init__(self, request: InferenceRequest) -> None:
         self._request = request
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._closed = False
+        #: A non-decoupled request's response sent before the reply: (error, parameters, tensors).
+        self._held: Outcome | None = None
+        #: The id its response is sent under once the reply has gone without it.
+        self._late: int | None = None
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         """Send a response; `flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL` marks the last one (with or
@@ -439,19 +526,69 @@ class InferenceResponseSender:
             )
         if response is not None and not isinstance(response, InferenceResponse):
             raise TritonModelException(f"Expected an 'InferenceResponse' object, found type '{type(response)}'.")
+        request = self._request
+        if not request._served:
+            raise TritonModelException(
+                "Unable to send response. Response sender has no reference to the decoupled state of the model."
+            )
         final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        error = None
-        parameters = None
-        entries: list[Entry] = []
-        if response is not None:
-            if response._error is not None:
-                error = (response._error.code().name, response._error.message())
-            else:
-                parameters = response._parameters or None
-                entries = _response_entries(response, self._request._requested_output_names)
+        outcome = None if response is None else _outcome(response, request._requested_output_names)
+        if request._token is None:
+            self._send_single(outcome, final)
+            return
+        error, parameters, entries = outcome or (None, None, [])
         body = (final, response is not None, error, parameters)
-        if not _require_channel().send_response(self._request._token, final, body, entries):
+        if not _require_channel().send_response(request._token, final, body, entries):
             raise TritonModelException("Unable to send response. Response sender has been closed.")
+
+    def _send_single(self, outcome: Outcome | None, final: bool) -> None:
+        with self._lock:
+            self._count(outcome is not None, final)
+            if outcome is None:
+                return
+            if self._late is None:
+                self._held = outcome
+                return
+            error, parameters, entries = outcome
+            _require_channel().send(OP_LATE_RESPONSE, self._late, (error, parameters), [entries])
+
+    def _count(self, has_response: bool, final: bool) -> None:
+        """Triton's checks of a non-decoupled request's sends (a response returned from `execute` counts too)."""
+        if has_response and self._sent > 0:
+            raise TritonModelException(
+                "Unable to send response. Non-decoupled model cannot send more than one response."
+            )
+        if not has_response and final and self._sent == 0:
+            raise TritonModelException(
+                "Unable to send response. Non-decoupled model cannot send complete final before sending a response."
+            )
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        self._closed = final
+        self._sent += 1
+
+    def _returned(self) -> None:
+        """`execute` returned a response for this request: it is its final one."""
+        with self._lock:
+            self._count(True, True)
+
+    def _reply(self, late_id: int) -> Outcome | int:
+        """At the execute's reply: the held response, else the id a later one will be sent under (a sender
+        closes only after a response, so one that sent nothing is open)."""
+        with self._lock:
+            if self._held is not None:
+                held, self._held = self._held, None
+                return held
+            self._late = late_id
+            return late_id
+
+    def _close(self) -> Outcome | None:
+        """The execute failed: no more sends; a response sent before the failure still stands (Triton's first
+        response reaches the client)."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, None
+            return held
 
     def is_cancelled(self) -> bool:
         return self._request.is_cancelled()
@@ -525,7 +662,7 @@ class ResponseIterator:
             self._call.abandoned = True
             self._call.items.clear()
             if _channel is not None:
-                _channel.dropped_bls.append(self._call_id)
+                _channel.later.append((OP_CANCEL, self._call_id, None))
 
 
 def _require_channel() -> Channel:
@@ -563,6 +700,16 @@ def _bls_response(body: tuple[bool, tuple[str, str] | None, dict[str, Any] | Non
     return response
 
 
+#: A response as the server gets it: (error code name and message, or None; parameters or None; output tensors).
+Outcome = tuple[tuple[str, str] | None, dict[str, Any] | None, list[Entry]]
+
+
+def _outcome(response: InferenceResponse, wanted: list[str]) -> Outcome:
+    if response._error is not None:
+        return (response._error.code().name, response._error.message()), None, []
+    return None, response._parameters or None, _response_entries(response, wanted)
+
+
 def _response_entries(response: InferenceResponse, wanted: list[str]) -> list[Entry]:
     """A response's output tensors, pruned to the requested outputs as Triton does."""
     entries = []
@@ -581,13 +728,13 @@ class InferenceResponse:
 
     def __init__(
         self,
-        output_tensors: list[Tensor] | None = None,
+        output_tensors: Iterable[Tensor] = (),
         error: TritonError | None = None,
         parameters: dict[str, Any] | None = None,
     ) -> None:
         if error is not None and not isinstance(error, TritonError):
             raise TypeError(f"InferenceResponse: error must be a pb_utils.TritonError, got {type(error)}")
-        self._output_tensors = list(output_tensors) if output_tensors else []
+        self._output_tensors = _tensor_list(output_tensors, "InferenceResponse", "output_tensors")
         self._error = error
         self._parameters = _check_parameters(parameters)
 
@@ -623,8 +770,10 @@ class Logger:
     settings_page: mmap.mmap | None = None
 
     @staticmethod
-    def log(message: str, level: int = LogLevel.INFO) -> None:
-        level = Logger.LogLevel(level)
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        _require(message, str, "Logger.log", "message")
+        if not isinstance(level, Logger.LogLevel):  # Triton's binding takes the enum only, not a number
+            raise TypeError(f"Logger.log(): level must be a pb_utils.Logger.LogLevel, not {type(level).__name__}")
         verbose, *switches = read_page(Logger.settings_page) if Logger.settings_page is not None else (
             0, True, True, True)
         if not (verbose > 0 if level == Logger.LogLevel.VERBOSE else switches[level]):
@@ -655,15 +804,161 @@ class Logger:
 
 
 LogLevel = Logger.LogLevel
+#: pybind11 exports an enum's values into its module too.
+COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
 
 #: Set by the worker: the folder holding the model file, as Triton's `get_model_dir()` returns.
 _model_dir = ""
+#: Set by the worker: the name of the model instance it runs (Triton's stub names it in some errors).
+_instance_name = ""
 #: Set by the worker: its channel to the server.
 _channel: Channel | None = None
 
 
 def get_model_dir() -> str:
     return _model_dir
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) a model, as a model-control request would (explicit mode); returns once it is loaded.
+    `config` is a JSON model config; `files` maps `file:<version>/<name>` to contents, as in a load request."""
+    _require(model_name, str, "load_model", "model_name")
+    _require(config, str, "load_model", "config")
+    if files is not None and not isinstance(files, dict):
+        raise TritonModelException(
+            f"failed to load model '{model_name}', files should be a dictionary of file paths and file contents"
+        )
+    contents = {str(path): bytes(content) for path, content in (files or {}).items()}
+    _model_control("load", model_name, config, contents, "Failed to load model")
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Unload a model (explicit mode); returns once the unload has begun, as Triton's does."""
+    _require(model_name, str, "unload_model", "model_name")
+    _require(unload_dependents, bool, "unload_model", "unload_dependents")
+    _model_control("unload", model_name, unload_dependents, None, "Failed to unload model")
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    _require(model_name, str, "is_model_ready", "model_name")
+    _require(model_version, str, "is_model_ready", "model_version")
+    if model_version and not (model_version.isdigit() and model_version.isascii()):
+        raise TritonModelException(
+            "Failed to check model readiness: failed to get model version from specified version string "
+            f"'{model_version}', version should be an integral value > 0"
+        )
+    return bool(_model_control("ready", model_name, model_version, None, "Failed to check model readiness"))
+
+
+def _model_control(action: str, name: str, argument: Any, files: Any, failure: str) -> Any:
+    return _ask_server(OP_MODEL_CONTROL, (action, name, argument, files), failure)
+
+
+def _ask_server(op: int, body: Any, failure: str) -> Any:
+    """Call the server and wait for its answer; its error raises TritonModelException with Triton's wording."""
+    channel = _require_channel()
+    call_id, call = channel.start_bls(body, [], op)
+    channel.wait_until(lambda: bool(call.items))
+    channel.finish_bls(call_id)
+    (_, error, value), _ = call.items.popleft()
+    if error is not None:
+        raise TritonModelException(
+            f"{failure}: Failed to process the request for model '{_instance_name}', message: {error[1]}"
+        )
+    return value
+
+
+class MetricFamily:
+    """A family of custom metrics on the server's /metrics (its values live in the server). As in Triton, a
+    family deleted before its metrics makes them unusable."""
+
+    COUNTER = MetricKind.COUNTER
+    GAUGE = MetricKind.GAUGE
+    HISTOGRAM = MetricKind.HISTOGRAM
+
+    __slots__ = ("_handle", "_kind", "_metrics", "__weakref__")
+
+    def __init__(self, name: str, description: str, kind: MetricKind) -> None:
+        self._handle: int | None = None
+        _require(name, str, "MetricFamily", "name")
+        _require(description, str, "MetricFamily", "description")
+        if not isinstance(kind, MetricKind):
+            raise TypeError(f"MetricFamily(): kind must be a pb_utils.MetricKind, not {type(kind).__name__}")
+        self._kind = kind
+        self._metrics: weakref.WeakSet[Metric] = weakref.WeakSet()
+        self._handle = _ask_server(
+            OP_METRIC, ("family", name, description, int(kind)), "Error when creating MetricFamily"
+        )
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: list[float] | None = None) -> Metric:  # noqa: N802
+        """A metric of this family with these labels (the same labels share one value); a histogram needs its
+        bucket boundaries."""
+        if labels is not None and not isinstance(labels, dict):
+            raise TritonModelException("Failed to create metric. Labels must be a dictionary.")
+        if buckets is not None:
+            if not isinstance(buckets, list):
+                raise TritonModelException("Failed to create metric. Buckets must be a list.")
+            if self._kind != MetricKind.HISTOGRAM:
+                raise TritonModelException("Failed to create metric. Unexpected buckets found.")
+            buckets = [_number(bound, "buckets") for bound in buckets]
+        elif self._kind == MetricKind.HISTOGRAM:
+            raise TritonModelException("Failed to create metric. Missing required buckets.")
+        metric = Metric(_ask_server(OP_METRIC, ("metric", self._handle, labels or {}, buckets),
+                                    "Error when creating Metric"))
+        self._metrics.add(metric)
+        return metric
+
+    def __del__(self) -> None:
+        for metric in list(self._metrics):
+            metric._clear()
+        if self._handle is not None and _channel is not None:
+            _channel.later.append((OP_METRIC, 0, ("delete", self._handle)))
+
+
+class Metric:
+    """One metric of a MetricFamily (made by `MetricFamily.Metric`)."""
+
+    __slots__ = ("_handle", "_cleared", "__weakref__")
+
+    def __init__(self, handle: int) -> None:
+        self._handle = handle
+        self._cleared = False
+
+    def increment(self, value: float) -> None:
+        self._operate("increment", value, "Failed to increment metric value")
+
+    def set(self, value: float) -> None:
+        self._operate("set", value, "Failed to set metric value")
+
+    def observe(self, value: float) -> None:
+        self._operate("observe", value, "Failed to observe metric value")
+
+    def value(self) -> float:
+        return float(self._operate("value", None, "Failed to get metric value"))
+
+    def _operate(self, action: str, value: float | None, failure: str) -> Any:
+        body = (action, self._handle) if value is None else (action, self._handle, _number(value, "value"))
+        if self._cleared:
+            raise TritonModelException(
+                f"{failure}: Invalid metric operation as the corresponding 'MetricFamily' has been deleted. The "
+                "'MetricFamily' object should be deleted AFTER its corresponding 'Metric' objects have been deleted."
+            )
+        return _ask_server(OP_METRIC, body, failure)
+
+    def _clear(self) -> None:
+        if not self._cleared:
+            self._cleared = True
+            if _channel is not None:
+                _channel.later.append((OP_METRIC, 0, ("delete", self._handle)))
+
+    def __del__(self) -> None:
+        self._clear()
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    return float(value)
 
 
 def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | tuple[()] | None:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import itertools
 import json
 import mmap
 import os
@@ -39,6 +40,8 @@ from transerve.backends.python.ipc import (
     OP_IS_READY,
     OP_LOAD,
     OP_REPLY,
+    PENDING,
+    RESCHEDULED,
     Endpoint,
     Entry,
     Region,
@@ -46,6 +49,16 @@ from transerve.backends.python.ipc import (
 
 #: A control reply: (None, value) on success, else ((error code name, one-line message), None).
 Reply = tuple[tuple[str, str] | None, Any]
+_DONE = (None, None, None)
+_RESCHEDULED = (RESCHEDULED, None, None)
+
+
+def _held_result(outcome: pb_utils.Outcome) -> tuple[Any, list[Entry]]:
+    """A response's (result, outputs) for an execute's reply."""
+    error, parameters, entries = outcome
+    if error is not None:
+        return (error[0], error[1], None), []
+    return (None, None, parameters), entries
 
 
 class ModelError(Exception):
@@ -76,6 +89,8 @@ class ModelRunner:
         self.decoupled = False
         self._all_outputs: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Ids for non-decoupled responses sent after their execute's reply.
+        self._late_ids = itertools.count(1)
 
     def load(self, spec: dict[str, str]) -> None:
         """Import `<version>/<file>` as Triton does: as module `<version>.<stem>`, with the version
@@ -86,6 +101,7 @@ class ModelRunner:
         self.model_version = int(spec["model_version"])
         model_file = Path(spec["model_file"])
         pb_utils._model_dir = str(model_file.parent)
+        pb_utils._instance_name = self.instance_name
         sys.path.append(str(model_file.parent))
         sys.path.append(str(model_file.parent.parent))
         try:
@@ -185,8 +201,9 @@ class ModelRunner:
     def execute(self, requests: list[pb_utils.InferenceRequest]) -> tuple[list[Any], list[list[Entry]]]:
         """Run one `execute` call: per request, its result and its output tensors.
 
-        A result is (None, None, parameters) or (error code name, message, None); an exception
-        (or a malformed return value) fails every request of the call, as in Triton.
+        A result is (None, None, parameters), (error code name, message, None), (PENDING, id, None) for a
+        response the model will send later under that id, or (RESCHEDULED, None, None); an exception (or a
+        malformed return value) fails every request of the call, as in Triton.
         """
         try:
             if not self.decoupled:
@@ -210,10 +227,17 @@ class ModelRunner:
             return self.failed(requests, describe(exc))
 
     def failed(self, requests: list[pb_utils.InferenceRequest], reason: str) -> tuple[list[Any], list[list[Entry]]]:
-        """Every request of the call fails; a decoupled request's sender can send no more."""
+        """Every request of the call fails and its sender can send no more; a non-decoupled request whose one
+        response was sent before the failure keeps it, as Triton's client gets that first response."""
         if self.decoupled:
             self.channel.close_tokens([request._token for request in requests])
-        return self.failure(len(requests), reason)
+            return self.failure(len(requests), reason)
+        results, outputs = self.failure(len(requests), reason)
+        for index, request in enumerate(requests):
+            held = request._sender._close() if request._sender is not None else None
+            if held is not None:
+                results[index], outputs[index] = _held_result(held)
+        return results, outputs
 
     def failure(self, count: int, reason: str) -> tuple[list[Any], list[list[Entry]]]:
         message = (
@@ -239,7 +263,10 @@ class ModelRunner:
                 f"Python model '{self.instance_name}' is using the decoupled mode and the execute function "
                 "must return None."
             )
-        results: list[Any] = [(None, None, None)] * len(requests)
+        results: list[Any] = [
+            _RESCHEDULED if request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE else _DONE
+            for request in requests
+        ]
         if len(live) != len(requests):
             started = {id(request) for request in live}
             skipped = []
@@ -251,8 +278,11 @@ class ModelRunner:
         return results, [[] for _ in requests]
 
     @staticmethod
-    def _check_responses(requests: list[Any], returned: Any) -> list[Any]:
-        """Reject what Triton rejects in execute's return value, as an error of the whole call."""
+    def _check_responses(requests: list[pb_utils.InferenceRequest], returned: Any) -> list[Any]:
+        """Reject what Triton rejects in execute's return value, as an error of the whole call. None means
+        every request answers through its response sender (or is rescheduled)."""
+        if returned is None:
+            return [None] * len(requests)
         if not isinstance(returned, list):
             raise TypeError(f"Expected a list in the execute return, found type '{type(returned)}'.")
         if len(returned) != len(requests):
@@ -260,31 +290,43 @@ class ModelRunner:
                 "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
                 f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(returned)}"
             )
-        for response in returned:
-            if response is not None and not isinstance(response, pb_utils.InferenceResponse):
+        for request, response in zip(requests, returned, strict=True):
+            if response is None:
+                continue
+            if request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                raise TypeError(
+                    "Expected a None object in the execute function return list for reschduled request, "
+                    f"found type '{type(response)}'."
+                )
+            if not isinstance(response, pb_utils.InferenceResponse):
                 raise TypeError(
                     "Expected an 'InferenceResponse' object in the execute function return list, "
                     f"found type '{type(response)}'."
                 )
+            if request._sender is not None:
+                request._sender._returned()
         return returned
 
     def _responses(
         self, requests: list[pb_utils.InferenceRequest], responses: list[Any]
     ) -> tuple[list[Any], list[list[Entry]]]:
-        """Per request: its result and its output tensors, pruned to the requested outputs as Triton does."""
+        """Per request: its result and its output tensors, pruned to the requested outputs as Triton does.
+        A request answered with None is rescheduled, or answered through its sender: by the response it sent,
+        or, if none yet, later (PENDING). One whose sender the model never took has no answer coming."""
         results: list[Any] = []
         outputs: list[list[Entry]] = []
         for request, response in zip(requests, responses, strict=True):
-            if response is None:
-                results.append(("INTERNAL", f"model '{self.model_name}' returned no response for the request", None))
-                outputs.append([])
-            elif response._error is not None:
-                error = response._error
-                results.append((error.code().name, error.message(), None))
-                outputs.append([])
+            if response is not None:
+                result = _held_result(pb_utils._outcome(response, request._requested_output_names))
+            elif request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                result = _RESCHEDULED, []
+            elif request._sender is None:
+                result = ("INTERNAL", f"model '{self.model_name}' returned no response for the request", None), []
             else:
-                results.append((None, None, response._parameters or None))
-                outputs.append(pb_utils._response_entries(response, request._requested_output_names))
+                late = request._sender._reply(next(self._late_ids))
+                result = ((PENDING, late, None), []) if isinstance(late, int) else _held_result(late)
+            results.append(result[0])
+            outputs.append(result[1])
         return results, outputs
 
     def is_ready(self) -> bool:
@@ -464,6 +506,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-fd", type=int, required=True, help="memfd of the worker-to-server arena")
     parser.add_argument("--log-settings-fd", type=int, help="memfd of the server's log settings page")
     args = parser.parse_args(argv)
+    # Triton's stub embeds the interpreter without arguments, so models see `sys.argv == [""]`; models that run
+    # `unittest.main(...)` parse it and would reject the worker's own options.
+    sys.argv = [""]
     # The server decides when its workers stop; Ctrl-C in a terminal reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # `python -m` puts the working directory first on sys.path; a Triton stub has no such entry.

@@ -198,14 +198,22 @@ class InferenceService:
         self, request_iterator: AsyncIterator[service_pb2.ModelInferRequest], metadata: Metadata = ()
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         """Requests of a stream run concurrently. Ordinary models' answers come in request order; a decoupled
-        model's responses go out as it produces them, each marked with `triton_final_response`. An error is
-        an answer, not the end of the stream; closing the stream cancels what is still running."""
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None] = asyncio.Queue()
+        model's responses go out as they are produced, each marked with `triton_final_response`. An error is
+        an answer, not the end of the stream; closing the stream cancels what is still running.
+
+        With the `triton_grpc_error: true` header (Triton's), an error a model or its scheduler answers ends the
+        stream with that error's gRPC status instead; a request refused before it runs is still answered on it."""
+        grpc_errors = ("triton_grpc_error", "true") in metadata
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         tasks: set[asyncio.Task[None]] = set()
-        reader = self._loop.create_task(self._read_stream(request_iterator, metadata, outbox, window, tasks))
+        reader = self._loop.create_task(
+            self._read_stream(request_iterator, metadata, outbox, window, tasks, grpc_errors)
+        )
         try:
             while (message := await outbox.get()) is not None:
+                if isinstance(message, ServerError):
+                    raise message
                 yield message
             reader.result()  # a failure to read the stream ends it with that failure
         finally:
@@ -217,16 +225,21 @@ class InferenceService:
         self,
         requests: AsyncIterator[service_pb2.ModelInferRequest],
         metadata: Metadata,
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         tasks: set[asyncio.Task[None]],
+        grpc_errors: bool,
     ) -> None:
         in_order = _InOrder(outbox)
         try:
             async for request in requests:
                 await window.acquire()
                 if self._is_decoupled(request):
-                    answer = self._stream_decoupled(request, metadata, outbox, window)
+                    answer = self._stream_decoupled(request, metadata, outbox, window, grpc_errors)
+                elif grpc_errors:
+                    answer = self._stream_answer_or_end(
+                        request, metadata, outbox, window, in_order, in_order.ticket()
+                    )
                 else:
                     answer = self._stream_answer(request, metadata, window, in_order, in_order.ticket())
                 task = self._loop.create_task(answer)
@@ -255,10 +268,7 @@ class InferenceService:
         in_order: _InOrder, ticket: int,
     ) -> None:
         try:
-            response = encode_infer_response(await self._server.infer(self._decode(request, metadata)))
-            # As Triton marks it, so that clients of decoupled models can tell the last answer to a request.
-            response.parameters["triton_final_response"].bool_param = True
-            message = service_pb2.ModelStreamInferResponse(infer_response=response)
+            message = _stream_response(await self._server.infer(self._decode(request, metadata)))
         except ServerError as exc:
             message = _stream_error(request, exc.message)
         except Exception:
@@ -268,12 +278,42 @@ class InferenceService:
             window.release()
         in_order.deliver(ticket, message)
 
+    async def _stream_answer_or_end(
+        self,
+        request: service_pb2.ModelInferRequest,
+        metadata: Metadata,
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
+        window: asyncio.Semaphore,
+        in_order: _InOrder,
+        ticket: int,
+    ) -> None:
+        """`_stream_answer` under triton_grpc_error: a refusal is answered in order, a failure ends the stream."""
+        try:
+            stream = self._server.infer_stream(self._decode(request, metadata))
+        except ServerError as exc:
+            window.release()
+            in_order.deliver(ticket, _stream_error(request, exc.message))
+            return
+        try:
+            item, _ = await stream.receive()
+        except StopAsyncIteration:
+            return
+        finally:
+            window.release()
+            if not stream.closed:
+                stream.cancel()  # the client closed the stream: drop the request
+        if isinstance(item, ServerError):
+            outbox.put_nowait(item)
+        else:
+            in_order.deliver(ticket, _stream_response(item))
+
     async def _stream_decoupled(
         self,
         request: service_pb2.ModelInferRequest,
         metadata: Metadata,
-        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | None],
+        outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
+        grpc_errors: bool,
     ) -> None:
         """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
         stream = None
@@ -294,7 +334,7 @@ class InferenceService:
                         response.parameters["triton_final_response"].bool_param = True
                         outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
                 elif isinstance(item, ServerError):
-                    outbox.put_nowait(_stream_error(request, item.message))
+                    outbox.put_nowait(item if grpc_errors else _stream_error(request, item.message))
                 else:
                     item.id = item.id or request.id
                     response = encode_infer_response(item)
@@ -430,7 +470,10 @@ class InferenceService:
             if handler is not None:
                 request_type = getattr(service_pb2, method.input_type.name)
                 serialized = self._model_infer_serialized if method.name == "ModelInfer" else None
-                takes_metadata = self._forwarding is not None and method.name in ("ModelInfer", "ModelStreamInfer")
+                # A stream reads its metadata for triton_grpc_error; ModelInfer only to forward headers.
+                takes_metadata = method.name == "ModelStreamInfer" or (
+                    self._forwarding is not None and method.name == "ModelInfer"
+                )
                 yield Rpc(method.name, request_type, handler, method.client_streaming, serialized, takes_metadata)
 
 
@@ -452,6 +495,14 @@ class _InOrder:
         while self._next in self._ready:
             self._outbox.put_nowait(self._ready.pop(self._next))
             self._next += 1
+
+
+def _stream_response(response: InferResponse) -> service_pb2.ModelStreamInferResponse:
+    """An ordinary model's answer on a stream, marked final as Triton marks it (so that clients of decoupled
+    models can tell the last answer to a request)."""
+    message = encode_infer_response(response)
+    message.parameters["triton_final_response"].bool_param = True
+    return service_pb2.ModelStreamInferResponse(infer_response=message)
 
 
 def _stream_error(request: service_pb2.ModelInferRequest, message: str) -> service_pb2.ModelStreamInferResponse:
@@ -505,8 +556,11 @@ def _grpcio_streaming(rpc: Rpc, service: InferenceService) -> Callable[
 
     async def handler(requests: AsyncIterator[Message], context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         extra = await _admit(rpc, service, context) if admit else ()
-        async for answer in rpc.handler(requests, *extra):
-            yield answer
+        try:
+            async for answer in rpc.handler(requests, *extra):
+                yield answer
+        except ServerError as exc:  # triton_grpc_error: the stream ends with the error's status
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
 
     return handler
 
