@@ -26,6 +26,7 @@ Cancellation, as in Triton: a request whose client has gone ends its sequence wh
 front of its slot, or in a backlog about to take a slot). It and every request of the sequence still queued are
 answered CANCELLED and counted as CANCELED failures, the slot goes to the next sequence, and a later request of the
 sequence needs a START again. A request already batched when its client goes still executes.
+
 Implicit state (`sequence_batching.state`) is not implemented here; backends that cannot carry it refuse
 such configs at load.
 """
