@@ -1,5 +1,5 @@
 """The ensemble's callback-driven walk, in process: statistics per step, errors naming the step, nothing left in
-flight."""
+flight, steps pruned to the outputs asked for."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from support.in_process import outputs, request, with_server
 
+from transerve.backends.ensemble.graph import Step, needed_steps
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.server import Server
 
@@ -64,13 +65,31 @@ def test_every_step_is_counted_as_a_request_of_its_model(tmp_path: Path):
     with_server(chain_repository(tmp_path, IDENTITY), check)
 
 
-def test_a_step_whose_inputs_never_come_fails_the_request_naming_it(tmp_path: Path):
+def test_a_step_left_without_a_required_input_fails_the_request_naming_it(tmp_path: Path):
+    """As in Triton, an output a step does not send is absent for the next step, whose model then refuses the
+    request as any model refuses one without a required input."""
     async def check(server: Server) -> None:
         with pytest.raises(ServerError) as failed:
             await server.infer(request("chain", X=("INT32", np.array([1, 2], np.int32))))
-        assert failed.value.code is ErrorCode.INTERNAL
-        assert "in ensemble 'chain', step 1 (model 'second') cannot run" in failed.value.message
+        assert failed.value.code is ErrorCode.INVALID_ARG
+        assert failed.value.message.startswith(
+            "in ensemble 'chain', step 1 (model 'second') failed: [request id: <id_unknown>] expected 1 inputs but "
+            "got 0 inputs for model 'second'")
         assert success_counts(server)["first"] == 1
         assert server._inflight == 0
 
     with_server(chain_repository(tmp_path, NO_OUTPUT), check)
+
+
+def test_steps_are_pruned_to_the_outputs_asked_for():
+    def step(index: int, inputs: list[str], outputs: list[str]) -> Step:
+        return Step(index, f"m{index}", "", {f"i{n}": t for n, t in enumerate(inputs)},
+                    {f"o{n}": t for n, t in enumerate(outputs)})
+
+    # X -> 0 -> a -> 1 -> A;  a -> 2 -> B;  X -> 3 -> (c, unused: kept, as Triton keeps it);  Y -> 4 -> C
+    steps = [step(0, ["X"], ["a"]), step(1, ["a"], ["A"]), step(2, ["a"], ["B"]), step(3, ["X"], ["c"]),
+             step(4, ["Y"], ["C"])]
+    kept = {wanted: [s.index for s in needed_steps(steps, ["A", "B", "C"], wanted)]
+            for wanted in map(frozenset, ({"A"}, {"B"}, {"A", "B"}, {"C"}, set()))}
+    assert kept == {frozenset({"A"}): [0, 1, 3], frozenset({"B"}): [0, 2, 3], frozenset({"A", "B"}): [0, 1, 2, 3],
+                    frozenset({"C"}): [3, 4], frozenset(): [3]}

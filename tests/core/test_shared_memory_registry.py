@@ -84,7 +84,7 @@ def test_a_symbolic_link_in_dev_shm_is_not_followed(tmp_path) -> None:
 def test_a_region_larger_than_its_object_is_refused(key: str) -> None:
     refused = error(SharedMemoryRegistry().register, "r", key, 8, 64)
     assert refused.code is ErrorCode.INVALID_ARG
-    assert refused.message.startswith(f"Invalid shared memory region: '{key}'")
+    assert refused.message.startswith("failed to register shared memory region 'r': invalid args")
 
 
 def test_outputs_are_written_where_the_request_places_them(key: str) -> None:

@@ -25,6 +25,7 @@ import requests
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from support import ServerProcess
+from tritonclient.utils import InferenceServerException
 
 TIMEOUT_S = 30.0
 """Per request; generous for a loaded 2-core CI machine, yet a hung server fails the test instead of the job."""
@@ -712,3 +713,25 @@ def test_fp16_in_json_is_accepted_where_triton_refuses(servers: dict[str, Server
     expected = {"name": "OUTPUT_FP16", "datatype": "FP16", "shape": [1, 2], "data": [1.5, 2.0]}
     assert answer.json()["outputs"] == [expected]
     assert_both_alive(servers)
+
+
+def test_bytes_that_are_not_utf8_asked_for_as_json(servers: dict[str, ServerProcess]) -> None:
+    """Triton 2.51 writes them into the JSON as they are, which tritonclient then fails to decode (L0_string_io
+    counts on an error there); transerve refuses with a 400 that says what to do instead."""
+    raw = np.array([b"ok", b"\xfa\x03 not utf-8"], dtype=np.object_).reshape(1, 2)
+    errors = {}
+    for name, server in servers.items():
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=TIMEOUT_S)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer("identity", [make_input("INPUT_STRING", raw, "BYTES", binary=True)],
+                         outputs=[httpclient.InferRequestedOutput("OUTPUT_STRING", binary_data=False)])
+        errors[name] = refused.value.message()
+        assert name != "transerve" or refused.value.status() == "400"
+    assert "Failed to encode using UTF-8" in errors["triton"]
+    assert errors["transerve"] == ("output 'OUTPUT_STRING' holds bytes that are not valid UTF-8, which JSON cannot "
+                                   "carry: request it with binary_data")
+    for name, server in servers.items():  # asked for in binary, the bytes come back as they went
+        client = httpclient.InferenceServerClient(server.http_url, network_timeout=TIMEOUT_S)
+        result = client.infer("identity", [make_input("INPUT_STRING", raw, "BYTES", binary=True)],
+                              outputs=[httpclient.InferRequestedOutput("OUTPUT_STRING", binary_data=True)])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT_STRING"), raw, err_msg=name)

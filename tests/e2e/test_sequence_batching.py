@@ -5,7 +5,8 @@ against the real Triton 2.51 on the same repository, whose outputs, status codes
 The model is an accumulator per sequence that reads the control inputs the batcher adds (START resets,
 END forgets, READY false marks a null request, CORRID keys the sum), checks them against the request's own
 `correlation_id()` and `flags()`, and reports the READY value of every request of the execution it ran in,
-which shows the direct strategy's slots and null requests.
+which shows the direct strategy's slots and null requests. A request cancelled by its gRPC client while it waits
+cancels its sequence in both servers.
 
 Known divergences from Triton 2.51, not tested here against it: a STRING CORRID fails every request in
 Triton 2.51 ("unexpected number of string elements"), while transerve passes the id as documented; a
@@ -128,6 +129,11 @@ MODELS = {
         "max_batch_size: 2\nsequence_batching {" + CONTROLS % "TYPE_UINT64" + "}"
         + IO.replace("input [ {", 'input [ { name: "START" data_type: TYPE_INT32 dims: [ 1 ] }, {')
     ),
+    # One slot, one second per execution: requests wait behind a running one long enough to be cancelled.
+    **{f"seq_slow_{strategy}": (
+        f"max_batch_size: 1\nsequence_batching {{ {body}" + CONTROLS % "TYPE_UINT64" + "}" + IO
+        + 'parameters { key: "delay_ms" value: { string_value: "1000" } }\n'
+    ) for strategy, body in (("direct", "direct { }"), ("oldest", "oldest { max_candidate_sequences: 1 }"))},
     "seq_state": (
         "max_batch_size: 2\nsequence_batching {" + CONTROLS % "TYPE_UINT64"
         + 'state [ { input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ 1 ] } ] }'
@@ -405,3 +411,66 @@ def test_differential_control_inputs_are_not_client_inputs_unless_the_config_say
         configs = {n: requests.get(f"{s.base_url}/v2/models/{name}/config", timeout=TIMEOUT_S).json()
                    for n, s in servers.items()}
         assert configs["transerve"]["sequence_batching"] == configs["triton"]["sequence_batching"]
+
+
+def canceled_metric(server: ServerProcess, model: str) -> int:
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=TIMEOUT_S).text
+    for line in text.splitlines():
+        if line.startswith(f'nv_inference_request_failure{{model="{model}",reason="CANCELED",version="1"}}'):
+            return int(float(line.split()[-1]))
+    raise AssertionError(f"no CANCELED failure metric for {model}")
+
+
+def cancel_a_queued_request(server: ServerProcess, model: str, backlog: bool) -> list[Any]:
+    """Scheduler_test's scenario, faster: sequence 51 runs; two requests wait (behind it in its slot, or as the
+    backlogged sequence 52), the first of them cancelled by its client. What each request saw, and whether the
+    cancelled sequence can go on without START."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: dict[str, queue.Queue[Any]] = {key: queue.Queue() for key in ("running", "first", "second", "end")}
+
+    def answer(key: str) -> Any:
+        return lambda result, error: answers[key].put(("error", error.status()) if error else
+                                                      ("ok", result.as_numpy("OUTPUT").reshape(-1).tolist()))
+
+    waiting_sequence = 52 if backlog else 51
+    try:
+        client.async_infer(model, inputs(grpcclient, 1), answer("running"), sequence_id=51, sequence_start=True)
+        time.sleep(0.2)
+        # A pause between calls: Triton takes concurrent gRPC calls on several threads, in either order.
+        first = client.async_infer(model, inputs(grpcclient, 2), answer("first"), sequence_id=waiting_sequence,
+                                   sequence_start=backlog)
+        time.sleep(0.1)
+        client.async_infer(model, inputs(grpcclient, 3), answer("second"), sequence_id=waiting_sequence)
+        if backlog:  # the running sequence ends next, which hands its slot on
+            time.sleep(0.1)
+            client.async_infer(model, inputs(grpcclient, 4), answer("end"), sequence_id=51, sequence_end=True)
+        time.sleep(0.2)
+        first.cancel()
+        seen = [answers[key].get(timeout=TIMEOUT_S) for key in ("running", "first", "second")]
+        if backlog:
+            seen.append(answers["end"].get(timeout=TIMEOUT_S))
+        seen.append(outcome(lambda: client.infer(model, inputs(grpcclient, 5), sequence_id=waiting_sequence))[:2])
+        client.infer(model, inputs(grpcclient, 0), sequence_id=51, sequence_start=True, sequence_end=True)
+        return seen
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("model, backlog", [("seq_slow_direct", False), ("seq_slow_oldest", False),
+                                            ("seq_slow_direct", True)])
+def test_differential_a_cancelled_request_cancels_its_sequence(
+    servers: dict[str, ServerProcess], model: str, backlog: bool
+):
+    results, counted = {}, {}
+    for name, server in servers.items():
+        before = canceled_metric(server, model)
+        results[name] = cancel_a_queued_request(server, model, backlog)
+        deadline = time.monotonic() + 5  # Triton counts a cancellation just after answering it
+        while canceled_metric(server, model) - before < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counted[name] = canceled_metric(server, model) - before
+    assert results["transerve"] == results["triton"]
+    expected = [("ok", [1]), ("error", "StatusCode.CANCELLED"), ("error", "StatusCode.CANCELLED")]
+    assert results["transerve"][:3] == expected
+    assert results["transerve"][-1] == ("error", "StatusCode.INVALID_ARGUMENT")  # ended: the next needs START
+    assert counted["transerve"] == counted["triton"] == 2

@@ -3,12 +3,15 @@ utilities make the regions, both servers read inputs from and write outputs into
 
 The servers are the session's (examples/model_repository), so every test registers regions under names of its
 own and unregisters them. Deliberate divergences from Triton 2.51, tested against transerve alone: a key that does
-not open, a region larger than its object and an output region too small are 400s (Triton: 500), an offset needs
-no page alignment (Triton refuses one that has none), and CUDA shared memory is refused as not supported (501).
+not open (over HTTP; gRPC keeps Triton's INTERNAL), a region larger than its object and an output region too small are
+400s (Triton: 500), and an offset needs no page alignment (Triton refuses one that has none). CUDA shared memory fails
+to register as on a Triton without a GPU.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,10 +21,11 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as client_shm
 from support import ServerProcess
-from tritonclient.utils import serialize_byte_tensor
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 TIMEOUT_S = 30.0
 A = np.arange(1, 5, dtype=np.float32).reshape(1, 4)
@@ -197,7 +201,8 @@ def test_client_mistakes_are_400s_and_offsets_need_no_alignment(transerve_server
         assert missing[0] == 400 and "Unable to open shared memory region" in missing[1]
         too_large = post(transerve_server, f"/v2/systemsharedmemory/region/{region_name}/register",
                          {"key": key, "offset": 0, "byte_size": 64})
-        assert too_large[0] == 400 and "Invalid shared memory region" in too_large[1]
+        assert too_large[0] == 400
+        assert f"failed to register shared memory region '{region_name}': invalid args" in too_large[1]
         assert post(transerve_server, f"/v2/systemsharedmemory/region/{region_name}/register",
                     {"key": key, "offset": 16, "byte_size": 16})[0] == 200
         try:
@@ -213,8 +218,72 @@ def test_client_mistakes_are_400s_and_offsets_need_no_alignment(transerve_server
                 (A - B)[0].tolist())
         finally:
             post(transerve_server, f"/v2/systemsharedmemory/region/{region_name}/unregister")
-    cuda = post(transerve_server, "/v2/cudasharedmemory/region/gpu/register",
-                {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8})
-    assert cuda[0] == 501 and "CUDA shared memory is not supported" in cuda[1]
-    assert requests.get(f"http://127.0.0.1:{transerve_server.http_port}/v2/cudasharedmemory/status",
-                        timeout=TIMEOUT_S).json() == []
+
+
+HANDLE = base64.b64encode(bytes(64)).decode()
+
+
+@pytest.mark.parametrize("body", [
+    {"raw_handle": {"b64": HANDLE}, "device_id": 0, "byte_size": 8},  # well formed: no GPU opens it
+    {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8},  # not a handle's 64 bytes
+    {"raw_handle": {"b64": "!!"}, "device_id": 0, "byte_size": 8},  # not base64
+    {"device_id": 0, "byte_size": 8},
+])
+def test_cuda_registration_fails_as_on_a_triton_without_gpu_over_http(
+    servers: dict[str, ServerProcess], body: dict[str, Any]
+) -> None:
+    answers = {name: post(server, "/v2/cudasharedmemory/region/gpu/register", body)
+               for name, server in servers.items()}
+    assert answers["transerve"][0] == answers["triton"][0] == 400
+    assert answers["triton"][1].rstrip('"}') in answers["transerve"][1]
+    for name, server in servers.items():
+        assert requests.get(f"http://127.0.0.1:{server.http_port}/v2/cudasharedmemory/status",
+                            timeout=TIMEOUT_S).json() == [], name
+
+
+def grpc_error(call: Any) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as raised:
+        call()
+    return str(raised.value.status()), raised.value.message()
+
+
+def aio_grpc_error(url: str, method: str, *args: Any) -> tuple[str, str]:
+    async def call() -> None:
+        client = grpcaio.InferenceServerClient(url)
+        try:
+            await getattr(client, method)(*args)
+        finally:
+            await client.close()
+
+    return grpc_error(lambda: asyncio.run(call()))
+
+
+@pytest.mark.parametrize("method, args", [
+    ("register_cuda_shared_memory", ("", b"", 0, 0)),
+    ("register_cuda_shared_memory", ("gpu", bytes(64), 0, 8)),
+    ("register_system_shared_memory", ("", "", 0)),  # tritonclient's aio test: INTERNAL, "Unable to open ..."
+    ("register_system_shared_memory", ("cpu", "/transerve_e2e_never_created", 8)),
+])
+def test_registration_errors_match_triton_over_grpc_sync_and_aio(
+    servers: dict[str, ServerProcess], method: str, args: tuple[Any, ...]
+) -> None:
+    answers = {}
+    for name, server in servers.items():
+        url = f"127.0.0.1:{server.grpc_port}"
+        client = grpcclient.InferenceServerClient(url)
+        answers[name] = grpc_error(lambda: getattr(client, method)(*args))  # noqa: B023 (called at once)
+        assert aio_grpc_error(url, method, *args) == answers[name]
+    assert answers["transerve"][0] == answers["triton"][0]
+    assert answers["transerve"][1].startswith(answers["triton"][1])
+
+
+def test_system_registration_errors_are_400s_over_http(servers: dict[str, ServerProcess]) -> None:
+    """Triton answers a key that does not open with a 500; here it is the client's mistake, worded as Triton words
+    it. A region without a name is no route, in both."""
+    answers = {name: post(server, "/v2/systemsharedmemory/region/cpu/register", {"key": "", "byte_size": 8})
+               for name, server in servers.items()}
+    assert answers["triton"][0] == 500 and answers["transerve"][0] == 400
+    assert answers["triton"][1].rstrip('"}') in answers["transerve"][1]
+    for name, server in servers.items():
+        assert post(server, "/v2/systemsharedmemory/region//register", {"key": "k", "byte_size": 8})[0] == 404, name
+        assert post(server, "/v2/cudasharedmemory/region//register", {})[0] == 404, name

@@ -101,11 +101,18 @@ def test_response_json_and_binary_outputs():
 
 
 def test_response_all_json_when_nothing_binary():
-    response = InferResponse("m", "1", [Tensor("B", "BYTES", np.array([b"\xff"], dtype=object))])
+    response = InferResponse("m", "1", [Tensor("B", "BYTES", np.array(["é".encode()], dtype=object))])
     request, _ = decode_infer_request("m", "", b'{"inputs":[]}', None)
     body, header_length = encode_infer_response(response, request, binary_default=False)
     assert header_length is None
-    assert orjson.loads(body)["outputs"][0]["data"] == ["\ufffd"]
+    assert orjson.loads(body)["outputs"][0]["data"] == ["é"]
+
+
+def test_bytes_that_are_not_utf8_cannot_go_as_json():
+    response = InferResponse("m", "1", [Tensor("B", "BYTES", np.array([b"\xff"], dtype=object))])
+    request, _ = decode_infer_request("m", "", b'{"inputs":[]}', None)
+    with pytest.raises(ServerError, match="output 'B' holds bytes that are not valid UTF-8"):
+        encode_infer_response(response, request, binary_default=False)
 
 
 def test_decompression_limits():

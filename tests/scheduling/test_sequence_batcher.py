@@ -372,6 +372,67 @@ def test_an_idle_sequence_loses_its_slot_to_the_backlog_and_cannot_continue_with
     run(test)
 
 
+# --- cancellation --------------------------------------------------------------------------------------------
+
+
+def cancelled(future: asyncio.Future[InferResponse]) -> bool:
+    return isinstance(future.exception(), ServerError) and future.exception().code is ErrorCode.CANCELLED
+
+
+@pytest.mark.parametrize("strategy", ["direct { }", "oldest { max_candidate_sequences: 1 }"])
+def test_a_cancelled_queued_request_ends_its_sequence(strategy: str):
+    """As Triton's scheduler_test checks: the requests queued behind a running one, one of them cancelled by its
+    client, are all answered CANCELLED once the batcher reaches them; the slot goes to the backlog."""
+    async def test() -> None:
+        instance = Accumulator(auto=False)
+        batcher, stats = make(config(strategy, max_batch_size=1), instance)
+        running = batcher.submit(request(1, 1, SEQUENCE_START))
+        queued = [batcher.submit(request(1, v)) for v in (2, 3)]
+        backlogged = batcher.submit(request(2, 5, SEQUENCE_START))
+        await settle()
+        queued[0].cancel()
+        await settle()
+        assert not queued[1].done()  # found when the batcher reaches it, as in Triton
+        instance.release()
+        await settle()
+        assert await output(running) == 1 and cancelled(queued[1])
+        assert stats.failures["CANCELED"] == 1  # the cancelled one; the core counts the error it gets
+        instance.release()
+        assert await output(backlogged) == 5  # sequence 2 took the slot
+        with pytest.raises(ServerError, match="sequence 1 to model 'm' must specify the START flag"):
+            await batcher.submit(request(1, 4))
+        assert batcher.pending_count == 0
+        assert [[entry["CORRID"] for entry in batch] for batch in instance.batches] == [[1], [2]]
+
+    run(test)
+
+
+def test_a_backlogged_sequence_with_a_cancelled_request_is_cancelled_when_a_slot_frees():
+    async def test() -> None:
+        instance = Accumulator(auto=False)
+        batcher, stats = make(config(max_batch_size=1), instance)
+        running = batcher.submit(request(1, 1, SEQUENCE_START))
+        backlog = [batcher.submit(request(2, 5, SEQUENCE_START)), batcher.submit(request(2, 6))]
+        after = batcher.submit(request(3, 7, SEQUENCE_START | SEQUENCE_END))
+        ending = batcher.submit(request(1, 1, SEQUENCE_END))
+        await settle()
+        backlog[1].cancel()  # any request of a backlog cancels it, the first included
+        instance.release()
+        await settle()  # sequence 1's END is batched: its slot frees
+        assert await output(running) == 1 and cancelled(backlog[0]) and backlog[1].cancelled()
+        assert stats.failures["CANCELED"] == 1
+        instance.release()
+        assert await output(ending) == 2
+        instance.release()
+        assert await output(after) == 7  # the next backlog got the slot
+        assert batcher.pending_count == 0
+        # A later request of the cancelled sequence must start it again.
+        with pytest.raises(ServerError, match="sequence 2 to model 'm' must specify the START flag"):
+            await batcher.submit(request(2, 1))
+
+    run(test)
+
+
 # --- oldest strategy ---------------------------------------------------------------------------------------
 
 

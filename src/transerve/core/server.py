@@ -34,7 +34,7 @@ from transerve.core.metrics_config import MetricsConfig
 from transerve.core.response_cache import CachingScheduler, ResponseCache
 from transerve.core.shared_memory import REGION, SharedMemoryRegistry
 from transerve.core.signature import ModelSignature
-from transerve.core.stats import ModelStats
+from transerve.core.stats import EnsembleStats, ModelStats
 from transerve.core.streams import ResponseStream
 from transerve.core.tracing import TraceOptions, Tracer
 from transerve.core.types import InferRequest, InferResponse
@@ -169,11 +169,15 @@ def _backend_registry() -> dict[str, type[Backend]]:
     }
 
 
-def _is_ensemble(location: ModelLocation) -> bool:
+def _ensemble_steps(location: ModelLocation) -> set[str] | None:
+    """The models an ensemble's steps name; None for a model that is not an ensemble."""
     try:
-        return backend_name(load_config_file(location.path)) == "ensemble"
+        config = load_config_file(location.path)
     except ConfigError:
-        return False
+        return None
+    if backend_name(config) != "ensemble":
+        return None
+    return {step.model_name for step in config.ensemble_scheduling.step}
 
 
 class Server:
@@ -218,10 +222,18 @@ class Server:
             names = list(found) if "*" in self.options.load_models else self.options.load_models
         else:
             names = list(found)
-        # Ensembles check their steps against loaded models, so they load after everything else.
-        ensembles = {name for name in names if name in found and _is_ensemble(found[name])}
+        # Ensembles check their steps against loaded models, so they load after everything else, and after the
+        # ensembles they contain.
+        steps = {name: _ensemble_steps(found[name]) for name in names if name in found}
+        ensembles = {name: named for name, named in steps.items() if named is not None}
         await asyncio.gather(*(self._load_logged(name) for name in names if name not in ensembles))
-        await asyncio.gather(*(self._load_logged(name) for name in ensembles))
+        while ensembles:
+            # Those that contain no ensemble still waiting; in a cycle none qualifies, and they load (and fail) anyway.
+            wave = [name for name, named in ensembles.items() if not (named - {name}) & ensembles.keys()]
+            wave = wave or list(ensembles)
+            for name in wave:
+                del ensembles[name]
+            await asyncio.gather(*(self._load_logged(name) for name in wave))
         if self.options.control_mode is ControlMode.POLL:
             self._poll_task = asyncio.ensure_future(self._poll_forever())
 
@@ -634,7 +646,8 @@ class Server:
         except ConfigError as exc:
             await backend_model.unload()
             raise invalid_arg(str(exc)) from None
-        stats = ModelStats(load_duration_secs=time.monotonic() - started)
+        stats_type = EnsembleStats if kind == "ensemble" else ModelStats
+        stats = stats_type(load_duration_secs=time.monotonic() - started)
         if self.options.metrics.summary_latencies:
             stats.add_summaries(self.options.metrics.quantiles, cached)
         try:

@@ -8,8 +8,11 @@ overwrite a region while a request that reads it runs. An unregistered region is
 is gone. Outputs are written into their region, in one copy, when the response is ready.
 
 Errors keep Triton's wording, but what Triton answers with a 500 (a key that does not open, a region smaller than
-registered, an output region too small) is a 400 here: the client's mistake, not the server's. Unlike Triton, an
-`offset` needs no page alignment.
+registered, an output region too small) is a 400 here: the client's mistake, not the server's. Over gRPC a key that
+does not open stays Triton's INTERNAL, which tritonclient's own tests check. Unlike Triton, an `offset` needs no page
+alignment.
+
+CUDA shared memory is not served: registering a CUDA region fails as on a Triton without a GPU.
 
 As in Triton, a client may register any shared memory object the server's user can open: serve this port only
 to clients trusted with the host's /dev/shm.
@@ -42,6 +45,20 @@ OFFSET = "shared_memory_offset"
 _KEY = re.compile(r"/?[^/\x00]+")
 
 
+#: What Triton answers a CUDA registration on a machine without a GPU; the hint after it is transerve's.
+CUDA_REGISTER_REFUSAL = ("failed to register shared memory region: invalid args (transerve serves system shared "
+                         "memory only)")
+#: The size of a CUDA IPC handle (cudaIpcMemHandle_t), which Triton checks a registration's `raw_handle` against.
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+class UnopenedRegion(ServerError):
+    """A key that opens no shared memory object: INVALID_ARG here, INTERNAL in Triton (and over gRPC)."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(ErrorCode.INVALID_ARG, f"Unable to open shared memory region: '{key}': {why}")
+
+
 @dataclass(slots=True)
 class Region:
     """A registered region: `byte_size` bytes from `offset` of the shared memory object `key`."""
@@ -66,19 +83,19 @@ class SharedMemoryRegistry:
         if name in self._regions:
             raise ServerError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
         if not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
-            raise invalid_arg(f"Unable to open shared memory region: '{key}': not a shared memory object name")
+            raise UnopenedRegion(key, "not a shared memory object name")
         try:  # never through a symbolic link: a region is a shared memory object, not a file elsewhere
             descriptor = os.open(SHM_DIR / key.lstrip("/"), os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
-            raise invalid_arg(f"Unable to open shared memory region: '{key}': {exc.strerror}") from None
+            raise UnopenedRegion(key, exc.strerror or "cannot open") from None
         try:
             found = os.fstat(descriptor)
             if not stat.S_ISREG(found.st_mode):
-                raise invalid_arg(f"Unable to open shared memory region: '{key}': not a shared memory object")
+                raise UnopenedRegion(key, "not a shared memory object")
             size = found.st_size
             if size == 0 or offset + byte_size > size:
-                raise invalid_arg(f"Invalid shared memory region: '{key}': registering {byte_size} bytes from "
-                                  f"offset {offset} of an object of {size} bytes")
+                raise invalid_arg(f"failed to register shared memory region '{name}': invalid args: registering "
+                                  f"{byte_size} bytes from offset {offset} of '{key}', an object of {size} bytes")
             mapping = mmap.mmap(descriptor, size)
         finally:
             os.close(descriptor)

@@ -132,3 +132,14 @@ class ModelStats:
             ],
             "memory_usage": [],
         }
+
+
+@dataclass(slots=True)
+class EnsembleStats(ModelStats):
+    """An ensemble's statistics, whose failures Triton 2.51 counts its own way, which dashboards and Triton's
+    tests read: as reason OTHER whatever failed, and twice per request (once as the error is answered, once as
+    the request is released), in `fail` as in `nv_inference_request_failure`."""
+
+    def record_failure(self, code: ErrorCode, duration_ns: int) -> None:
+        self.fail.add(2 * duration_ns, 2)
+        self.failures["OTHER"] += 2

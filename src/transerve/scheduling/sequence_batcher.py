@@ -21,7 +21,12 @@ The two strategies are Triton's:
 Each instance runs one execution at a time (not `max_inflight`), as Triton's instances do: the next batch
 is formed when the previous one finishes, which is what lets requests gather into batches. Requests whose
 variable-size inputs differ in shape do not share a batch (unless the input allows ragged batches).
-A request whose client has gone still executes, so the sequence's state stays consistent.
+
+Cancellation, as in Triton: a request whose client has gone ends its sequence when the batcher reaches it (at the
+front of its slot, or in a backlog about to take a slot). It and every request of the sequence still queued are
+answered CANCELLED and counted as CANCELED failures, the slot goes to the next sequence, and a later request of the
+sequence needs a START again. A request already batched when its client goes still executes.
+
 Implicit state (`sequence_batching.state`) is not implemented here; backends that cannot carry it refuse
 such configs at load.
 """
@@ -35,7 +40,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2
@@ -43,7 +48,7 @@ from tritonclient.grpc import model_config_pb2
 from transerve.backends.base import BackendInstance, ExecutionResult
 from transerve.config.sequence_batching import BooleanControl, SequenceControls, sequence_controls
 from transerve.core.datatypes import NUMPY_DTYPES
-from transerve.core.errors import ServerError, internal, invalid_arg
+from transerve.core.errors import ErrorCode, ServerError, internal, invalid_arg
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -280,18 +285,52 @@ class SequenceBatcher:
     # ---- slots, backlog and the idle reaper ------------------------------------------------------------
 
     def release(self, slot: _Slot) -> None:
-        """A slot's sequence ended: give the slot to the oldest backlogged sequence, or free it."""
-        if not self._backlogs:
-            heapq.heappush(self._free, slot)
+        """A slot's sequence ended: give the slot to the oldest backlogged sequence, or free it. A backlogged
+        sequence with a cancelled request is cancelled instead (Triton looks at it here too)."""
+        while self._backlogs:
+            backlog = self._backlogs.popleft()
+            correlation_id = backlog.queue[-1].request.correlation_id
+            if self._backlogged.get(correlation_id) is backlog:
+                del self._backlogged[correlation_id]
+            if any(pending.future.cancelled() for pending in backlog.queue):
+                self._last_seen.pop(correlation_id, None)
+                self._cancel(backlog.queue)
+                continue
+            if not backlog.queue[-1].request.flags & SEQUENCE_END:
+                # Still sending: its later requests go straight to the slot.
+                self._assigned[correlation_id] = slot
+            slot.queue.extend(backlog.queue)
             return
-        backlog = self._backlogs.popleft()
-        last = backlog.queue[-1].request
-        if not last.flags & SEQUENCE_END:
-            # Still sending: its later requests go straight to the slot.
-            self._backlogged.pop(last.correlation_id, None)
-            self._assigned[last.correlation_id] = slot
-        for pending in backlog.queue:
-            slot.queue.append(pending)
+        heapq.heappush(self._free, slot)
+
+    def end_cancelled(self, slot: _Slot) -> None:
+        """The request at the front of the slot was cancelled: its sequence ends there, with every request it
+        still has queued, and the slot goes to the next sequence."""
+        first = slot.queue[0]
+        assert first is not None
+        correlation_id = first.request.correlation_id
+        if self._assigned.get(correlation_id) is slot:
+            del self._assigned[correlation_id]
+            self._last_seen.pop(correlation_id, None)
+        queued = list(slot.queue)
+        slot.queue.clear()
+        self._cancel(queued)
+        self.release(slot)
+
+    def _cancel(self, queued: Iterable[_Pending | None]) -> None:
+        """Answer the requests of a cancelled sequence CANCELLED; those whose client went away are counted here,
+        as the core never sees their outcome."""
+        now = time.monotonic_ns()
+        for pending in queued:
+            if pending is None:
+                continue
+            self._queued -= 1
+            if pending.future.cancelled():
+                self._stats.record_failure(ErrorCode.CANCELLED, now - pending.request.arrival_ns)
+            elif not pending.future.done():
+                pending.future.set_exception(ServerError(
+                    ErrorCode.CANCELLED,
+                    f"sequence {pending.request.correlation_id} of model '{self._model_name}' was cancelled"))
 
     def _arm_reaper(self, deadline_ns: int) -> None:
         delay_s = max(0, deadline_ns - time.monotonic_ns()) / 1e9
@@ -501,10 +540,12 @@ class _DirectLane(_Lane):
         if self.busy:
             return
         for slot in self.slots:
-            # The reaper's mark reached the front: every request before it has run.
-            while slot.queue and slot.queue[0] is None:
-                slot.queue.popleft()
-                self.batcher.release(slot)
+            while slot.queue and (slot.queue[0] is None or slot.queue[0].future.cancelled()):
+                if slot.queue[0] is None:  # the reaper's mark reached the front: every request before it has run
+                    slot.queue.popleft()
+                    self.batcher.release(slot)
+                else:
+                    self.batcher.end_cancelled(slot)
         heads = [(slot, slot.queue[0]) for slot in self.slots if slot.queue]
         if not heads:
             return
@@ -571,7 +612,11 @@ class _OldestLane(_Lane):
         """Make the slot's next request ready, releasing the slot at its sequence's end (Triton's
         CompleteAndNext); a sequence taking the slot over waits for the ending one's last request."""
         while slot.queue and not slot.in_flight:
-            pending = slot.queue.popleft()
+            pending = slot.queue[0]
+            if pending is not None and pending.future.cancelled():
+                self.batcher.end_cancelled(slot)
+                continue
+            slot.queue.popleft()
             if pending is None:
                 self.batcher.release(slot)
                 continue

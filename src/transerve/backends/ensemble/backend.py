@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
-from transerve.backends.ensemble.graph import Step, build_steps
+from transerve.backends.ensemble.graph import Step, build_steps, needed_steps
 from transerve.backends.ensemble.streaming import StreamingWalk, check_decoupled_origins
-from transerve.backends.ensemble.walk import Walk
+from transerve.backends.ensemble.walk import Tensors, Walk
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
@@ -23,6 +23,8 @@ from transerve.core.types import InferRequest, InferResponse, RequestedOutput, T
 
 #: Ensemble requests are not limited by instance slots: each one is a little graph of awaits.
 MAX_CONCURRENT_REQUESTS = 4096
+#: How many sets of requested outputs keep their pruned step lists (a client picks the sets, so they are bounded).
+MAX_PRUNED_SETS = 64
 
 
 class EnsembleBackend(Backend):
@@ -82,6 +84,8 @@ class EnsembleInstance(BackendInstance):
         self._requested = {step.index: [RequestedOutput(name) for name in step.outputs] for step in steps}
         #: Optional ensemble inputs: when a request leaves one out, the steps it feeds run without it.
         self._optional = frozenset(optional)
+        #: The steps of requests that ask for some of the outputs only, by the set they ask for.
+        self._pruned: dict[frozenset[str], list[Step]] = {}
         self._streaming = StreamingWalk(self, decoupled) if decoupled else None
         #: The one-response walks running, by their request's identity: what `cancel` finds them by.
         self._walks: dict[int, Walk] = {}
@@ -140,10 +144,30 @@ class EnsembleInstance(BackendInstance):
     async def close(self) -> None:
         """Nothing to release: the composing models have their own lifecycles."""
 
-    def ready(self, step: Step, tensors: dict[str, Tensor]) -> bool:
-        return all(tensor in tensors or tensor in self._optional for tensor in step.inputs.values())
+    def start_tensors(self, request: InferRequest) -> Tensors:
+        """The request's inputs, and the optional inputs it left out as settled but absent."""
+        tensors: Tensors = {tensor.name: tensor for tensor in request.inputs}
+        for name in self._optional:
+            tensors.setdefault(name, None)
+        return tensors
 
-    def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest:
+    def steps_for(self, request: InferRequest) -> list[Step]:
+        """Every step, or, when the request asks for some outputs only, the steps those need (Triton runs no
+        others: their models see no request)."""
+        if request.outputs is None or len(request.outputs) == len(self._outputs):
+            return self.steps
+        wanted = frozenset(output.name for output in request.outputs)
+        steps = self._pruned.get(wanted)
+        if steps is None:
+            steps = needed_steps(self.steps, self._outputs, wanted)
+            if len(self._pruned) < MAX_PRUNED_SETS:
+                self._pruned[wanted] = steps
+        return steps
+
+    def ready(self, step: Step, tensors: Tensors) -> bool:
+        return all(tensor in tensors for tensor in step.inputs.values())
+
+    def make_request(self, step: Step, request: InferRequest, tensors: Tensors) -> InferRequest:
         """The core request of one step, with the ensemble request's id, sequence and scheduling fields; a traced
         ensemble request's step is traced as its child."""
         return InferRequest(
@@ -151,7 +175,7 @@ class EnsembleInstance(BackendInstance):
             model_version=step.model_version,
             id=request.id,
             inputs=[Tensor(name, tensors[t].datatype, tensors[t].data) for name, t in step.inputs.items()
-                    if t in tensors],
+                    if tensors[t] is not None],
             outputs=self._requested[step.index],
             parameters=request.parameters,
             correlation_id=request.correlation_id,
@@ -161,11 +185,11 @@ class EnsembleInstance(BackendInstance):
             trace=request.trace.child() if request.trace is not None else None,
         )
 
-    def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:
+    def respond(self, request: InferRequest, tensors: Tensors) -> InferResponse:
         """The ensemble's outputs (those the request asked for, when it named some), with the sequence
         parameters Triton puts on every ensemble response."""
         names = self._outputs if request.outputs is None else [output.name for output in request.outputs]
         parameters = {"sequence_id": request.correlation_id, "sequence_start": bool(request.flags & SEQUENCE_START),
                       "sequence_end": bool(request.flags & SEQUENCE_END)}
-        return InferResponse(self.name, self._version, [tensors[name] for name in names if name in tensors],
-                             id=request.id, parameters=parameters)
+        outputs = [tensor for tensor in (tensors.get(name) for name in names) if tensor is not None]
+        return InferResponse(self.name, self._version, outputs, id=request.id, parameters=parameters)

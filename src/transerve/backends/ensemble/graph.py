@@ -6,6 +6,7 @@ its first requests.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
@@ -76,8 +77,31 @@ def build_steps(
     return steps
 
 
+def needed_steps(steps: list[Step], outputs: Iterable[str], wanted: Iterable[str]) -> list[Step]:
+    """The steps a request that asks for only the `wanted` ensemble outputs runs, in config order.
+
+    As Triton prunes them: a step is left out when each tensor it produces is an output nobody asked for or
+    feeds only steps left out (a step output that goes nowhere keeps its step, as Triton keeps it).
+    """
+    #: Tensors something reads: a step, or the ensemble's response.
+    read = {tensor for step in steps for tensor in step.inputs.values()}.union(outputs)
+    needed = set(wanted)
+    kept: set[int] = set()
+    grew = True
+    while grew:  # config order need not be dependency order: repeat until nothing more is kept
+        grew = False
+        for step in steps:
+            if step.index not in kept and any(t in needed or t not in read for t in step.outputs.values()):
+                kept.add(step.index)
+                needed.update(step.inputs.values())
+                grew = True
+    return [step for step in steps if step.index in kept]
+
+
 def _check_batching(name: str, step: Step, own: ModelSignature, signature: ModelSignature) -> None:
-    if own.max_batch_size > 0 and signature.max_batch_size < own.max_batch_size:
+    """A step that batches must take the ensemble's largest batch; one that does not batch takes the whole tensor
+    (its dims then name the batch dimension, which `_compatible` allows for), as Triton accepts."""
+    if own.max_batch_size > 0 and 0 < signature.max_batch_size < own.max_batch_size:
         raise ConfigError(f"ensemble '{name}' batches up to {own.max_batch_size} but {step.label} only up to "
                           f"{signature.max_batch_size}")
 
@@ -101,7 +125,7 @@ def _check_consumers(
             if produced.datatype != wanted.datatype:
                 raise ConfigError(f"ensemble '{name}': '{tensor}' is {produced.datatype} from {producers[tensor]} "
                                   f"but {step.label} input '{model_input}' expects {wanted.datatype}")
-            if not _compatible(produced.dims, wanted.dims):
+            if not _compatible(produced, wanted):
                 raise ConfigError(f"ensemble '{name}': '{tensor}' has dims {list(produced.dims)} from "
                                   f"{producers[tensor]} but {step.label} input '{model_input}' expects "
                                   f"{list(wanted.dims)}")
@@ -119,12 +143,18 @@ def _check_outputs(name: str, own: ModelSignature, specs: dict[str, TensorSpec],
         if produced.datatype != spec.datatype:
             raise ConfigError(f"ensemble '{name}': output '{output}' is {produced.datatype} from "
                               f"{producers[output]} but the ensemble declares {spec.datatype}")
-        if not _compatible(produced.dims, spec.dims):
+        if not _compatible(produced, spec):
             raise ConfigError(f"ensemble '{name}': output '{output}' has dims {list(produced.dims)} from "
                               f"{producers[output]} but the ensemble declares {list(spec.dims)}")
 
 
-def _compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+def _compatible(a: TensorSpec, b: TensorSpec) -> bool:
+    """Equal dims (-1 matching anything), or else equal full shapes: a model without batching that declares
+    `[-1, 1]` passes its tensors to and from one that batches `[1]` (Triton compares both ways too)."""
+    return _same_dims(a.dims, b.dims) or _same_dims(a.shape, b.shape)
+
+
+def _same_dims(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
 
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 
 from transerve.backends.base import ExecutionResult
 from transerve.backends.ensemble.graph import Step
-from transerve.backends.ensemble.walk import Ensemble
+from transerve.backends.ensemble.walk import Ensemble, Tensors, store_outputs
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError
 from transerve.core.streams import ResponseStream
-from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.core.types import InferRequest, InferResponse
 
 
 def check_decoupled_origins(name: str, steps: list[Step], decoupled: set[int], outputs: Iterable[str]) -> None:
@@ -58,16 +58,16 @@ class StreamingWalk:
 
     async def _run(self, request: InferRequest) -> None:
         out: ResponseStream = request.response_stream
-        tensors = {tensor.name: tensor for tensor in request.inputs}
+        tensors = self._ensemble.start_tensors(request)
         try:
-            await self._walk(request, tensors, list(self._ensemble.steps), out, lambda: True)
+            await self._walk(request, tensors, list(self._ensemble.steps_for(request)), out, lambda: True)
         except ServerError as error:
             out.fail(error)
             return
         out.close()
 
     async def _walk(
-        self, request: InferRequest, tensors: dict[str, Tensor], pending: list[Step], out: ResponseStream,
+        self, request: InferRequest, tensors: Tensors, pending: list[Step], out: ResponseStream,
         is_last: Callable[[], bool],
     ) -> None:
         """Run the pending steps and send the response; `is_last` says whether it is the ensemble's last one."""
@@ -78,7 +78,7 @@ class StreamingWalk:
                 pending.remove(step)
             if plain:
                 for step in plain:
-                    _store(step, await self._call(step, request, tensors), tensors)
+                    store_outputs(step, await self._call(step, request, tensors), tensors)
                 continue
             await self._fan_out(runnable[0], request, tensors, pending, out, is_last)
             return
@@ -87,7 +87,7 @@ class StreamingWalk:
             out.send(self._ensemble.respond(request, tensors), final=is_last())
 
     async def _fan_out(
-        self, step: Step, request: InferRequest, tensors: dict[str, Tensor], pending: list[Step], out: ResponseStream,
+        self, step: Step, request: InferRequest, tensors: Tensors, pending: list[Step], out: ResponseStream,
         is_last: Callable[[], bool],
     ) -> None:
         """Run the steps after the decoupled `step` once per response it sends, in order."""
@@ -107,10 +107,10 @@ class StreamingWalk:
                 out.send_error(self._named(step, item))
             elif item is not None:
                 branch = dict(tensors)
-                _store(step, item, branch)
+                store_outputs(step, item, branch)
                 await self._walk(request, branch, list(pending), out, lambda: stream.ended and is_last())
 
-    async def _call(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse:
+    async def _call(self, step: Step, request: InferRequest, tensors: Tensors) -> InferResponse:
         try:
             return await self._ensemble.runtime.infer(self._ensemble.make_request(step, request, tensors))
         except ServerError as exc:
@@ -118,10 +118,3 @@ class StreamingWalk:
 
     def _named(self, step: Step, error: ServerError) -> ServerError:
         return ServerError(error.code, f"in ensemble '{self._ensemble.name}', {step.label} failed: {error.message}")
-
-
-def _store(step: Step, response: InferResponse, tensors: dict[str, Tensor]) -> None:
-    for output in response.outputs:
-        target = step.outputs.get(output.name)
-        if target is not None:
-            tensors[target] = Tensor(target, output.datatype, output.data)

@@ -23,18 +23,37 @@ from transerve.core.types import InferRequest, InferResponse, Tensor
 log = logging.getLogger(__name__)
 
 
+#: An ensemble tensor by name; None where it is settled but absent (an optional input the request left out, or an
+#: output a step did not produce), which the steps reading it run without, as in Triton.
+Tensors = dict[str, Tensor | None]
+
+
 class Ensemble(Protocol):
     """What a walk needs of its ensemble."""
 
     name: str
-    steps: list[Step]
     runtime: Any
 
-    def ready(self, step: Step, tensors: dict[str, Tensor]) -> bool: ...
+    def start_tensors(self, request: InferRequest) -> Tensors: ...
 
-    def make_request(self, step: Step, request: InferRequest, tensors: dict[str, Tensor]) -> InferRequest: ...
+    def steps_for(self, request: InferRequest) -> list[Step]: ...
 
-    def respond(self, request: InferRequest, tensors: dict[str, Tensor]) -> InferResponse: ...
+    def ready(self, step: Step, tensors: Tensors) -> bool: ...
+
+    def make_request(self, step: Step, request: InferRequest, tensors: Tensors) -> InferRequest: ...
+
+    def respond(self, request: InferRequest, tensors: Tensors) -> InferResponse: ...
+
+
+def store_outputs(step: Step, response: InferResponse, tensors: Tensors) -> None:
+    """Keep a step's outputs under their ensemble names; those it did not send are settled as absent."""
+    for output in response.outputs:
+        target = step.outputs.get(output.name)
+        if target is not None:
+            tensors[target] = Tensor(target, output.datatype, output.data)
+    if len(response.outputs) < len(step.outputs):
+        for target in step.outputs.values():
+            tensors.setdefault(target, None)
 
 
 class Walk:
@@ -48,8 +67,8 @@ class Walk:
         self._ensemble = ensemble
         self._request = request
         self._done = done
-        self._tensors = {tensor.name: tensor for tensor in request.inputs}
-        self._pending = list(ensemble.steps)
+        self._tensors = ensemble.start_tensors(request)
+        self._pending = list(ensemble.steps_for(request))
         #: The futures of the steps in flight, with what `runtime.complete` needs of them.
         self._running: dict[asyncio.Future[InferResponse], tuple[Step, Any, InferRequest]] = {}
         self._finished = False
@@ -100,11 +119,7 @@ class Walk:
         if self._finished:  # only the bookkeeping was left
             return
         try:
-            tensors = self._tensors
-            for output in response.outputs:
-                target = step.outputs.get(output.name)
-                if target is not None:
-                    tensors[target] = Tensor(target, output.datatype, output.data)
+            store_outputs(step, response, self._tensors)
             self._advance()
         except Exception as exc:  # a bug here must not leave the request waiting forever
             log.exception("ensemble '%s' failed after %s", self._ensemble.name, step.label)

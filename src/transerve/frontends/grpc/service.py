@@ -22,6 +22,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
+from transerve.core.shared_memory import CUDA_REGISTER_REFUSAL, UnopenedRegion
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_grpc
 from transerve.core.types import InferRequest, InferResponse
@@ -399,7 +400,10 @@ class InferenceService:
     async def SystemSharedMemoryRegister(
         self, request: service_pb2.SystemSharedMemoryRegisterRequest
     ) -> service_pb2.SystemSharedMemoryRegisterResponse:
-        self._server.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        try:
+            self._server.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        except UnopenedRegion as exc:  # Triton's code, which tritonclient's tests check over gRPC
+            raise ServerError(ErrorCode.INTERNAL, exc.message) from None
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(
@@ -418,7 +422,7 @@ class InferenceService:
     async def CudaSharedMemoryRegister(
         self, request: service_pb2.CudaSharedMemoryRegisterRequest
     ) -> service_pb2.CudaSharedMemoryRegisterResponse:
-        raise unsupported("CUDA shared memory is not supported by transerve: use system shared memory")
+        raise invalid_arg(CUDA_REGISTER_REFUSAL)
 
     async def CudaSharedMemoryUnregister(
         self, request: service_pb2.CudaSharedMemoryUnregisterRequest

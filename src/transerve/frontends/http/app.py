@@ -11,8 +11,9 @@ from urllib.parse import unquote
 
 import orjson
 
-from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unsupported
+from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.server import ControlMode, Server
+from transerve.core.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_json
 from transerve.core.types import InferRequest, InferResponse
@@ -264,7 +265,7 @@ class HttpFrontend:
         extension; the CUDA one has no regions and refuses to register any."""
         if len(parts) == 1:
             name, action = None, parts[0]
-        elif len(parts) == 3 and parts[0] == "region":
+        elif len(parts) == 3 and parts[0] == "region" and parts[1]:
             name, action = parts[1], parts[2]
         else:
             return error_response(404, "Not Found")
@@ -284,16 +285,15 @@ class HttpFrontend:
             if not cuda:
                 self.server.shared_memory.unregister(name)
             return _EMPTY_OK
-        if cuda:
-            raise unsupported("CUDA shared memory is not supported by transerve: use system shared memory")
         options = _json_body(request.body)
+        if cuda:
+            _check_cuda_registration(options)
+            raise invalid_arg(CUDA_REGISTER_REFUSAL)
         key = options.get("key")
         if not isinstance(key, str):
             raise invalid_arg("Shared memory register request has no 'key' field")
         offset, byte_size = options.get("offset", 0), options.get("byte_size")
-        for field, value in (("offset", offset), ("byte_size", byte_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise invalid_arg(f"Shared memory register request needs '{field}' as a non-negative integer")
+        _check_sizes(offset=offset, byte_size=byte_size)
         self.server.shared_memory.register(name, key, offset, byte_size)
         return _EMPTY_OK
 
@@ -356,6 +356,27 @@ def _infer_response(response: InferResponse, infer_request: InferRequest, binary
         payload = compress_body(payload, coding)
         headers.append(("Content-Encoding", coding))
     return HttpResponse(200, payload, content_type, headers)
+
+
+def _check_sizes(**fields: Any) -> None:
+    for field, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid_arg(f"Shared memory register request needs '{field}' as a non-negative integer")
+
+
+def _check_cuda_registration(options: dict[str, Any]) -> None:
+    """What Triton checks of a CUDA registration before it fails to open the handle, with its wording."""
+    if "raw_handle" not in options:
+        raise invalid_arg("Shared memory register request has no 'raw_handle' field")
+    handle = options["raw_handle"]
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    try:
+        decoded = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else b""
+    except binascii.Error:
+        decoded = b""
+    if len(decoded) != CUDA_IPC_HANDLE_BYTES:
+        raise invalid_arg("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    _check_sizes(device_id=options.get("device_id"), byte_size=options.get("byte_size"))
 
 
 def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:

@@ -233,10 +233,12 @@ def encode_infer_response(
 def _json_data(tensor: Tensor) -> Any:
     data = tensor.data
     if tensor.datatype == "BYTES":
-        return [
-            item.decode("utf-8", errors="replace") if isinstance(item, (bytes, bytearray)) else str(item)
-            for item in data.reshape(-1)
-        ]
+        try:
+            return [item.decode() if isinstance(item, (bytes, bytearray)) else str(item) for item in data.reshape(-1)]
+        except UnicodeDecodeError:
+            # Triton writes the bytes into the JSON as they are, which JSON parsers then refuse.
+            raise invalid_arg(f"output '{tensor.name}' holds bytes that are not valid UTF-8, which JSON cannot "
+                              "carry: request it with binary_data") from None
     if tensor.datatype == "BF16":
         return data.astype(np.float32).reshape(-1)
     return np.ascontiguousarray(data.reshape(-1))
