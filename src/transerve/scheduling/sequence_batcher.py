@@ -53,6 +53,7 @@ from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
 from transerve.scheduling import OnDone
+from transerve.scheduling.cancellation import Watcher, settle, watch
 
 log = logging.getLogger("transerve")
 
@@ -414,12 +415,16 @@ class SequenceBatcher:
         dropped. `finished` runs once every result is delivered."""
         started = time.monotonic_ns()
         real = 0
+        watchers: list[Watcher | None] = []
         for request, future in zip(requests, futures, strict=True):
             if future is not None:
                 real += 1
                 self._stats.queue.add(started - request.arrival_ns)
                 if request.trace is not None:
                     request.trace.compute_started(started)
+                watchers.append(watch(lane.instance, request, future))
+            else:
+                watchers.append(None)
         self._queued -= real
         self._running += 1
 
@@ -430,7 +435,7 @@ class SequenceBatcher:
                 result = self._failed(lane, len(requests), f"failed: {done.exception()!r}")
             else:
                 result = done.result()
-            self._deliver(lane, requests, futures, real, result)
+            self._deliver(lane, requests, futures, watchers, real, result)
             finished()
 
         try:
@@ -438,7 +443,8 @@ class SequenceBatcher:
             if not isinstance(execution, asyncio.Future):
                 execution = self._loop.create_task(execution)
         except Exception as exc:  # a backend bug: fail this batch, keep serving
-            self._deliver(lane, requests, futures, real, self._failed(lane, len(requests), f"failed: {exc!r}"))
+            failed = self._failed(lane, len(requests), f"failed: {exc!r}")
+            self._deliver(lane, requests, futures, watchers, real, failed)
             finished()
             return
         execution.add_done_callback(collect)
@@ -448,6 +454,7 @@ class SequenceBatcher:
         lane: _Lane,
         requests: list[InferRequest],
         futures: list[asyncio.Future[InferResponse] | None],
+        watchers: list[Watcher | None],
         real: int,
         result: ExecutionResult,
     ) -> None:
@@ -463,13 +470,9 @@ class SequenceBatcher:
             len(requests), real, result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
             inferences=real,
         )
-        for future, outcome in zip(futures, result.results, strict=True):
-            if future is None or future.done():
-                continue
-            if isinstance(outcome, ServerError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+        for request, future, watcher, outcome in zip(requests, futures, watchers, result.results, strict=True):
+            if future is not None:
+                settle(self._stats, request, future, outcome, watcher)
 
     def _failed(self, lane: _Lane, count: int, what: str) -> ExecutionResult:
         error = internal(f"model '{self._model_name}' instance '{lane.instance.name}' {what}")

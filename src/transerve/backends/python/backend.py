@@ -253,6 +253,8 @@ class PythonInstance(BackendInstance):
         self._spec = spec
         self._initialize_args = initialize_args
         self._decoupled = decoupled
+        #: A decoupled request hears of its client's cancellation through its response stream instead.
+        self.cancellable = not decoupled
         self._runtime = runtime
         self._rescheduling = rescheduling
         self._worker: WorkerProcess | None = None
@@ -355,10 +357,10 @@ class PythonInstance(BackendInstance):
         tokens: list[int] | None = None,
     ) -> asyncio.Future[ExecutionResult] | None:
         """Send an execute whose reply calls `done`; a settled future instead if it cannot be sent. A request
-        run again keeps the `tokens` its responses already go under."""
+        run again keeps the `tokens` it already has (its responses go under it, it is cancelled under it)."""
         try:
-            if tokens is None and self._decoupled and worker.streams:
-                tokens = worker.streams.open(requests)
+            if tokens is None and worker.streams:
+                tokens = worker.streams.open(requests) if self._decoupled else worker.streams.watch(requests)
             worker.connection.call(
                 OP_EXECUTE,
                 _execute_body(requests, tokens),
@@ -369,6 +371,9 @@ class PythonInstance(BackendInstance):
             return None
         except Exception as exc:  # an input the transport cannot carry
             logger.exception("model '%s': cannot send requests to instance '%s'", self._spec.model_name, self.name)
+            if not self._decoupled and worker.streams:
+                for request in requests:
+                    worker.streams.unwatch(request)
             future = self._loop.create_future()
             error = ServerError(ErrorCode.INTERNAL, f"cannot send the request to the model: {exc}")
             future.set_result(ExecutionResult([error] * len(requests)))
@@ -391,19 +396,37 @@ class PythonInstance(BackendInstance):
                 ErrorCode.INTERNAL, f"model '{self._spec.model_name}' instance '{self.name}' failed: {exc!r}"
             )
             result, late, again = ExecutionResult([error] * len(requests)), [], []
+            if not self._decoupled and worker.streams is not None:
+                for request in requests:
+                    worker.streams.unwatch(request)
         if not late and not again:
             done(result)
             return
         completion = _Completion(result, done, len(late) + bool(again))
         for index, late_id in late:
-            worker.streams.expect_late(late_id, functools.partial(self._late, completion, requests[index], index))
+            worker.streams.expect_late(
+                late_id, functools.partial(self._late, worker.streams, completion, requests[index], index)
+            )
         if again:
             self._run_again(worker, requests, tokens, again, completion)
 
+    def cancel(self, request: InferRequest) -> None:
+        """Tell the worker: the model's `is_cancelled()` for the request becomes True (the scheduler calls this
+        when the client of a request this instance runs goes away)."""
+        worker = self._worker
+        if worker is not None and worker.streams is not None:
+            worker.streams.cancel(request)
+
     def _late(
-        self, completion: _Completion, request: InferRequest, index: int, response: LateResponse | ServerError
+        self,
+        streams: WorkerStreams,
+        completion: _Completion,
+        request: InferRequest,
+        index: int,
+        response: LateResponse | ServerError,
     ) -> None:
         """A non-decoupled request's response, sent by its model after `execute` returned."""
+        streams.unwatch(request)
         if isinstance(response, ServerError):
             completion.settle(index, response)
             return
@@ -451,10 +474,14 @@ class PythonInstance(BackendInstance):
         again: list[int] = []
         responses: list[InferResponse | ServerError | None] = []
         model_name, model_version = self._spec.model_name, self._spec.model_version
+        decoupled, streams = self._decoupled, worker.streams
         for index, ((code, message, parameters), tensors) in enumerate(zip(results, outputs, strict=True)):
-            if code is None:  # a decoupled request's responses went through its stream
+            if code is None:
+                if decoupled:  # its responses went through its stream
+                    responses.append(None)
+                    continue
                 responses.append(
-                    None if tokens is not None else InferResponse(
+                    InferResponse(
                         model_name,
                         model_version,
                         [Tensor(name, datatype, data) for name, datatype, data in tensors],
@@ -462,6 +489,8 @@ class PythonInstance(BackendInstance):
                         parameters=parameters or {},
                     )
                 )
+                if streams is not None:
+                    streams.unwatch(requests[index])
             elif code == PENDING:
                 late.append((index, message))
                 responses.append(None)
@@ -474,8 +503,11 @@ class PythonInstance(BackendInstance):
                         f"model '{model_name}' rescheduled a request, which needs "
                         "'sequence_batching { iterative_sequence: true }' in its configuration"
                     )
-                if tokens is not None and worker.streams is not None:
-                    worker.streams.drop(tokens[index])
+                if streams is not None:
+                    if not decoupled:
+                        streams.unwatch(requests[index])
+                    elif tokens is not None:
+                        streams.drop(tokens[index])
                 responses.append(ServerError(ErrorCode[code], message))
         return ExecutionResult(responses, input_ns, infer_ns, output_ns), late, again
 
