@@ -195,6 +195,44 @@ def test_rescheduling_without_iterative_sequence_is_refused(servers):
         "'sequence_batching { iterative_sequence: true }' in its configuration")
 
 
+@pytest.mark.parametrize("server", SERVERS)
+def test_each_run_of_a_rescheduled_request_counts_as_an_execution(servers, server):
+    target = servers[server]
+    before = counts(model_stats(target, "iterative_addsub"))
+    for value in (1, 2, 3):
+        assert outputs(infer(target, "iterative_addsub", {"IN": ("INT32", [value])})) == {"OUT": [2 * value],
+                                                                                         "RUNS": [2]}
+    after = wait_for(lambda: (found := counts(model_stats(target, "iterative_addsub")))["execution_count"]
+                     - before["execution_count"] >= 6 and found, "six executions")
+    changed = delta(after, before)
+    # Triton 2.51 also counts one CANCELED failure per rescheduled request as it is released (the cancelled null
+    # request it sends to free the sequence), with no meaningful duration: transerve does not copy that.
+    expected_fail = {"triton": 3, "transerve": 0}[server]
+    if expected_fail:
+        after = wait_for(lambda: (found := counts(model_stats(target, "iterative_addsub")))["fail"]
+                         - before.get("fail", 0) >= expected_fail and found, "the release failures")
+        changed = delta(after, before)
+    assert changed.pop("fail", 0) == expected_fail
+    # Two runs per request, each an execution, an inference, a queued request and a success.
+    assert changed == {"inference_count": 6, "execution_count": 6, "success": 6, "queue": 6, "compute_infer": 6,
+                       "batch_1": 6}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_each_run_of_a_rescheduled_decoupled_request_counts_as_an_execution(servers, server):
+    target = servers[server]
+    before = counts(model_stats(target, "iterative"))
+    value = grpcclient.InferInput("IN", [1], "INT32")
+    value.set_data_from_numpy(np.array([3], np.int32))
+    assert len(stream(target, "iterative", [value], 3)) == 3
+    after = wait_for(lambda: (found := counts(model_stats(target, "iterative")))["success"]
+                     - before.get("success", 0) >= 3 and found, "three successes")
+    changed = delta(after, before)
+    assert changed.pop("fail", 0) in {"triton": (0, 1), "transerve": (0,)}[server]  # Triton's release failure
+    assert changed == {"inference_count": 3, "execution_count": 3, "success": 3, "queue": 3, "compute_infer": 3,
+                       "batch_1": 3}
+
+
 # ---- cancellation of non-decoupled requests ---------------------------------------------------------------------
 
 def probe_inputs(delay_ms: int, marker: Path | str, batched: bool) -> list[grpcclient.InferInput]:

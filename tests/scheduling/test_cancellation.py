@@ -1,6 +1,6 @@
 """What every scheduler does when a request's client goes away, in-process over a fake instance that can act on it:
 a request still queued is dropped and counted as a CANCELED failure, a running one's instance is told and the
-request is counted by how it ended."""
+request is counted by how it ended. Also how the sequence batcher counts the runs of rescheduled requests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import pytest
 
-from transerve.backends.base import BackendInstance, ExecutionResult
+from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
 from transerve.config.model_config import normalize, parse_config_text, validate
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.stats import ModelStats
@@ -40,10 +40,11 @@ class Cancellable(BackendInstance):
     def cancel(self, request: InferRequest) -> None:
         self.cancelled.append(value(request))
 
-    def release(self, outcome: Callable[[InferRequest], InferResponse | ServerError] | None = None) -> None:
+    def release(self, outcome: Callable[[InferRequest], InferResponse | ServerError] | None = None,
+                reruns: list[Rerun] | None = None) -> None:
         future, requests = self._open.pop(0)
         answer = outcome or (lambda request: InferResponse("m", "1", [Tensor("OUT", "INT32", request.inputs[0].data)]))
-        future.set_result(ExecutionResult([answer(request) for request in requests], 10, 20, 30))
+        future.set_result(ExecutionResult([answer(request) for request in requests], 10, 20, 30, reruns))
 
     async def close(self) -> None:
         pass
@@ -135,3 +136,21 @@ def test_a_running_request_whose_client_goes_away_is_told_and_counted_by_its_out
 
     run(test)
 
+
+def test_the_sequence_batcher_counts_each_run_of_a_rescheduled_request_as_an_execution():
+    async def test() -> None:
+        instance, stats = Cancellable(), ModelStats()
+        scheduling = create_scheduler("m", config("sequence_batching { iterative_sequence: true }"), [instance], stats)
+        future = scheduling.submit(request(7))
+        await settle()
+        # The instance ran it three times: the first run and two more after the model rescheduled it.
+        rescheduled = time.monotonic_ns()
+        instance.release(reruns=[Rerun([0], rescheduled, 1, 2, 3), Rerun([0], rescheduled, 4, 5, 6)])
+        await future
+        assert stats.execution_count == 3 and stats.inference_count == 3
+        assert stats.queue.count == 3 and stats.compute_infer.count == 3
+        assert stats.compute_infer.ns == 20 + 2 + 5 and stats.batches[1].compute_infer.count == 3
+        # The two runs that rescheduled it are successes here; the last is counted by the core as it answers.
+        assert stats.success.count == 2
+
+    run(test)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import BackendInstance, ExecutionResult
+from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
 from transerve.config.sequence_batching import BooleanControl, SequenceControls, sequence_controls
 from transerve.core.datatypes import NUMPY_DTYPES
 from transerve.core.errors import ErrorCode, ServerError, internal, invalid_arg
@@ -470,9 +470,26 @@ class SequenceBatcher:
             len(requests), real, result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
             inferences=real,
         )
+        for rerun in result.reruns or ():
+            self._record_rerun(requests, futures, rerun)
         for request, future, watcher, outcome in zip(requests, futures, watchers, result.results, strict=True):
             if future is not None:
                 settle(self._stats, request, future, outcome, watcher)
+
+    def _record_rerun(
+        self, requests: list[InferRequest], futures: list[asyncio.Future[InferResponse] | None], rerun: Rerun
+    ) -> None:
+        """Count rescheduled requests that ran again as Triton counts them, which queues them anew: each run is an
+        execution, and the run that rescheduled a request is a success of its own (the last run is counted as any
+        request is). They ran again at once, so with no time in the queue."""
+        real = [index for index in rerun.indexes if futures[index] is not None]
+        for index in real:
+            self._stats.success.add(rerun.rescheduled_ns - requests[index].arrival_ns)
+        self._stats.queue.add(0, len(real))
+        self._stats.record_execution(
+            len(rerun.indexes), len(real), rerun.compute_input_ns, rerun.compute_infer_ns, rerun.compute_output_ns,
+            inferences=len(real),
+        )
 
     def _failed(self, lane: _Lane, count: int, what: str) -> ExecutionResult:
         error = internal(f"model '{self._model_name}' instance '{lane.instance.name}' {what}")

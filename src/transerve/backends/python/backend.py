@@ -18,6 +18,7 @@ import site
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
+from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext, Rerun
 from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
 from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
 from transerve.backends.python.environments import ExecutionEnvironments, Interpreter
@@ -455,9 +456,10 @@ class PythonInstance(BackendInstance):
         assert self._rescheduling is not None
         rerun = [self._rescheduling.again(requests[index]) for index in again]
         rerun_tokens = None if tokens is None else [tokens[index] for index in again]
-        settled = self._send(worker, rerun, functools.partial(completion.merge, again), rerun_tokens)
+        merge = functools.partial(completion.merge, again, time.monotonic_ns())
+        settled = self._send(worker, rerun, merge, rerun_tokens)
         if settled is not None:
-            settled.add_done_callback(lambda future: completion.merge(again, future.result()))
+            settled.add_done_callback(lambda future: merge(future.result()))
 
     def _execution_result(
         self,
@@ -569,13 +571,19 @@ class _Completion:
         self._result.results[index] = outcome
         self._one_less()
 
-    def merge(self, indexes: list[int], rerun: ExecutionResult) -> None:
-        """The results of the requests at `indexes`, run again; their compute time adds to the execution's."""
+    def merge(self, indexes: list[int], rescheduled_ns: int, rerun: ExecutionResult) -> None:
+        """The results of the requests at `indexes`, run again: one more run of the execution, and those of its
+        own rescheduled requests."""
+        result = self._result
         for index, outcome in zip(indexes, rerun.results, strict=True):
-            self._result.results[index] = outcome
-        self._result.compute_input_ns += rerun.compute_input_ns
-        self._result.compute_infer_ns += rerun.compute_infer_ns
-        self._result.compute_output_ns += rerun.compute_output_ns
+            result.results[index] = outcome
+        runs = result.reruns = result.reruns or []
+        runs.append(
+            Rerun(indexes, rescheduled_ns, rerun.compute_input_ns, rerun.compute_infer_ns, rerun.compute_output_ns)
+        )
+        for inner in rerun.reruns or ():
+            inner.indexes = [indexes[index] for index in inner.indexes]
+            runs.append(inner)
         self._one_less()
 
     def _one_less(self) -> None:
