@@ -1,7 +1,7 @@
 """What every scheduler does when the client of a request goes away (the request's future is cancelled).
 
 Still queued, the request is dropped when the scheduler reaches it and counted as a CANCELED failure, as Triton's
-dynamic batcher counts the requests it drops so. Running, its instance hears of it if it can act on it
+dynamic batcher drops and counts the cancelled requests it holds. Running, its instance hears of it if it can act on it
 (`BackendInstance.cancellable`: a python model's `is_cancelled()` turns True), the execution goes on, and the
 request is counted by how it ended, as Triton counts what its backend reports: nobody awaits its future any more
 to count it.
