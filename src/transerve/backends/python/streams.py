@@ -3,6 +3,8 @@
 * Decoupled requests: each gets a token, sent with the execute; the worker sends the request's
   responses under that token as the model produces them (from `execute` or later, from any of its
   threads), and they go into the request's ResponseStream. Cancelling the stream tells the worker.
+* Cancellation of other requests: each gets a token too (`watch`), under which the instance tells the worker
+  that its client went away (`cancel`), until the request is answered; the model sees it with `is_cancelled()`.
 * Late responses: a non-decoupled request whose model sends its one response after `execute` returned gets an
   id in the execute's reply; the response follows under that id (possibly before the reply is read).
 * BLS calls: the worker asks for an inference on another model; it runs through the core
@@ -55,6 +57,8 @@ class WorkerStreams:
         self._tokens = itertools.count(1)
         #: Open decoupled requests by token; warm-up requests have no stream and are not kept.
         self._requests: dict[int, tuple[InferRequest, ResponseStream]] = {}
+        #: The tokens of other requests until they are answered, by the request's id().
+        self._watched: dict[int, int] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
         #: The called models' streams of running BLS calls, and calls the worker cancelled before theirs opened.
         self._call_streams: dict[int, ResponseStream] = {}
@@ -79,6 +83,25 @@ class WorkerStreams:
                 self._connection.open_streams += 1
                 stream.on_cancel(lambda token=token: self._cancel(token))
         return tokens
+
+    def watch(self, requests: list[InferRequest]) -> list[int]:
+        """Tokens for a non-decoupled execute's requests, which `cancel` can tell the worker of until `unwatch`."""
+        watched = self._watched
+        tokens = []
+        for request in requests:
+            token = watched[id(request)] = next(self._tokens)
+            tokens.append(token)
+        return tokens
+
+    def unwatch(self, request: InferRequest) -> None:
+        """The request was answered (or failed): its cancellation no longer concerns the worker."""
+        self._watched.pop(id(request), None)
+
+    def cancel(self, request: InferRequest) -> None:
+        """The client of a non-decoupled request the worker has went away: its `is_cancelled()` becomes True."""
+        token = self._watched.get(id(request))
+        if token is not None:
+            self._connection.notify(OP_CANCEL, token, None)
 
     def drop(self, token: int) -> None:
         """The request ended without a final response from the model (its execute failed)."""
@@ -304,6 +327,7 @@ class WorkerStreams:
             task.cancel()
         if self._runtime is not None:
             self._runtime.custom_metrics.release(self)
+        self._watched.clear()
         late, self._late = self._late, {}
         self._early.clear()
         for settle in late.values():

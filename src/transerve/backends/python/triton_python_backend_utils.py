@@ -324,6 +324,7 @@ class InferenceRequest:
         "_parameters",
         "_parameters_json",
         "_token",
+        "_decoupled",
         "_sender",
         "_served",
         "_release_flags",
@@ -367,6 +368,7 @@ class InferenceRequest:
         self._parameters = _check_parameters(parameters)
         self._parameters_json: str | None = None
         self._token: int | None = None
+        self._decoupled = False
         self._sender: InferenceResponseSender | None = None
         self._served = False
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
@@ -383,10 +385,12 @@ class InferenceRequest:
         model_name: str,
         model_version: int,
         token: int | None,
+        decoupled: bool,
     ) -> InferenceRequest:
         """A request as the worker receives it; its parameters become JSON only if the model asks.
 
-        `token` names a decoupled request's response stream on the server (None for other models).
+        `token` names the request on the server: the server cancels it under that token, and a decoupled model's
+        responses go to its stream under it.
         """
         request = cls.__new__(cls)
         request._request_id = request_id
@@ -401,6 +405,7 @@ class InferenceRequest:
         request._parameters = parameters
         request._parameters_json = None
         request._token = token
+        request._decoupled = decoupled
         request._sender = None
         request._served = True
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
@@ -434,7 +439,7 @@ class InferenceRequest:
         return InferenceTrace()
 
     def is_cancelled(self) -> bool:
-        """Whether the client went away (decoupled requests; the server tells the worker at once)."""
+        """Whether the client went away (the server tells the worker at once, as Triton's stub asks its server)."""
         channel = _channel
         if self._token is None or channel is None:
             return False
@@ -533,7 +538,7 @@ class InferenceResponseSender:
             )
         final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
         outcome = None if response is None else _outcome(response, request._requested_output_names)
-        if request._token is None:
+        if not request._decoupled:
             self._send_single(outcome, final)
             return
         error, parameters, entries = outcome or (None, None, [])
@@ -550,7 +555,10 @@ class InferenceResponseSender:
                 self._held = outcome
                 return
             error, parameters, entries = outcome
-            _require_channel().send(OP_LATE_RESPONSE, self._late, (error, parameters), [entries])
+            channel = _require_channel()
+            channel.send(OP_LATE_RESPONSE, self._late, (error, parameters), [entries])
+            if self._request._token is not None:
+                channel.close_tokens([self._request._token])  # the request is done: no cancellation to hear of
 
     def _count(self, has_response: bool, final: bool) -> None:
         """Triton's checks of a non-decoupled request's sends (a response returned from `execute` counts too)."""
