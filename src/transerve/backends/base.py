@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import ServerError
 from transerve.core.types import InferRequest, InferResponse
+from transerve.repository.paths import inside
 
 
 @dataclass(slots=True)
@@ -38,6 +39,12 @@ class ModelContext:
     #: The core, for backends whose models call other models (ensembles, BLS): it offers
     #: `get_version(name, version)`, `await infer(request)` and `infer_stream(request)`.
     runtime: Any = None
+
+    def model_file(self, default: str) -> Path:
+        """The version's model file (or folder): `default_model_filename`, else `default`; INVALID_ARG when the
+        name leads outside the model's folder."""
+        name = self.config.default_model_filename or default
+        return inside(self.model_path, self.version_path, name, "default_model_filename")
 
 
 @dataclass(slots=True)

@@ -657,6 +657,9 @@ class PythonBackend(Backend):
 
     async def _load(self, context: ModelContext) -> BackendModel:
         config = context.config
+        model_file = context.model_file("model.py")
+        if not model_file.is_file():
+            raise ServerError(ErrorCode.INVALID_ARG, f"model file '{model_file}' not found")
         interpreter = None
         if ENV_PARAMETER in config.parameters and config.parameters[ENV_PARAMETER].string_value:
             interpreter = await self._environments.interpreter(
@@ -668,14 +671,12 @@ class PythonBackend(Backend):
         spec = WorkerSpec(
             model_name=context.name,
             model_version=context.version,
-            model_file=context.version_path / (config.default_model_filename or "model.py"),
+            model_file=model_file,
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
             log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
             interpreter=interpreter,
         )
-        if not spec.model_file.is_file():
-            raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
         if config.sequence_batching.state:
             # Triton's python backend loads such a model but never stores the output state, so every request
             # would see the initial state: refusing says so instead of computing wrong answers.
