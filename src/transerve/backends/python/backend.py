@@ -621,7 +621,8 @@ def _settle(future: asyncio.Future[ExecutionResult], result: ExecutionResult) ->
 
 def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> list[tuple[Any, ...]]:
     """Per request, what the worker's InferenceRequest needs besides the tensors (and, for a
-    decoupled model, the token its responses are sent under)."""
+    decoupled model, the token its responses are sent under; for a traced one, its trace id, which the
+    model's BLS calls name as their parent, and its OpenTelemetry context)."""
     return [
         (
             request.id,
@@ -630,6 +631,7 @@ def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> lis
             request.parameters,
             None if request.outputs is None else [output.name for output in request.outputs],
             None if tokens is None else tokens[index],
+            None if request.trace is None else request.trace.for_model(),
         )
         for index, request in enumerate(requests)
     ]

@@ -14,7 +14,8 @@
   ran keeps its own code (Triton 2.51 turns those into INTERNAL too; later versions keep the code).
   The worker may cancel a call (OP_CANCEL under its id, when the model calls `cancel()` on its
   response iterator or drops it early): the called model's stream is cancelled, and the call's final
-  answer is a CANCELLED error.
+  answer is a CANCELLED error. A call made with `trace=request.trace()` names that request's trace id; while
+  that request runs, the call is traced as its child (Triton's parent_id).
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ class WorkerStreams:
         elif op == OP_LATE_RESPONSE:
             self._late_response(call_id, body, groups[0] if groups else [])
         elif op == OP_BLS_CALL:
-            self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else []))
+            # The call's trace is spawned now, while the request it names is surely still running.
+            trace = self._runtime.tracing.bls_child(body[-1], self._model_name) if body[-1] else None
+            self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else [], trace))
         elif op == OP_MODEL_CONTROL:
             self._start_call(call_id, self._model_control(call_id, *body))
         elif op == OP_METRIC:
@@ -186,9 +189,10 @@ class WorkerStreams:
         self._cancelled_calls.discard(call_id)
         self._connection.open_streams -= 1
 
-    async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry]) -> None:
-        """Run one BLS request through the core and send every answer back."""
-        name, version, request_id, correlation_id, flags, timeout, parameters, requested, decoupled = body
+    async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry], trace: Any) -> None:
+        """Run one BLS request through the core and send every answer back (traced under its caller's trace when
+        `trace` is its RequestTrace)."""
+        name, version, request_id, correlation_id, flags, timeout, parameters, requested, decoupled, _ = body
         request = InferRequest(
             model_name=name,
             inputs=[Tensor(tensor_name, datatype, data) for tensor_name, datatype, data in inputs],
@@ -199,6 +203,7 @@ class WorkerStreams:
             correlation_id=correlation_id,
             flags=flags,
             timeout_us=timeout,
+            trace=trace,
         )
         try:
             stream = self._open(request, decoupled)

@@ -173,7 +173,8 @@ class ModelRunner:
         received = pb_utils.InferenceRequest._received
         wrap = pb_utils.Tensor._wrap
         requests = []
-        for (request_id, correlation_id, flags, parameters, requested, token), inputs in zip(body, groups, strict=True):
+        for (request_id, correlation_id, flags, parameters, requested, token, trace), inputs in zip(
+                body, groups, strict=True):
             requests.append(
                 received(
                     request_id,
@@ -186,6 +187,7 @@ class ModelRunner:
                     self.model_version,
                     token,
                     self.decoupled,
+                    trace,
                 )
             )
         tokens = [request._token for request in requests if request._token is not None]
