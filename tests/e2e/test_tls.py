@@ -10,6 +10,7 @@ and, for mutual TLS, one without a certificate or with the stranger's are refuse
 from __future__ import annotations
 
 import shutil
+import socket
 import ssl
 import subprocess
 from collections.abc import Callable, Iterator
@@ -185,6 +186,19 @@ def test_grpc_streams_and_large_messages_over_tls(grpc_server: tuple[ServerProce
         np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), INPUT0 + INPUT1)
 
 
+def test_alpn_selects_h2(grpc_server: tuple[ServerProcess, bool], certs: Certificates) -> None:
+    server, mutual = grpc_server
+    assert negotiated(server.grpc_port, client_context(certs, mutual), ["h2", "http/1.1"]) == "h2"
+
+
+def negotiated(port: int, context: ssl.SSLContext, offer: list[str]) -> str | None:
+    """The ALPN protocol the server picks from `offer`."""
+    context.set_alpn_protocols(offer)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname="localhost") as tls:
+        return tls.selected_alpn_protocol()
+
+
 # ---- HTTPS --------------------------------------------------------------------------------------------------------
 
 
@@ -249,3 +263,10 @@ def curl(server: ServerProcess, *options: str) -> tuple[int, str]:
                             capture_output=True, text=True, timeout=30, check=False)
     return result.returncode, result.stdout.strip()
 
+
+def test_https_speaks_http_1_1_and_tls_1_2(https_server: tuple[ServerProcess, bool], certs: Certificates) -> None:
+    server, mutual = https_server
+    assert negotiated(server.http_port, client_context(certs, mutual), ["h2", "http/1.1"]) == "http/1.1"
+    tls12 = client_context(certs, mutual)
+    tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+    assert http_status(server.http_port, "/v2/health/ready", https=tls12) == 200
