@@ -35,6 +35,7 @@ from transerve.frontends.grpc.codec import (
     encode_infer_response_bytes,
     parse_version,
 )
+from transerve.frontends.tls import TlsOptions
 
 log = logging.getLogger("transerve.grpc")
 
@@ -731,10 +732,11 @@ class GrpcFrontend:
     """Serves the inference and health services with grpc.aio on one address, on the running event loop."""
 
     def __init__(self, server: Server, restrictions: Restrictions | None = None,
-                 forwarding: HeaderForwarding | None = None) -> None:
+                 forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None) -> None:
         self.server = server
         self._restrictions = restrictions
         self._forwarding = forwarding
+        self._tls = tls
         self._grpc: grpc.aio.Server | None = None
         self._stopping: asyncio.Future[None] | None = None
 
@@ -753,7 +755,8 @@ class GrpcFrontend:
         self._grpc.add_generic_rpc_handlers((health_handler(self.server, service),))
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:
-            bound = self._grpc.add_insecure_port(address)
+            bound = (self._grpc.add_secure_port(address, self._tls.grpc_credentials()) if self._tls is not None
+                     else self._grpc.add_insecure_port(address))
         except RuntimeError as exc:  # recent grpcio raises, older ones return 0
             raise OSError(str(exc)) from None
         if not bound:
