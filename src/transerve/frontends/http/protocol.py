@@ -153,7 +153,10 @@ class Connections:
         now = self._loop.time()
         for group in (self.open, self.refused):
             for connection in [connection for connection in group if connection.deadline <= now]:
-                connection.expire()
+                try:
+                    connection.expire()
+                except Exception:  # one connection's trouble must not stop the timer of all
+                    log.exception("cannot end an HTTP connection past its deadline")
         self._timer = self._loop.call_later(self._tick, self._sweep) if self.open or self.refused else None
 
 
@@ -254,11 +257,14 @@ class HttpConnection(asyncio.Protocol):
             self._reject(self._error_response(400, f"malformed HTTP request: {exc}"))
             return
         if self._in_message:
-            if self._in_body:
+            if self._reading_paused:  # by this very read (pipelining): no read timeout until reading resumes
+                if not self._write_paused:
+                    self.deadline = math.inf
+            elif self._in_body:
                 self.deadline = self._loop.time() + self._connections.body_timeout
-                if self._body_seen:
-                    self._body_seen = False
-                    self._unparsed = 0
+            if self._body_seen:
+                self._body_seen = False
+                self._unparsed = 0
             if self._unparsed > self._connections.max_head:  # a head, trailers or chunk framing without end
                 self._reject(self._error_response(431, self._headers_too_large()))
 
@@ -355,7 +361,8 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._in_message = self._in_body = self._continue = False
         self._unparsed = 0
-        self.deadline = math.inf
+        if not self._write_paused:  # (a 100 Continue written during this read may have paused writing)
+            self.deadline = math.inf
         try:
             target = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -488,8 +495,7 @@ class HttpConnection(asyncio.Protocol):
         elif self._in_message:
             phase = "body" if self._in_body else "header"
             self._reject(self._error_response(408, f"the request did not arrive in time (--http-{phase}-timeout-secs)"))
-        else:
-            self._ended = True
+        elif not self._busy:
             self._close()
 
     def _reject(self, response: HttpResponse) -> None:
@@ -500,6 +506,8 @@ class HttpConnection(asyncio.Protocol):
         self._in_message = self._in_body = False
         if self._busy:
             self._queue.append((response, False))
+            if not self._write_paused:  # the answers before it bound the wait
+                self.deadline = math.inf
         else:
             self._write(response, keep_alive=False)
             self._close(linger=True)
