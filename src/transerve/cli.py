@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import resource
 import signal
@@ -24,6 +25,7 @@ from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
 from transerve.frontends.http.protocol import HttpLimits
+from transerve.frontends.tls import TlsError, TlsOptions
 
 log = logging.getLogger("transerve")
 
@@ -45,6 +47,16 @@ def _backend_config(text: str) -> tuple[str, str, str]:
     return backend, key, value
 
 
+class _GrpcSslMutual(argparse.Action):
+    """`--grpc-use-ssl-mutual`: as in tritonserver, any value, false included, also sets `--grpc-use-ssl` (which a
+    later `--grpc-use-ssl=false` turns off again)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.grpc_use_ssl = True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="transerve", description="A Triton-compatible inference server.")
     parser.add_argument("--version", action="version", version=f"transerve {__version__}")
@@ -60,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grpc-port", type=int, default=8001)
     add("--grpc-transport", choices=["native", "grpcio"], default="native",
         help="gRPC server: transerve's own HTTP/2 (native, cheaper per call) or grpcio's grpc.aio")
+    add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL", help="serve gRPC over TLS")
+    add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL", action=_GrpcSslMutual,
+        help="with true, require client certificates signed by --grpc-root-cert; as in tritonserver, any value "
+             "turns on --grpc-use-ssl")
+    add("--grpc-server-cert", metavar="PEM", help="the server's certificate chain, with --grpc-use-ssl")
+    add("--grpc-server-key", metavar="PEM", help="the server's private key (unencrypted), with --grpc-use-ssl")
+    add("--grpc-root-cert", metavar="PEM", help="the CA that client certificates must be signed by, with "
+        "--grpc-use-ssl-mutual")
+    add("--http-use-ssl", type=_bool, default=False, metavar="BOOL", help="serve HTTPS instead of HTTP")
+    add("--http-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
+        help="serve HTTPS to clients with a certificate signed by --http-root-cert only (implies --http-use-ssl)")
+    add("--http-server-cert", metavar="PEM", help="the server's certificate chain, with --http-use-ssl")
+    add("--http-server-key", metavar="PEM", help="the server's private key (unencrypted), with --http-use-ssl")
+    add("--http-root-cert", metavar="PEM", help="the CA that client certificates must be signed by, with "
+        "--http-use-ssl-mutual")
     add("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
         help="answer these API groups only to requests with header KEY: VALUE (403 otherwise); groups: "
              + ", ".join(GROUPS))
@@ -218,12 +245,14 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
 
 @dataclass(frozen=True)
 class AccessOptions:
-    """The frontends' restrictions and header forwarding, checked before anything starts."""
+    """The frontends' restrictions, header forwarding and TLS, checked before anything starts."""
 
     http_restrictions: Restrictions
     grpc_restrictions: Restrictions
     http_forwarding: HeaderForwarding | None
     grpc_forwarding: HeaderForwarding | None
+    http_tls: TlsOptions | None = None
+    grpc_tls: TlsOptions | None = None
 
 
 def access_from_args(args: argparse.Namespace) -> AccessOptions:
@@ -235,13 +264,44 @@ def access_from_args(args: argparse.Namespace) -> AccessOptions:
                                GRPC_HEADER_PREFIX),
             _forwarding(args.http_header_forward_pattern, "http-header-forward-pattern"),
             _forwarding(args.grpc_header_forward_pattern, "grpc-header-forward-pattern"),
+            # Only a served protocol's files are read: tritonserver reads none while its service is off.
+            TlsOptions.from_flags("http", args.http_use_ssl or args.http_use_ssl_mutual, args.http_use_ssl_mutual,
+                                  args.http_server_cert, args.http_server_key, args.http_root_cert)
+            if args.allow_http else None,
+            TlsOptions.from_flags("grpc", args.grpc_use_ssl, args.grpc_use_ssl_mutual, args.grpc_server_cert,
+                                  args.grpc_server_key, args.grpc_root_cert)
+            if args.allow_grpc else None,
         )
-    except OptionError as exc:
+    except (OptionError, TlsError) as exc:
         raise SystemExit(f"transerve serve: {exc}") from None
 
 
 def _forwarding(pattern: str | None, option: str) -> HeaderForwarding | None:
     return HeaderForwarding(pattern, option) if pattern else None
+
+
+def warn_open_model_control(args: argparse.Namespace, access: AccessOptions) -> None:
+    """Warn when explicit model control is reachable from other machines without a restriction: whoever reaches the
+    port can then load models, and a load with `file:` contents is code the server runs (as in Triton)."""
+    if args.model_control_mode != ControlMode.EXPLICIT.value:
+        return
+    services = (("HTTP", args.allow_http, args.http_address, access.http_restrictions, "--http-restricted-api"),
+                ("GRPC", args.allow_grpc, args.grpc_address, access.grpc_restrictions, "--grpc-restricted-protocol"))
+    for name, enabled, address, restrictions, flag in services:
+        if enabled and not _loopback(address) and "model-repository" not in restrictions.required:
+            log.warning("explicit model control is served over %s on %s without a restriction: anyone who reaches "
+                        "it can load models, and a load with 'file:' contents runs the code it uploads; restrict "
+                        "it with %s=model-repository:KEY=VALUE or listen on 127.0.0.1 (see docs/security.md)",
+                        name, address, flag)
+
+
+def _loopback(address: str) -> bool:
+    if address.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to anything
+        return False
 
 
 async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
@@ -259,6 +319,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     http_limits = http_limits_from_args(args, raise_file_limit())
     server = Server(options_from_args(args))
     server.log.install()
+    warn_open_model_control(args, access)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -272,13 +333,15 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     listeners: list[tuple[str, Any, str, int]] = []
     if args.allow_grpc:
         restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
-        grpc_frontend = (NativeGrpcFrontend(server, restrictions=restricted, forwarding=forwarding)
-                         if args.grpc_transport == "native" else GrpcFrontend(server, restricted, forwarding))
-        listeners.append(("GRPC", grpc_frontend, args.grpc_address, args.grpc_port))
+        grpc_frontend = (NativeGrpcFrontend(server, restrictions=restricted, forwarding=forwarding, tls=access.grpc_tls)
+                         if args.grpc_transport == "native" else GrpcFrontend(server, restricted, forwarding,
+                                                                               access.grpc_tls))
+        listeners.append(("GRPC over TLS" if access.grpc_tls else "GRPC", grpc_frontend, args.grpc_address,
+                          args.grpc_port))
     if args.allow_http:
         http_frontend = HttpFrontend(server, args.http_max_input_size, access.http_restrictions,
-                                     access.http_forwarding, http_limits)
-        listeners.append(("HTTP", http_frontend, args.http_address, args.http_port))
+                                     access.http_forwarding, access.http_tls, http_limits)
+        listeners.append(("HTTPS" if access.http_tls else "HTTP", http_frontend, args.http_address, args.http_port))
     if args.allow_metrics:
         metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
         listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
