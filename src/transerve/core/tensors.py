@@ -34,7 +34,8 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
     ):
         raise invalid_arg(f"invalid shape for input '{name}': {shape!r} (expected a list of non-negative integers)")
     if len(shape) > MAX_DIMS:
-        raise invalid_arg(f"invalid shape for input '{name}': {len(shape)} dimensions, at most {MAX_DIMS} are supported")
+        raise invalid_arg(f"invalid shape for input '{name}': {len(shape)} dimensions, at most {MAX_DIMS} are "
+                          "supported")
     return tuple(shape)
 
 
