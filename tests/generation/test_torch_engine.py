@@ -20,7 +20,10 @@ from transerve.backends.generation.engine import (  # noqa: E402
     GenerationRequest,
     GenerationResult,
 )
-from transerve.backends.generation.torch_engine import TorchEngine, _cpu_count  # noqa: E402
+from transerve.backends.generation.static_scheduling import Static  # noqa: E402
+from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch_runner import cpu_count  # noqa: E402
+from transerve.backends.generation.torch_scheduler import RequestLevel  # noqa: E402
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 
 TEXTS = [
@@ -164,12 +167,12 @@ def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
     from transerve.backends.generation.onednn_linear import onednn_available
 
     model = models[arch]
-    kinds = {type(m).__name__ for m in model.engine._runner.model.modules()}
+    kinds = {type(m).__name__ for m in model.engine.runner.forward.model.modules()}
     state = torch.get_rng_state()
     if onednn_available(torch):
         assert torch.equal(torch.get_rng_state(), state)  # the check draws no random numbers
         assert model.engine.onednn_linear and "OneDnnLinear" in kinds and not kinds & {"Linear", "Conv1D"}
-        hf = model.engine._runner.model
+        hf = model.engine.runner.forward.model
         embedding = hf.get_input_embeddings().weight
         linears = [m for m in hf.modules() if type(m).__name__ == "OneDnnLinear"]
         # Every weight is packed in oneDNN's layout; a tied LM head as a copy, the embedding table staying plain.
@@ -178,7 +181,7 @@ def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
     engine = TorchEngine(model.path, onednn_linear=False)
     try:
         assert not engine.onednn_linear
-        assert "OneDnnLinear" not in {type(m).__name__ for m in engine._runner.model.modules()}
+        assert "OneDnnLinear" not in {type(m).__name__ for m in engine.runner.forward.model.modules()}
         ids = model.ids(TEXTS[1])
         assert tokens(run(engine, ids, DecodingOptions(max_new_tokens=12))) == model.reference(ids, max_new_tokens=12)
     finally:
@@ -232,7 +235,7 @@ def test_rows_join_and_leave_in_place_in_the_cache_buffers(models, arch):
     taken by the last row: the caches stay in the same buffers (that the rows still decode right, the parity tests
     under joins and leaves check)."""
     engine = TorchEngine(models[arch].path, max_batch_rows=4)
-    runner = engine._runner
+    runner = engine.runner.forward
 
     def storages(kv):
         return [k.untyped_storage().data_ptr() for k, _ in kv]
@@ -270,10 +273,10 @@ def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group)
     and their outputs are still generate's. `join_group` 1 computes each sequence's rows on its own."""
     model = models[arch]
     # decoding on every core: no joining thread, which could prepare the waiting sequences first
-    engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group, intra_op_threads=_cpu_count())
+    engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group, intra_op_threads=cpu_count())
     calls: list[int] = []
-    new_rows = engine._runner.new_rows
-    engine._runner.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)
+    new_rows = engine.runner.forward.new_rows
+    engine.runner.forward.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)
     texts = [model.ids(text) for text in TEXTS]
     # C (1 row) joins when B's 2 rows leave; D (2 rows) and E (1 row) wait behind it. Beam search keeps its end
     # tokens (generate's beam search needs one), greedy decoding runs to max_new_tokens.
@@ -315,7 +318,7 @@ def test_sequences_prepared_ahead_are_those_nearest_in_length_within_the_next_ro
     try:
         def sequence(length: int, beam_width: int = 1):
             request = GenerationRequest(list(range(5, 5 + length)), DecodingOptions(beam_width=beam_width))
-            return engine._prepare(request, None, lambda outcome: None)
+            return engine.scheduler.new_sequence(request, None, lambda outcome: None)
 
         fresh = sequence(10)
         far, near, cancelled, prepared, beams, near_too, beyond = (
@@ -324,14 +327,14 @@ def test_sequences_prepared_ahead_are_those_nearest_in_length_within_the_next_ro
         )
         cancelled.cancelled = True
         prepared.prepared = ("rows", "first")
-        engine._queue = collections.deque([far, near, cancelled, prepared, beams, near_too, beyond])  # 8 rows
+        engine.scheduler.queue = collections.deque([far, near, cancelled, prepared, beams, near_too, beyond])  # 8 rows
         assert engine._join_ahead([fresh]) == []  # no batch runs: the admitted sequences join in one call anyway
-        engine._batch = "running"
+        engine.runner.batch = "running"
         assert engine._join_ahead([fresh]) == [near, beams]  # lengths 11 and 8 (12 is as near as 8: queue order)
         assert near.preparing and beams.preparing and not near_too.preparing
         assert engine._join_ahead([fresh]) == [near_too, far]  # `beyond` is past the next 7 rows
     finally:
-        engine._batch, engine._queue = None, collections.deque()
+        engine.runner.batch, engine.scheduler.queue = None, collections.deque()
         engine.close()
 
 
@@ -340,7 +343,7 @@ def test_cross_attention_of_joining_rows_without_known_module_names(models):
     keys/values from one decoder run on the start token: outputs still equal generate's."""
     model = models["bart"]
     engine = TorchEngine(model.path)
-    engine._runner.cross_attention = []
+    engine.runner.forward.cross_attention = []
     try:
         steps = threading.Semaphore(0)
         first_ids = model.ids(TEXTS[2])
@@ -504,7 +507,7 @@ def test_idle_threads_end_and_the_next_request_starts_new_ones(models):
 
 def test_request_level_scheduling_admits_only_into_an_empty_batch(models):
     model = models["t5"]
-    engine = TorchEngine(model.path, scheduling="request")
+    engine = TorchEngine(model.path, scheduling=RequestLevel())
     try:
         steps = threading.Semaphore(0)
         order: list[str] = []
@@ -528,15 +531,15 @@ def test_static_scheduling_decodes_finished_rows_until_the_batch_ends(models, ar
     ends, but its row keeps decoding (past the model's last position, for GPT-2's long prompt) until the long one
     ends; neither output changes."""
     model = models[arch]
-    engine = TorchEngine(model.path, scheduling="static")
+    engine = TorchEngine(model.path, scheduling=Static())
     rows: list[int] = []
-    step = engine._runner.step
-    engine._runner.step = lambda batch, next_tokens: rows.append(batch.rows) or step(batch, next_tokens)
+    step = engine.runner.forward.step
+    engine.runner.forward.step = lambda batch, next_tokens: rows.append(batch.rows) or step(batch, next_tokens)
     try:
         long_ids = model.ids(TEXTS[0])
         short_ids = model.ids(TEXTS[1]) if arch == "t5" else [5, 9, 11] * 80
         order: list[str] = []
-        with engine._cond:  # both queued before the engine thread looks: one batch
+        with engine.scheduler.cond:  # both queued before the engine thread looks: one batch
             long = submit(engine, long_ids, DecodingOptions(max_new_tokens=60, end_ids=[]))
             short = submit(engine, short_ids, DecodingOptions(max_new_tokens=3, end_ids=[]))
         long.add_done_callback(lambda _: order.append("long"))
@@ -545,7 +548,7 @@ def test_static_scheduling_decodes_finished_rows_until_the_batch_ends(models, ar
         assert tokens(long.result(timeout=60)) == model.reference(long_ids, end_ids=[], max_new_tokens=60)
         assert order == ["short", "long"]
         assert set(rows) == {2}  # the short sequence's row decoded on to the end
-        assert engine._batch is None and engine._running == []
+        assert engine.runner.batch is None and engine.scheduler.running == []
     finally:
         engine.close()
 
@@ -769,7 +772,7 @@ def test_decoder_without_per_row_positions_batches_whole_requests(tmp_path):
     hf.save_pretrained(tmp_path)
     engine = TorchEngine(tmp_path)
     try:
-        assert engine.scheduling == "request"
+        assert engine.scheduling.name == "request"
         steps = threading.Semaphore(0)
         prompts = [[5, 6, 7, 8, 9, 2], [40, 2], [*range(100, 120), 2]]
         first = submit(engine, prompts[0], DecodingOptions(max_new_tokens=20, end_ids=[]),
@@ -825,8 +828,8 @@ def test_a_lone_prompt_gets_its_first_token_from_the_prefill(models):
     model = models["gpt2"]
     engine = TorchEngine(model.path)
     steps: list[int] = []
-    step = engine._runner.step
-    engine._runner.step = lambda batch, tokens: steps.append(batch.rows) or step(batch, tokens)
+    step = engine.runner.forward.step
+    engine.runner.forward.step = lambda batch, tokens: steps.append(batch.rows) or step(batch, tokens)
     try:
         ids = model.ids(TEXTS[0])
         assert tokens(run(engine, ids, DecodingOptions(max_new_tokens=1))) == model.reference(ids, max_new_tokens=1)
@@ -852,8 +855,8 @@ def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, join
             return method(*args)
         return call
 
-    engine._runner.step = spy("step", engine._runner.step)
-    setattr(engine._runner, joining, spy("join", getattr(engine._runner, joining)))
+    engine.runner.forward.step = spy("step", engine.runner.forward.step)
+    setattr(engine.runner.forward, joining, spy("join", getattr(engine.runner.forward, joining)))
     try:
         ids = model.ids(TEXTS[1])
         run(engine, ids, DecodingOptions(max_new_tokens=3))
@@ -874,9 +877,9 @@ def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, join
 
 def test_no_joining_thread_when_decoding_uses_every_core(models):
     """Its work would only compete with decoding's: waiting sequences join in one batched call instead."""
-    engine = TorchEngine(models["gpt2"].path, intra_op_threads=_cpu_count(), max_batch_rows=2)
+    engine = TorchEngine(models["gpt2"].path, intra_op_threads=cpu_count(), max_batch_rows=2)
     try:
-        assert engine.joining_thread is None and engine.joining_threads == 0
+        assert engine.joining_thread is None and engine.runner.threads.joining_threads == 0
         futures = [submit(engine, [5, 6, 7 + i], DecodingOptions(max_new_tokens=4 + i, end_ids=[])) for i in range(5)]
         assert [len(tokens(f.result(timeout=60))[0]) for f in futures] == [4, 5, 6, 7, 8]
     finally:
@@ -893,12 +896,12 @@ def test_thread_settings_are_checked(models):
 def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
     """The joining thread computes a waiting sequence's rows (encoder call or prefill) while the engine thread
     decodes; the sequence joins with them and its output is still generate's."""
-    if _cpu_count() < 2:
+    if cpu_count() < 2:
         pytest.skip("the joining thread needs a core that decoding leaves idle")
     model = models[arch]
     engine = TorchEngine(model.path, max_batch_rows=1, intra_op_threads=1)
     prepared = threading.Event()
-    new_rows = engine._runner.new_rows
+    new_rows = engine.runner.forward.new_rows
 
     def spy(inputs, repeats):
         rows = new_rows(inputs, repeats)
@@ -906,7 +909,7 @@ def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
             prepared.set()
         return rows
 
-    engine._runner.new_rows = spy
+    engine.runner.forward.new_rows = spy
     try:
         first_ids, second_ids = model.ids(TEXTS[2]), model.ids(TEXTS[0])
         steps = threading.Semaphore(0)
@@ -932,10 +935,10 @@ def test_no_joining_thread_work_for_a_model_that_changes_in_its_forward(models):
     assert _mutable_forward(transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert not _mutable_forward(transformers.LlamaConfig())
     engine = TorchEngine(models["gpt2"].path, max_batch_rows=1, intra_op_threads=1)
-    engine._runner.mutable_forward = True
+    engine.runner.forward.mutable_forward = True
     callers: list[threading.Thread] = []
-    new_rows = engine._runner.new_rows
-    engine._runner.new_rows = lambda *args: callers.append(threading.current_thread()) or new_rows(*args)
+    new_rows = engine.runner.forward.new_rows
+    engine.runner.forward.new_rows = lambda *args: callers.append(threading.current_thread()) or new_rows(*args)
     try:
         futures = [submit(engine, [5, 6, 7], DecodingOptions(max_new_tokens=8, end_ids=[])) for _ in range(3)]
         for future in futures:
