@@ -203,7 +203,7 @@ class TorchEngine:
         import torch
 
         torch.get_num_threads()  # torch's lazy per-thread setup first, so that it cannot undo ThreadPolicy.set later
-        self.runner.threads.threads = 0  # a new thread: nothing set yet
+        self.runner.threads.current = 0  # a new thread: nothing set yet
         scheduler = self.scheduler
         with torch.inference_mode():
             while True:

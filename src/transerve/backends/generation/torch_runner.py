@@ -101,7 +101,7 @@ class ThreadPolicy:
         self.latency_threads = latency_threads or cpu_count()
         self.latency_rows = latency_rows
         #: What the engine thread last set (0: nothing yet).
-        self.threads = 0
+        self.current = 0
         #: Threads the joining thread computes with: it prepares waiting sequences' rows while the engine thread
         #: decodes, on the cores decoding leaves idle (on a GPU: the device's work, `load_threads` for the CPU
         #: side); there is no such thread when decoding uses every core (0).
@@ -114,9 +114,9 @@ class ThreadPolicy:
         import torch
 
         wanted = self.latency_threads if joining and used_rows <= self.latency_rows else self.load_threads
-        if wanted != self.threads:
+        if wanted != self.current:
             torch.set_num_threads(wanted)
-            self.threads = wanted
+            self.current = wanted
 
 
 class BatchRunner:
