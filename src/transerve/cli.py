@@ -20,14 +20,15 @@ from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
-from transerve.core.metrics_config import parse_metrics_config
-from transerve.core.response_cache import parse_cache_config
-from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
+from transerve.frontends.frontend import Frontend
 from transerve.frontends.http.protocol import HttpLimits
 from transerve.frontends.tls import TlsError, TlsOptions
+from transerve.scheduling.response_cache import parse_cache_config
+from transerve.server import ControlMode, Server, ServerOptions
+from transerve.server.metrics_config import parse_metrics_config
 
 log = logging.getLogger("transerve")
 
@@ -334,7 +335,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
         await server.stop()
         return 1
     # gRPC starts first, as in Triton, so that a client which saw HTTP ready can rely on gRPC listening too.
-    listeners: list[tuple[str, Any, str, int]] = []
+    listeners: list[tuple[str, Frontend, str, int]] = []
     if args.allow_grpc:
         restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
         grpc_frontend = (NativeGrpcFrontend(server, restrictions=restricted, forwarding=forwarding, tls=access.grpc_tls)
@@ -349,7 +350,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     if args.allow_metrics:
         metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
         listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
-    started = []
+    started: list[Frontend] = []
     for name, frontend, address, port in listeners:
         try:
             await frontend.start(address, port)
@@ -386,7 +387,7 @@ def _exit_backstop(seconds: float) -> None:
     timer.start()
 
 
-async def _shutdown(server: Server, frontends: list[Any], grace: float) -> None:
+async def _shutdown(server: Server, frontends: list[Frontend], grace: float) -> None:
     """Stop accepting everywhere, let the core finish and unload, then close the frontends."""
     for frontend in frontends:
         frontend.stop_accepting(grace)

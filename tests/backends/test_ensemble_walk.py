@@ -11,7 +11,7 @@ from support.in_process import outputs, request, with_server
 
 from transerve.backends.ensemble.graph import Step, needed_steps
 from transerve.core.errors import ErrorCode, ServerError
-from transerve.core.server import Server
+from transerve.server import Server
 
 IDENTITY = '''
 import triton_python_backend_utils as pb_utils

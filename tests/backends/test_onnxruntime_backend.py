@@ -16,7 +16,7 @@ from support.tiny_models import token_states_reference, write_onnx
 
 from transerve.config.devices import visible_gpus
 from transerve.core.errors import ErrorCode, ServerError
-from transerve.core.server import Server
+from transerve.server import Server
 
 pytest.importorskip("onnxruntime")
 
@@ -252,7 +252,7 @@ def test_without_onnxruntime_the_model_is_unavailable_naming_the_extra(tmp_path:
     script = textwrap.dedent(f"""
         import asyncio
         from pathlib import Path
-        from transerve.core.server import Server, ServerOptions
+        from transerve.server import Server, ServerOptions
 
         async def main():
             server = Server(ServerOptions([Path({str(repository)!r})], strict_readiness=False))

@@ -184,7 +184,7 @@ def test_decoupled_execute_errors_and_a_dying_worker_end_the_streams(tmp_path: P
         request, stream = stream_request([2.0])
         (error,) = (await instance.execute([request])).results
         assert error.message.endswith("message: RuntimeError: half way")
-        stream.fail(error)  # what the core does with an execute's error (core/server.py)
+        stream.fail(error)  # what the server does with an execute's error (server/requests.py)
         sent, ended = await drain(stream)
         assert values(sent[0]) == [2.0] and ended == (error, True)
         # A worker that dies fails its open streams itself: this one's execute had returned.

@@ -13,7 +13,7 @@ from support.tiny_models import token_states_reference, write_torchscript
 
 from transerve.config.devices import visible_gpus
 from transerve.core.errors import ErrorCode, ServerError
-from transerve.core.server import Server
+from transerve.server import Server
 
 torch = pytest.importorskip("torch")
 

@@ -13,7 +13,7 @@ from support.tiny_models import write_onnx
 
 from transerve.backends.tensorrt.backend import REASON
 from transerve.config.devices import visible_gpus
-from transerve.core.server import Server
+from transerve.server import Server
 
 HAS_TENSORRT = bool(visible_gpus()) and importlib.util.find_spec("tensorrt") is not None
 

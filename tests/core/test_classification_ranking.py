@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from tritonclient.grpc import model_config_pb2
 
-from transerve.core.classification import class_count, classify, classify_response, load_labels
+from transerve.core.classification import class_count, classify, classify_response
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from transerve.repository.labels import load_labels
 
 
 def strings(tensor: Tensor) -> list:

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from transerve.core.metrics_config import MetricsConfig, parse_metrics_config
 from transerve.core.stats import ModelStats
 from transerve.core.summary import DEFAULT_QUANTILES, SLICE_CAPACITY, LatencySummary
+from transerve.server.metrics_config import MetricsConfig, parse_metrics_config
 
 
 class Clock:

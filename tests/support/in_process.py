@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from transerve.core.server import Server, ServerOptions
 from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.server import Server, ServerOptions
 
 
 def with_server(repository: Path, test: Callable[[Server], Awaitable[None]], **options: Any) -> None:

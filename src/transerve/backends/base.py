@@ -13,13 +13,16 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import ServerError
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.paths import inside
+
+if TYPE_CHECKING:
+    from transerve.backends.runtime import Runtime
 
 
 @dataclass(slots=True)
@@ -38,9 +41,9 @@ class ModelContext:
     backend_config: dict[str, str] = field(default_factory=dict)
     #: False under `--disable-auto-complete-config`.
     auto_complete: bool = True
-    #: The core, for backends whose models call other models (ensembles, BLS): it offers
-    #: `get_version(name, version)`, `await infer(request)` and `infer_stream(request)`.
-    runtime: Any = None
+    #: The server, for backends whose models call it (ensembles, BLS, model control, custom metrics); None in
+    #: tests that load a backend alone.
+    runtime: Runtime | None = None
 
     def model_file(self, default: str) -> Path:
         """The version's model file (or folder): `default_model_filename`, else `default`; INVALID_ARG when the

@@ -1,7 +1,7 @@
 """What the onnxruntime, pytorch and tensorrt backends share: an engine that runs one tensor per input and
 releases the GIL, driven from a thread of its own so that the event loop never waits on it.
 
-A batch's requests are merged (padded to a common shape and stacked, `scheduling.batching`), run once, and
+A batch's requests are merged (padded to a common shape and stacked, `core.batching`), run once, and
 split back per request. Outputs along a padded axis are trimmed back to each request's own length, so every
 request gets what it would have got alone: an output axis declared `-1` whose size is the length the inputs
 were padded to is taken to follow that length (a sequence axis such as `last_hidden_state`'s).
@@ -24,10 +24,10 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult, Placement
 from transerve.backends.idle_ending_executor import IdleEndingExecutor
+from transerve.core.batching import merge_inputs, split_outputs
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import ServerError, internal, unavailable
 from transerve.core.types import InferRequest, InferResponse, Tensor
-from transerve.scheduling.batching import merge_inputs, split_outputs
 
 
 def import_engine(module: str, extra: str) -> ModuleType:

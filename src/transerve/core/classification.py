@@ -13,36 +13,17 @@ The rules are Triton 2.51's, as its server answers (tests/e2e/test_classificatio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
-from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import invalid_arg
 from transerve.core.types import InferRequest, InferResponse, Tensor
-from transerve.repository.paths import inside
 
 #: The request output parameter that asks for classification.
 PARAMETER = "classification"
 
 #: Datatypes whose values can be ranked and printed.
 CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP32", "FP64"})
-
-
-def load_labels(model_path: Path, config: model_config_pb2.ModelConfig) -> dict[str, list[str]]:
-    """Each output's labels (the lines of its `label_filename`, relative to the model's folder); a file that
-    cannot be read fails the model's load, as in Triton."""
-    labels = {}
-    for output in config.output:
-        if not output.label_filename:
-            continue
-        path = inside(model_path, model_path, output.label_filename, f"output '{output.name}' label_filename")
-        try:
-            labels[output.name] = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise invalid_arg(f"failed to open text file for read {path}: {reason}") from None
-    return labels
 
 
 def class_count(request: InferRequest) -> dict[str, int]:

@@ -1,1 +1,1 @@
-"""Frontends: thin codecs between a wire protocol and the core's request types."""
+"""Frontends: thin codecs between a wire protocol and the server's request types; each is a `frontend.Frontend`."""

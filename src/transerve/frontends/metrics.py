@@ -17,9 +17,9 @@ import psutil
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from transerve.core.server import ModelVersion, Server
 from transerve.core.stats import FAILURE_REASONS
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
+from transerve.server import ModelVersion, Server
 
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2
 
+from transerve.core.batching import MaskSpec, pad_requests
 from transerve.core.datatypes import config_to_protocol
 from transerve.core.errors import invalid_arg
 from transerve.core.types import InferRequest
-from transerve.scheduling.batching import MaskSpec, pad_requests
 
 DEFAULT_BOUNDARIES = (8, 16, 32, 64, 128, 256, 512, 1024)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
 from transerve.backends.ensemble.graph import Step, build_steps, needed_steps
 from transerve.backends.ensemble.streaming import StreamingWalk, check_decoupled_origins
 from transerve.backends.ensemble.walk import Tensors, Walk
+from transerve.backends.runtime import Runtime
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
@@ -71,7 +71,7 @@ class EnsembleInstance(BackendInstance):
     cancellable = True
 
     def __init__(
-        self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Any, decoupled: set[int],
+        self, name: str, version: str, steps: list[Step], outputs: list[str], runtime: Runtime, decoupled: set[int],
         optional: set[str],
     ) -> None:
         self._loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """One request through an ensemble whose steps answer once, driven by the callbacks of its steps' futures.
 
-Each step is a core request (`runtime.submit`, through its model's scheduler). When a step's future is done,
+Each step is a server request (`runtime.submit`, through its model's scheduler). When a step's future is done,
 its callback stores the outputs and submits every step they make ready, so a request costs no task and no
 coroutine, and a chain hands one step's outputs to the next in the callback that receives them (with the
 direct scheduler and the python backend, the one that read the worker's reply: no loop turn between steps).
@@ -11,12 +11,12 @@ steps still running are cancelled; so does the request's cancellation (its clien
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from transerve.backends.ensemble.graph import Step
+from transerve.backends.runtime import Runtime, Submitted
 from transerve.core.errors import ErrorCode, ServerError, internal
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
@@ -32,7 +32,7 @@ class Ensemble(Protocol):
     """What a walk needs of its ensemble."""
 
     name: str
-    runtime: Any
+    runtime: Runtime
 
     def start_tensors(self, request: InferRequest) -> Tensors: ...
 
@@ -69,8 +69,8 @@ class Walk:
         self._done = done
         self._tensors = ensemble.start_tensors(request)
         self._pending = list(ensemble.steps_for(request))
-        #: The futures of the steps in flight, with what `runtime.complete` needs of them.
-        self._running: dict[asyncio.Future[InferResponse], tuple[Step, Any, InferRequest]] = {}
+        #: The steps in flight, by their futures.
+        self._running: dict[asyncio.Future[InferResponse], tuple[Step, Submitted]] = {}
         self._finished = False
 
     def start(self) -> None:
@@ -100,19 +100,19 @@ class Walk:
     def _submit(self, step: Step) -> bool:
         step_request = self._ensemble.make_request(step, self._request, self._tensors)
         try:
-            model, future = self._ensemble.runtime.submit(step_request, self._step_done)
+            call = self._ensemble.runtime.submit(step_request, self._step_done)
         except ServerError as exc:
             self._fail(step, exc)
             return False
-        self._running[future] = (step, model, step_request)
+        self._running[call.future] = (step, call)
         return True
 
     def _step_done(self, future: asyncio.Future[InferResponse]) -> None:
-        if future.cancelled():  # by `_finish`, which completed it
+        if future.cancelled():  # by `_finish`, whose `cancel()` settled it
             return
-        step, model, step_request = self._running.pop(future)
+        step, call = self._running.pop(future)
         try:
-            response = self._ensemble.runtime.complete(model, step_request, future)
+            response = call.result()
         except ServerError as exc:
             self._fail(step, exc)
             return
@@ -133,9 +133,8 @@ class Walk:
         if self._finished:
             return
         self._finished = True
-        # A step already answered stays until its callback completes it; the others are cancelled here.
-        for future in [future for future in self._running if future.cancel()]:
-            _, model, step_request = self._running.pop(future)
-            with contextlib.suppress(asyncio.CancelledError):
-                self._ensemble.runtime.complete(model, step_request, future)
+        # A step already answered stays until its callback settles it; the others are cancelled here.
+        for future, (_, call) in list(self._running.items()):
+            if call.cancel():
+                del self._running[future]
         self._done(result)

@@ -54,6 +54,7 @@ from transerve.backends.python.ipc import (
     socket_pair,
 )
 from transerve.backends.python.streams import LateResponse, WorkerStreams
+from transerve.backends.runtime import Runtime
 from transerve.config import model_config
 from transerve.config.sequence_batching import sequence_controls
 from transerve.core.datatypes import NUMPY_DTYPES
@@ -285,7 +286,7 @@ class PythonInstance(BackendInstance):
         name: str,
         initialize_args: dict[str, str],
         decoupled: bool,
-        runtime: Any,
+        runtime: Runtime | None,
         rescheduling: Rescheduling | None = None,
         restarts: Counter[str] | None = None,
     ) -> None:
@@ -790,7 +791,7 @@ class PythonBackend(Backend):
             model_file=model_file,
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
-            log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
+            log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),  # stand-ins in tests have no log
             interpreter=interpreter,
             max_rss_bytes=_rss_ceiling(config),
             hung_grace_s=_setting(context.backend_config, "hung-execute-grace-secs", DEFAULT_HUNG_GRACE_S, 0, float),

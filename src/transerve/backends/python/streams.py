@@ -37,6 +37,7 @@ from transerve.backends.python.ipc import (
     AsyncConnection,
     Entry,
 )
+from transerve.backends.runtime import Runtime
 from transerve.core.errors import ErrorCode, ServerError, unavailable
 from transerve.core.streams import ResponseStream
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
@@ -50,7 +51,9 @@ LateResponse = tuple[tuple[str, str] | None, dict[str, Any] | None, list[Entry]]
 class WorkerStreams:
     """Decoupled requests and BLS calls of one worker process."""
 
-    def __init__(self, connection: AsyncConnection, runtime: Any, model_name: str, model_version: str) -> None:
+    def __init__(
+        self, connection: AsyncConnection, runtime: Runtime | None, model_name: str, model_version: str
+    ) -> None:
         self._connection = connection
         self._runtime = runtime
         self._model_name = model_name
@@ -280,7 +283,7 @@ class WorkerStreams:
         try:
             if action == "ready":
                 value = server.model_ready(name, argument)
-            elif server.options.control_mode.value != "explicit":  # core.server.ControlMode, not imported here
+            elif not server.explicit_model_control:
                 raise unavailable("explicit model load / unload is not allowed if polling is enabled")
             elif action == "load":
                 await server.load_model(name, argument or None, files or None)

@@ -17,7 +17,6 @@ from tritonclient.grpc import service_pb2
 from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.errors import internal, invalid_arg, not_found
 from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_scheduling_parameter
-from transerve.core.shared_memory import SharedMemoryRegistry, placement
 from transerve.core.tensors import (
     check_datatype,
     check_shape,
@@ -27,6 +26,7 @@ from transerve.core.tensors import (
     wire_view,
 )
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from transerve.server.shared_memory import SharedMemoryRegistry, placement
 
 #: Request parameters the protocol consumes, with the value kinds Triton accepts for each.
 PROTOCOL_PARAMETERS: dict[str, tuple[str, ...]] = {

@@ -22,8 +22,6 @@ from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
-from transerve.core.server import ControlMode, ModelVersion, Server
-from transerve.core.shared_memory import CUDA_REGISTER_REFUSAL, UnopenedRegion
 from transerve.core.streams import ResponseStream, StreamItem
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_grpc
@@ -36,6 +34,8 @@ from transerve.frontends.grpc.codec import (
     parse_version,
 )
 from transerve.frontends.tls import TlsOptions
+from transerve.server import ControlMode, ModelVersion, Server
+from transerve.server.shared_memory import CUDA_REGISTER_REFUSAL, UnopenedRegion
 
 log = logging.getLogger("transerve.grpc")
 

@@ -12,8 +12,6 @@ from urllib.parse import unquote
 import orjson
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
-from transerve.core.server import ControlMode, Server
-from transerve.core.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
 from transerve.core.signature import ModelSignature
 from transerve.core.streams import ResponseStream
 from transerve.core.tracing import Trace
@@ -47,6 +45,8 @@ from transerve.frontends.http.generate import (
 )
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
 from transerve.frontends.tls import TlsOptions, listen_kwargs
+from transerve.server import ControlMode, Server
+from transerve.server.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
 
 log = logging.getLogger("transerve.http")
 

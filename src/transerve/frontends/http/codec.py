@@ -15,10 +15,10 @@ from transerve.core.protocol_parameters import (
     SCHEDULING_PARAMETERS,
     apply_scheduling_parameter,
 )
-from transerve.core.shared_memory import SharedMemoryRegistry, placement
 from transerve.core.signature import ModelSignature
 from transerve.core.tensors import check_datatype, check_shape, tensor_from_bytes, tensor_from_values, wire_bytes
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from transerve.server.shared_memory import SharedMemoryRegistry, placement
 
 _JSON_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 RESERVED_PARAMETER = "parameter keys starting with 'triton_' are reserved for Triton usage and should not be specified."

@@ -9,7 +9,6 @@ import logging
 from google.protobuf.message import DecodeError, Message
 
 from transerve.core.errors import ServerError, internal
-from transerve.core.server import Server
 from transerve.frontends.access import HeaderForwarding, Restrictions
 from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.headers import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
@@ -24,6 +23,7 @@ from transerve.frontends.grpc.service import (
     health_check,
 )
 from transerve.frontends.tls import TlsOptions, listen_kwargs
+from transerve.server import Server
 
 log = logging.getLogger("transerve.grpc")
 

@@ -1,12 +1,11 @@
-"""Padding, merging and splitting tensors of a batch (scheduling/batching.py)."""
+"""Padding, merging and splitting tensors of a batch (core/batching.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from transerve.core.types import InferRequest, Tensor
-from transerve.scheduling.batching import (
+from transerve.core.batching import (
     MaskSpec,
     common_shape,
     length_mask,
@@ -15,6 +14,7 @@ from transerve.scheduling.batching import (
     pad_requests,
     split_outputs,
 )
+from transerve.core.types import InferRequest, Tensor
 
 
 def request(**tensors: np.ndarray) -> InferRequest:

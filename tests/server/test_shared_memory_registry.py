@@ -12,8 +12,8 @@ import pytest
 import tritonclient.utils.shared_memory as client_shm
 
 from transerve.core.errors import ErrorCode, ServerError
-from transerve.core.shared_memory import SHM_DIR, SharedMemoryRegistry, placement
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from transerve.server.shared_memory import SHM_DIR, SharedMemoryRegistry, placement
 
 
 @pytest.fixture

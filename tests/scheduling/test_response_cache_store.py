@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from transerve.core.errors import ServerError
-from transerve.core.response_cache import ResponseCache, parse_cache_config, request_key
 from transerve.core.types import InferRequest, RequestedOutput, Tensor
+from transerve.scheduling.response_cache import ResponseCache, parse_cache_config, request_key
 
 
 def request(*tensors: Tensor, **fields) -> InferRequest:

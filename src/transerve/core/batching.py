@@ -4,7 +4,8 @@ input, and splitting a merged output back per request.
 The python backend hands a model its requests one by one (Triton's contract), so it needs none of the
 merging; backends that run one tensor per input (onnxruntime, pytorch) do. Padding serves both: the
 dynamic batcher pads the requests of a batch in place when a model asks for it (`pad_inputs`), so that a
-python model can concatenate them as they are.
+python model can concatenate them as they are. It lives in the core because both the schedulers (padding) and
+the threaded backends (merging, splitting) use it, and backends may not import the schedulers.
 """
 
 from __future__ import annotations

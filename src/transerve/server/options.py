@@ -1,0 +1,39 @@
+"""What `transerve serve` asks of the server: its model control mode and settings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transerve.core.log_settings import LogSettings
+from transerve.core.tracing import TraceOptions
+from transerve.server.metrics_config import MetricsConfig
+
+
+class ControlMode(enum.Enum):
+    NONE = "none"
+    POLL = "poll"
+    EXPLICIT = "explicit"
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    """What `transerve serve` was asked to do."""
+
+    repositories: list[Path]
+    control_mode: ControlMode = ControlMode.NONE
+    load_models: list[str] = field(default_factory=list)
+    strict_readiness: bool = True
+    exit_timeout_secs: float = 30.0
+    auto_complete: bool = True
+    poll_secs: float = 15.0
+    backend_configs: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The response cache's size in bytes (`--cache-config local,size=N`); None: no cache.
+    cache_bytes: int | None = None
+    #: The `--log-*` flags: the logging extension's settings at start.
+    log_settings: LogSettings = field(default_factory=LogSettings)
+    #: `--metrics-config`: which latency metrics the models keep (summaries are observed as requests finish).
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: The `--trace-*` flags: the trace extension's settings at start.
+    trace: TraceOptions = field(default_factory=TraceOptions)

@@ -1,0 +1,307 @@
+"""The Server: the registry of loaded models, their lifecycle, and the one request path every frontend calls.
+
+It is the top of the house below the frontends: it imports the backends (through `loading.py`), the schedulers
+and the repository, and hands each backend itself as the `backends.runtime.Runtime` they may call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2
+
+from transerve import __version__
+from transerve.core.custom_metrics import CustomMetrics
+from transerve.core.errors import ServerError, invalid_arg, unavailable, unsupported
+from transerve.core.log_settings import ServerLog
+from transerve.core.streams import ResponseStream
+from transerve.core.tracing import Tracer
+from transerve.core.types import InferRequest, InferResponse
+from transerve.repository.overrides import write_model_files
+from transerve.repository.repository import ModelLocation, is_plain_model_name
+from transerve.scheduling import OnDone
+from transerve.scheduling.response_cache import ResponseCache
+from transerve.server.loading import ModelLoader, ensemble_steps
+from transerve.server.options import ControlMode, ServerOptions
+from transerve.server.polling import poll_forever, poll_once
+from transerve.server.registry import ModelRecord, ModelRegistry, ModelState, ModelVersion
+from transerve.server.requests import DECOUPLED_INFER_MESSAGE, Call, RequestPath, run_decoupled, run_single
+from transerve.server.shared_memory import SharedMemoryRegistry
+from transerve.server.tasks import BackgroundTasks
+
+log = logging.getLogger("transerve")
+
+EXTENSIONS = [
+    "classification",
+    "sequence",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "system_shared_memory",
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "trace",
+    "logging",
+]
+
+
+class Server(ModelRegistry):
+    """Owns the models; frontends call `infer` and the metadata/control methods."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        super().__init__(options.repositories)
+        self.options = options
+        #: The system shared memory regions clients registered (Triton's shared memory extension).
+        self.shared_memory = SharedMemoryRegistry()
+        #: The log settings, which clients may read and change (Triton's logging extension).
+        self.log = ServerLog(options.log_settings)
+        #: Which requests are traced, and the settings clients may read and change (Triton's trace extension).
+        self.tracing = Tracer(options.trace, self.model_ready)
+        #: The responses of models whose config enables `response_cache`, when the server has a cache.
+        self.response_cache = ResponseCache(options.cache_bytes) if options.cache_bytes is not None else None
+        #: Metric families that model code created (pb_utils.MetricFamily), shown on /metrics.
+        self.custom_metrics = CustomMetrics()
+        self._loader = ModelLoader(options, self, self.response_cache, self._load_composing_models)
+        self._path = RequestPath(self.shared_memory)
+        self._live = False
+        self._stopping = False
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        #: Unloads of reloaded models' old versions, and polling.
+        self._tasks = BackgroundTasks()
+        self._poll_task: asyncio.Task[None] | None = None
+        #: The tasks of `infer_stream` requests (a request's own failure goes to its stream).
+        self._streams: set[asyncio.Task[None]] = set()
+        #: The event loop the server runs on, kept from start() (looking it up costs a syscall).
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def _inflight(self) -> int:
+        """Requests accepted and not yet settled (`requests.Call`)."""
+        return self._path.inflight
+
+    @property
+    def explicit_model_control(self) -> bool:
+        return self.options.control_mode is ControlMode.EXPLICIT
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the models the control mode asks for; broken ones are recorded, never fatal."""
+        self._loop = asyncio.get_running_loop()
+        self._live = True
+        found, duplicates = self.repository.scan()
+        for name, reason in duplicates.items():
+            self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, reason)
+            log.error("model '%s' is UNAVAILABLE: %s", name, reason)
+        if self.options.control_mode is ControlMode.EXPLICIT:
+            names = list(found) if "*" in self.options.load_models else self.options.load_models
+        else:
+            names = list(found)
+        # Ensembles check their steps against loaded models, so they load after everything else, and after the
+        # ensembles they contain.
+        steps = {name: ensemble_steps(found[name]) for name in names if name in found}
+        ensembles = {name: named for name, named in steps.items() if named is not None}
+        await asyncio.gather(*(self.load_logged(name) for name in names if name not in ensembles))
+        while ensembles:
+            # Those that contain no ensemble still waiting; in a cycle none qualifies, and they load (and fail) anyway.
+            wave = [name for name, named in ensembles.items() if not (named - {name}) & ensembles.keys()]
+            wave = wave or list(ensembles)
+            for name in wave:
+                del ensembles[name]
+            await asyncio.gather(*(self.load_logged(name) for name in wave))
+        if self.options.control_mode is ControlMode.POLL:
+            self._poll_task = self._tasks.start(poll_forever(self, self.options.poll_secs), "polling the repositories")
+
+    async def load_logged(self, name: str) -> None:
+        """`load_model`, its refusal logged rather than raised (loads at start and by polling)."""
+        try:
+            await self.load_model(name)
+        except ServerError as exc:
+            log.error("model '%s' is UNAVAILABLE: %s", name, exc.message)
+
+    async def stop(self) -> None:
+        """Finish in-flight requests (up to the exit timeout), then unload every model: what still runs then is
+        stopped (python workers are killed), and its requests answered UNAVAILABLE."""
+        self._stopping = True
+        if self._poll_task:
+            self._poll_task.cancel()
+        deadline = time.monotonic() + self.options.exit_timeout_secs
+        while self._path.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._path.inflight:
+            log.warning("exit timeout reached with %d requests in flight", self._path.inflight)
+        await asyncio.gather(*(self._loader.unload_record(record, max(0.0, deadline - time.monotonic()),
+                                                          "the server is shutting down")
+                               for record in list(self._models.values())))
+        await self._tasks.join()
+        self._models.clear()
+        self.tracing.close()
+        self._live = False
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    @property
+    def ready(self) -> bool:
+        if not self._live or self._stopping:
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return all(record.state is ModelState.READY for record in self._models.values())
+
+    def metadata(self) -> dict[str, Any]:
+        """Named "triton", as Triton's clients and tests expect of the server they talk to; the version is
+        transerve's."""
+        return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
+
+    def loaded_fingerprints(self) -> dict[str, str]:
+        """Each model name the server holds a record of, with the fingerprint of the folder it loaded."""
+        return {name: record.fingerprint for name, record in self._models.items()}
+
+    # ---- inference -------------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """Validate once, schedule, and shape the response to what the client asked for."""
+        model = self._validated_model(request)
+        call = Call(self._path, model, request)
+        try:
+            response = await model.scheduler.submit(request)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        return call.answer(response)
+
+    def _validated_model(self, request: InferRequest) -> ModelVersion:
+        """The version a one-response request names, with the request checked against it."""
+        if self._stopping:
+            raise unavailable("the server is shutting down")
+        model = self.get_version(request.model_name, request.model_version)
+        if model.decoupled:
+            raise unsupported(DECOUPLED_INFER_MESSAGE)
+        model.signature.validate(request)
+        return model
+
+    def submit(self, request: InferRequest, on_done: OnDone) -> Call:
+        """`infer` for callers that finish in a callback rather than a coroutine (ensemble steps): validate and
+        schedule now; `on_done(future)` is called once the call's future is done, and `call.result()` then gives
+        the response. Saves a coroutine and a task wake-up, and with the direct scheduler also the loop turn of a
+        done callback. The call owns the accounting: a caller gives a request up with `call.cancel()`."""
+        model = self._validated_model(request)
+        call = Call(self._path, model, request)
+        try:
+            call.future = model.scheduler.submit(request, on_done)
+        except BaseException as exc:
+            call.fail(exc)
+            raise
+        return call
+
+    def infer_stream(self, request: InferRequest) -> ResponseStream:
+        """Any model's responses as a stream: a decoupled model's zero or more, another model's one.
+
+        Validation errors raise here, before anything is queued; later errors end the stream.
+        Cancelling the stream cancels the request: still queued, its scheduler skips it; running,
+        the backend hears of it through the stream (decoupled models).
+        """
+        if self._stopping:
+            raise unavailable("the server is shutting down")
+        model = self.get_version(request.model_name, request.model_version)
+        model.signature.validate(request)
+        stream = ResponseStream(self._loop or asyncio.get_running_loop())
+        if model.decoupled:
+            request.response_stream = stream
+            runner = run_decoupled(self._path, model, request, stream)
+        else:
+            runner = run_single(self._path, model, request, stream)
+        task = (self._loop or asyncio.get_running_loop()).create_task(runner)
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+        stream.on_cancel(task.cancel)
+        return stream
+
+    # ---- model control ---------------------------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._model_locks.get(name)
+        if lock is None:
+            lock = self._model_locks[name] = asyncio.Lock()
+        return lock
+
+    async def load_model(
+        self, name: str, config_json: str | bytes | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        """Load (or reload) a model; the old versions keep serving until the new ones are ready.
+
+        `files` (a load request's `file:<version>/<name>` contents) replace the model's folder: they are
+        written to a temporary folder, never into the repository, and need `config_json` beside them.
+        """
+        if not is_plain_model_name(name):
+            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        async with self._lock(name):
+            override = None
+            if files:
+                if not config_json:
+                    raise invalid_arg(f"failed to load '{name}': 'file:' contents need a 'config' parameter too")
+                override = write_model_files(name, files)
+                location = ModelLocation(name, override / name, override)
+            else:
+                location = self.repository.locate(name)
+                if location is None:
+                    raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
+            old = self._models.get(name)
+            if old is None:
+                self._models[name] = ModelRecord(name, ModelState.LOADING)
+            try:
+                record = await self._loader.load_record(location, config_json)
+            except ServerError as exc:
+                if override is not None:
+                    shutil.rmtree(override, ignore_errors=True)
+                if old is not None and old.versions:
+                    log.error("reload of model '%s' failed, the old version keeps serving: %s", name, exc.message)
+                else:
+                    self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, exc.message)
+                raise
+            record.override_path = override
+            self._models[name] = record
+            if old is not None:
+                self._tasks.start(self._loader.unload_record(old, self.options.exit_timeout_secs, "it was reloaded"),
+                                  f"unloading the old versions of reloaded model '{name}'")
+            log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload a model; with `unload_dependents`, an ensemble's composing models too."""
+        if not is_plain_model_name(name):
+            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        async with self._lock(name):
+            record = self._models.pop(name, None)
+            if record is None:
+                return
+            await self._loader.unload_record(record, self.options.exit_timeout_secs, "it was unloaded")
+            log.info("model '%s' unloaded", name)
+        if unload_dependents:
+            for model in record.versions.values():
+                for step in model.config.ensemble_scheduling.step:
+                    if step.model_name != name:
+                        await self.unload_model(step.model_name, unload_dependents=True)
+
+    async def _load_composing_models(self, name: str, config: model_config_pb2.ModelConfig) -> None:
+        """Explicit control loads what an ensemble needs first, as Triton does."""
+        for step in config.ensemble_scheduling.step:
+            if step.model_name != name and step.model_name not in self._models:
+                try:
+                    await self.load_model(step.model_name)
+                except ServerError as exc:
+                    raise invalid_arg(f"ensemble '{name}': composing model '{step.model_name}' failed to load: "
+                                      f"{exc.message}") from None
+
+    async def poll_once(self) -> None:
+        """Load added models, unload removed ones, reload changed ones (a failed reload keeps the old)."""
+        await poll_once(self)
