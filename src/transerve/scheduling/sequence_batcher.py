@@ -33,7 +33,6 @@ such configs at load.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import heapq
 import itertools
@@ -54,6 +53,7 @@ from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
 from transerve.scheduling import OnDone
 from transerve.scheduling.cancellation import Watcher, settle, watch
+from transerve.scheduling.sequence_lanes import DirectLane, Lane, OldestLane, Pending, Slot
 
 log = logging.getLogger("transerve")
 
@@ -64,41 +64,13 @@ _UINT64_MASK = (1 << 64) - 1
 _NOT_READY = -1
 
 
-class _Pending:
-    """A queued request and the future its client awaits."""
-
-    __slots__ = ("request", "future")
-
-    def __init__(self, request: InferRequest, future: asyncio.Future[InferResponse]) -> None:
-        self.request = request
-        self.future = future
-
-
-class _Slot:
-    """One batch slot of one instance. `queue` holds its sequence's requests; None in it marks where the
-    reaper ended an idle sequence."""
-
-    __slots__ = ("lane", "index", "queue", "in_flight")
-
-    def __init__(self, lane: _Lane, index: int) -> None:
-        self.lane = lane
-        self.index = index
-        self.queue: deque[_Pending | None] = deque()
-        #: oldest: a request of this slot is waiting to execute or executing.
-        self.in_flight = False
-
-    def __lt__(self, other: _Slot) -> bool:
-        """Free slots are handed out lowest index first, so load spreads over instances (Triton's order)."""
-        return (self.index, self.lane.number) < (other.index, other.lane.number)
-
-
 class _Backlog:
     """Requests of a sequence that started while every slot was taken."""
 
     __slots__ = ("queue",)
 
     def __init__(self) -> None:
-        self.queue: deque[_Pending] = deque()
+        self.queue: deque[Pending] = deque()
 
 
 class _ControlTensors:
@@ -170,19 +142,19 @@ class SequenceBatcher:
         self._check_inputs = bool(self._equal_shapes) or any(tensor.optional for tensor in config.input)
         if batching.HasField("oldest"):
             slots = batching.oldest.max_candidate_sequences or max(1, config.max_batch_size)
-            self._lanes: list[_Lane] = [
-                _OldestLane(self, number, instance, slots, max(1, config.max_batch_size), batching.oldest)
+            self._lanes: list[Lane] = [
+                OldestLane(self, number, instance, slots, max(1, config.max_batch_size), batching.oldest)
                 for number, instance in enumerate(instances)
             ]
         else:
             slots = max(1, config.max_batch_size)
             self._lanes = [
-                _DirectLane(self, number, instance, slots, batching.direct) for number, instance in enumerate(instances)
+                DirectLane(self, number, instance, slots, batching.direct) for number, instance in enumerate(instances)
             ]
-        self._free: list[_Slot] = [slot for lane in self._lanes for slot in lane.slots]
+        self._free: list[Slot] = [slot for lane in self._lanes for slot in lane.slots]
         heapq.heapify(self._free)
         #: Sequence id -> its slot, from its first request until its END request is queued.
-        self._assigned: dict[int | str, _Slot] = {}
+        self._assigned: dict[int | str, Slot] = {}
         #: Sequence id -> its backlog, while the sequence is still sending requests there.
         self._backlogged: dict[int | str, _Backlog] = {}
         self._backlogs: deque[_Backlog] = deque()
@@ -238,7 +210,7 @@ class SequenceBatcher:
             if self._reaper is None:
                 self._arm_reaper(request.arrival_ns + self._idle_ns)
         self._queued += 1
-        pending = _Pending(request, future)
+        pending = Pending(request, future)
         if slot is None and backlog is None:
             if self._free:
                 slot = heapq.heappop(self._free)
@@ -285,7 +257,7 @@ class SequenceBatcher:
 
     # ---- slots, backlog and the idle reaper ------------------------------------------------------------
 
-    def release(self, slot: _Slot) -> None:
+    def release(self, slot: Slot) -> None:
         """A slot's sequence ended: give the slot to the oldest backlogged sequence, or free it. A backlogged
         sequence with a cancelled request is cancelled instead (Triton looks at it here too)."""
         while self._backlogs:
@@ -304,7 +276,7 @@ class SequenceBatcher:
             return
         heapq.heappush(self._free, slot)
 
-    def end_cancelled(self, slot: _Slot) -> None:
+    def end_cancelled(self, slot: Slot) -> None:
         """The request at the front of the slot was cancelled: its sequence ends there, with every request it
         still has queued, and the slot goes to the next sequence."""
         first = slot.queue[0]
@@ -318,7 +290,7 @@ class SequenceBatcher:
         self._cancel(queued)
         self.release(slot)
 
-    def _cancel(self, queued: Iterable[_Pending | None]) -> None:
+    def _cancel(self, queued: Iterable[Pending | None]) -> None:
         """Answer the requests of a cancelled sequence CANCELLED; those whose client went away are counted here,
         as the core never sees their outcome."""
         now = time.monotonic_ns()
@@ -406,7 +378,7 @@ class SequenceBatcher:
 
     def execute(
         self,
-        lane: _Lane,
+        lane: Lane,
         requests: list[InferRequest],
         futures: list[asyncio.Future[InferResponse] | None],
         finished: Callable[[], None],
@@ -451,7 +423,7 @@ class SequenceBatcher:
 
     def _deliver(
         self,
-        lane: _Lane,
+        lane: Lane,
         requests: list[InferRequest],
         futures: list[asyncio.Future[InferResponse] | None],
         watchers: list[Watcher | None],
@@ -491,191 +463,9 @@ class SequenceBatcher:
             inferences=len(real),
         )
 
-    def _failed(self, lane: _Lane, count: int, what: str) -> ExecutionResult:
+    def _failed(self, lane: Lane, count: int, what: str) -> ExecutionResult:
         error = internal(f"model '{self._model_name}' instance '{lane.instance.name}' {what}")
         return ExecutionResult([error] * count)
 
     def call_later(self, delay_ns: int, callback: Callable[[], None]) -> asyncio.TimerHandle:
         return self._loop.call_later(delay_ns / 1e9, callback)
-
-
-class _Lane(abc.ABC):
-    """The slots of one instance and the batches formed from them; one execution at a time."""
-
-    def __init__(self, batcher: SequenceBatcher, number: int, instance: BackendInstance, slots: int) -> None:
-        self.batcher = batcher
-        self.number = number
-        self.instance = instance
-        self.slots = [_Slot(self, index) for index in range(slots)]
-        self.busy = False
-        self._timer: asyncio.TimerHandle | None = None
-
-    @abc.abstractmethod
-    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
-        """Add a request (or the reaper's end mark) to a slot of this lane."""
-
-    def _wait(self, delay_ns: int) -> None:
-        """Form the batch again after `delay_ns`, unless a completion or arrival does it first."""
-        if self._timer is None:
-            self._timer = self.batcher.call_later(delay_ns, self._timed_out)
-
-    def _timed_out(self) -> None:
-        self._timer = None
-        self.schedule()
-
-    def _stop_waiting(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    @abc.abstractmethod
-    def schedule(self) -> None:
-        """Start the next batch if the instance is free and one is due."""
-
-    def _finished(self) -> None:
-        self.busy = False
-        self.schedule()
-
-
-class _DirectLane(_Lane):
-    """Direct strategy: a batch holds each busy slot's next request at the slot's index."""
-
-    def __init__(
-        self,
-        batcher: SequenceBatcher,
-        number: int,
-        instance: BackendInstance,
-        slots: int,
-        config: model_config_pb2.ModelSequenceBatching.StrategyDirect,
-    ) -> None:
-        super().__init__(batcher, number, instance, slots)
-        self._delay_ns = config.max_queue_delay_microseconds * 1000
-        self._utilization = config.minimum_slot_utilization
-
-    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
-        slot.queue.append(pending)
-        self.schedule()
-
-    def schedule(self) -> None:
-        if self.busy:
-            return
-        for slot in self.slots:
-            while slot.queue and (slot.queue[0] is None or slot.queue[0].future.cancelled()):
-                if slot.queue[0] is None:  # the reaper's mark reached the front: every request before it has run
-                    slot.queue.popleft()
-                    self.batcher.release(slot)
-                else:
-                    self.batcher.end_cancelled(slot)
-        heads = [(slot, slot.queue[0]) for slot in self.slots if slot.queue]
-        if not heads:
-            return
-        if self._delay_ns and self._utilization and len(heads) / len(self.slots) < self._utilization:
-            waited = time.monotonic_ns() - min(pending.request.arrival_ns for _, pending in heads)
-            if waited < self._delay_ns:
-                self._wait(self._delay_ns - waited)
-                return
-        self._stop_waiting()
-        first = heads[0][1]
-        assert first is not None  # marks were taken off the fronts above
-        key = self.batcher.batch_key(first.request)
-        # Null requests copy the first request's inputs as the client sent them, before controls are added.
-        client_inputs = list(first.request.inputs)
-        zeros: list[Tensor] | None = None
-        requests: list[InferRequest] = []
-        futures: list[asyncio.Future[InferResponse] | None] = []
-        for slot in self.slots[: heads[-1][0].index + 1]:
-            pending = slot.queue[0] if slot.queue else None
-            if pending is None or (key is not None and self.batcher.batch_key(pending.request) != key):
-                if zeros is None:
-                    zeros = self.batcher.zeroed_inputs(client_inputs)
-                requests.append(self.batcher.null_request(first.request.model_name, zeros))
-                futures.append(None)
-                continue
-            slot.queue.popleft()
-            request = pending.request
-            self.batcher.prepare(request)
-            requests.append(request)
-            futures.append(pending.future)
-            if self.batcher.ends(request):
-                self.batcher.release(slot)
-        self.busy = True
-        self.batcher.execute(self, requests, futures, self._finished)
-
-
-class _OldestLane(_Lane):
-    """Oldest strategy: each slot's next request joins a queue, batched oldest first."""
-
-    def __init__(
-        self,
-        batcher: SequenceBatcher,
-        number: int,
-        instance: BackendInstance,
-        slots: int,
-        max_batch: int,
-        config: model_config_pb2.ModelSequenceBatching.StrategyOldest,
-    ) -> None:
-        super().__init__(batcher, number, instance, slots)
-        self._preferred = sorted(config.preferred_batch_size)
-        #: A batch this big goes at once (the largest preferred size, else the largest batch).
-        self._target = self._preferred[-1] if self._preferred else max_batch
-        self._delay_ns = config.max_queue_delay_microseconds * 1000
-        #: (slot, request, monotonic ns it became ready): the queue delay counts from the last.
-        self._ready: deque[tuple[_Slot, _Pending, int]] = deque()
-
-    def enqueue(self, slot: _Slot, pending: _Pending | None) -> None:
-        slot.queue.append(pending)
-        if not slot.in_flight:
-            self._advance(slot)
-        self.schedule()
-
-    def _advance(self, slot: _Slot) -> None:
-        """Make the slot's next request ready, releasing the slot at its sequence's end (Triton's
-        CompleteAndNext); a sequence taking the slot over waits for the ending one's last request."""
-        while slot.queue and not slot.in_flight:
-            pending = slot.queue[0]
-            if pending is not None and pending.future.cancelled():
-                self.batcher.end_cancelled(slot)
-                continue
-            slot.queue.popleft()
-            if pending is None:
-                self.batcher.release(slot)
-                continue
-            request = pending.request
-            self.batcher.prepare(request)
-            slot.in_flight = True
-            self._ready.append((slot, pending, time.monotonic_ns()))
-            if self.batcher.ends(request):
-                self.batcher.release(slot)
-
-    def schedule(self) -> None:
-        if self.busy or not self._ready:
-            return
-        key = self.batcher.batch_key(self._ready[0][1].request)
-        count = 0
-        for _, pending, _ in self._ready:
-            if count == self._target or (key is not None and self.batcher.batch_key(pending.request) != key):
-                break
-            count += 1
-        if count < self._target and count == len(self._ready):
-            # The batch could still grow: wait out the queue delay, then take a preferred size if one fits.
-            waited = time.monotonic_ns() - self._ready[0][2]
-            if waited < self._delay_ns:
-                self._wait(self._delay_ns - waited)
-                return
-            if self._delay_ns:
-                count = next((size for size in reversed(self._preferred) if size <= count), count)
-        self._stop_waiting()
-        batch = [self._ready.popleft() for _ in range(count)]
-        self.busy = True
-        self.batcher.execute(
-            self,
-            [pending.request for _, pending, _ in batch],
-            [pending.future for _, pending, _ in batch],
-            lambda: self._completed([slot for slot, _, _ in batch]),
-        )
-
-    def _completed(self, slots: list[_Slot]) -> None:
-        for slot in slots:
-            slot.in_flight = False
-            self._advance(slot)
-        self._finished()
