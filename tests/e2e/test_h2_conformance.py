@@ -366,6 +366,12 @@ def test_priority_frames_are_accepted_on_idle_open_and_closed_streams(client: Cl
     assert_serving(client, 9)  # the PRIORITY before did not use up stream 9
 
 
+def test_an_idle_stream_depending_on_itself_is_a_protocol_error(client: Client) -> None:
+    """A stream that is not open cannot be reset: the connection ends, as nghttp2 ends it."""
+    client.raw(PriorityFrame(5, depends_on=5))
+    assert_goaway(client, ErrorCodes.PROTOCOL_ERROR)
+
+
 def test_priority_on_stream_0_is_a_protocol_error(client: Client) -> None:
     client.raw(b"\x00\x00\x05\x02\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x01\x10")
     assert_goaway(client, ErrorCodes.PROTOCOL_ERROR)
