@@ -12,10 +12,9 @@ import pytest
 from hpack import Decoder, Encoder, HPACKError
 from hypothesis import given
 from hypothesis import strategies as st
-from support.fuzzing import FakeTransport, Loop, h2_frames, settle
+from support.fuzzing import FakeTransport, Loop, h2_connection, h2_frames, settle
 
 from transerve.frontends.grpc.http2 import frames as h2
-from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.frames import H2ConnectionError, H2StreamError
 from transerve.frontends.grpc.http2.headers import HeaderDecoder, RequestHead, _request_head
 from transerve.frontends.grpc.http2.stream import Stream
@@ -152,7 +151,7 @@ def loop() -> Iterator[Loop]:
 def test_a_bad_block_on_a_connection_is_goaway_compression_error(loop: Loop, block: bytes, split: int) -> None:
     async def run() -> FakeTransport:
         transport = FakeTransport()
-        connection = Http2Connection(_Calls(), 1 << 20, lambda _: None)
+        connection = h2_connection(_Calls())
         connection.connection_made(transport)
         first, rest = block[:split], block[split:]
         frames = h2.frame(h2.HEADERS, h2.END_STREAM | (0 if rest else h2.END_HEADERS), 1, first)

@@ -12,7 +12,7 @@ import pytest
 from hpack import Encoder
 from hypothesis import given
 from hypothesis import strategies as st
-from support.fuzzing import FakeTransport, Loop, cut, h2_frames, settle
+from support.fuzzing import FakeTransport, Loop, cut, h2_connection, h2_frames, settle
 
 from transerve.frontends.grpc.http2 import frames as h2
 from transerve.frontends.grpc.http2.connection import MAX_FRAME, MAX_HEADER_LIST, Http2Connection
@@ -45,7 +45,7 @@ class _Answer:
 
 async def _drive(chunks: list[bytes]) -> tuple[FakeTransport, Http2Connection]:
     transport = FakeTransport()
-    connection = Http2Connection(_Answer(), 1 << 20, lambda _: None)
+    connection = h2_connection(_Answer())
     connection.connection_made(transport)
     for chunk in chunks:
         if transport.closed:

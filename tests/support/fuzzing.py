@@ -9,6 +9,7 @@ because shared CI machines stall) and `release` (many examples, random, for `too
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import struct
@@ -121,6 +122,17 @@ def cut(data: bytes, points: Iterable[int]) -> list[bytes]:
         return [data]
     edges = sorted({point % len(data) for point in points} | {0, len(data)})
     return [data[a:b] for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def h2_connection(handler: object, max_message: int = 1 << 20) -> object:
+    """A native gRPC connection (built on the running loop) whose calls go to `handler`, with default limits."""
+    from transerve.frontends.grpc.http2.connection import Http2Connection
+
+    if "limits" not in inspect.signature(Http2Connection).parameters:  # before the h2 branch's Http2Limits
+        return Http2Connection(handler, max_message, lambda _: None)  # type: ignore[arg-type]
+    from transerve.frontends.grpc.limits import Http2Limits  # type: ignore[import-not-found]
+
+    return Http2Connection(handler, Http2Limits(max_message=max_message), lambda _: None)  # type: ignore[arg-type]
 
 
 def h2_frames(out: bytes) -> list[tuple[int, int, int, bytes]]:
