@@ -11,6 +11,7 @@ any property failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import sys
@@ -40,6 +41,7 @@ def run(test, seconds: float) -> tuple[int, float, str]:
     count = 0
     inner = test.hypothesis.inner_test
 
+    @functools.wraps(inner)  # so that a failure prints the property's name and arguments
     def counted(*args, **kwargs):
         nonlocal count
         count += 1

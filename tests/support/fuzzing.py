@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 _SLOW_GENERATION = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
 settings.register_profile(
-    "ci", max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True,
+    "ci", max_examples=200, deadline=None, derandomize=True, database=None, print_blob=True,
     suppress_health_check=_SLOW_GENERATION,
 )
 settings.register_profile(
