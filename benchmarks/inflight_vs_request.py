@@ -85,8 +85,14 @@ def worker(args: argparse.Namespace) -> None:
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
     from transerve.backends.generation.torch_engine import TorchEngine
 
+    try:  # the engine takes a scheduling object; revisions before the split took its name
+        from transerve.backends.generation.static_scheduling import scheduling_named
+
+        scheduling = scheduling_named(args.scheduling)
+    except ImportError:
+        scheduling = args.scheduling
     torch.set_num_threads(args.threads)
-    engine = TorchEngine(Path(args.model), max_batch_rows=args.rows, scheduling=args.scheduling)
+    engine = TorchEngine(Path(args.model), max_batch_rows=args.rows, scheduling=scheduling)
     requests = load(1000, args.seed, engine.eos_token_ids[0])
     lock = threading.Lock()
     produced = [0]

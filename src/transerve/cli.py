@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import resource
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--strict-readiness", type=_bool, default=True, metavar="BOOL")
     add("--exit-on-error", type=_bool, default=False, metavar="BOOL",
         help="exit if a model fails to load at start (default false: it is listed UNAVAILABLE)")
-    add("--exit-timeout-secs", type=float, default=30.0)
+    add("--exit-timeout-secs", type=float, default=30.0,
+        help="on SIGTERM/SIGINT, and for an unload: how long running requests may go on before they are stopped "
+             "(python workers killed, their requests answered UNAVAILABLE)")
     add("--log-verbose", type=int, default=0, metavar="LEVEL")
     add("--log-info", type=_bool, default=True, metavar="BOOL")
     add("--log-warning", type=_bool, default=True, metavar="BOOL")
@@ -357,9 +361,29 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
         log.info("%s service listening on %s:%d", name, address, port)
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %ss)", args.exit_timeout_secs)
+    _exit_backstop(args.exit_timeout_secs + EXIT_BACKSTOP_S)
     await _shutdown(server, started, args.exit_timeout_secs)
     log.info("stopped")
     return 0
+
+
+#: How long past the exit timeout a shutdown may take (a model's `finalize` gets up to 10 s) before the process
+#: exits regardless: what a worker process runs is killed at the timeout, but a thread cannot be.
+EXIT_BACKSTOP_S = 15.0
+
+
+def _exit_backstop(seconds: float) -> None:
+    """Exit the process if shutting down takes more than `seconds` (a model thread that never returns, a hung
+    finalize); python workers die with it (their parent-death signal)."""
+
+    def expire() -> None:
+        log.error("shutdown still not done %gs after it began: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 async def _shutdown(server: Server, frontends: list[Any], grace: float) -> None:

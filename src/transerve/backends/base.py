@@ -8,6 +8,8 @@ of validated requests and gets back one result per request, in order.
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,11 +104,21 @@ class BackendInstance(abc.ABC):
         """
         return self.execute(requests)
 
+    def abort(self, reason: str) -> None:
+        """The instance is being closed and out of time: stop what it still runs, failing those requests
+        UNAVAILABLE with `reason`, if it can (python workers are killed; a thread cannot be)."""
+        return None
+
     def cancel(self, request: InferRequest) -> None:
         """The client of `request`, which this instance is executing, went away (a decoupled request hears of it
         through its response stream instead). Instances that set `cancellable` stop its work early; the
         execution still completes, and whatever it returns for the request is dropped."""
         return None  # by default the execution runs to its end
+
+    def expired(self, request: InferRequest) -> None:
+        """`request`, which this instance is executing, passed its deadline and its client was answered: by default
+        as if its client went away."""
+        self.cancel(request)
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -141,10 +153,11 @@ class BackendModel:
         #: The final configuration, after the backend's auto-completion.
         self.config = config
         self.instances = list(instances)
+        #: Instances restarted, by reason ("crash", "memory", "hung"): python workers; exported as a metric.
+        self.restarts: Counter[str] = Counter()
 
     async def unload(self) -> None:
-        for instance in self.instances:
-            await instance.close()
+        await asyncio.gather(*(instance.close() for instance in self.instances))
 
 
 class Backend(abc.ABC):

@@ -244,7 +244,8 @@ class Server:
             log.error("model '%s' is UNAVAILABLE: %s", name, exc.message)
 
     async def stop(self) -> None:
-        """Finish in-flight requests (up to the exit timeout), then unload every model."""
+        """Finish in-flight requests (up to the exit timeout), then unload every model: what still runs then is
+        stopped (python workers are killed), and its requests answered UNAVAILABLE."""
         self._stopping = True
         if self._poll_task:
             self._poll_task.cancel()
@@ -253,7 +254,8 @@ class Server:
             await asyncio.sleep(0.01)
         if self._inflight:
             log.warning("exit timeout reached with %d requests in flight", self._inflight)
-        await asyncio.gather(*(self._unload_record(record) for record in list(self._models.values())))
+        await asyncio.gather(*(self._unload_record(record, max(0.0, deadline - time.monotonic()), "the server is "
+                                                   "shutting down") for record in list(self._models.values())))
         self._models.clear()
         self.tracing.close()
         self._live = False
@@ -552,7 +554,7 @@ class Server:
             record.override_path = override
             self._models[name] = record
             if old is not None:
-                asyncio.ensure_future(self._unload_record(old))
+                asyncio.ensure_future(self._unload_record(old, self.options.exit_timeout_secs, "it was reloaded"))
             log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
@@ -563,7 +565,7 @@ class Server:
             record = self._models.pop(name, None)
             if record is None:
                 return
-            await self._unload_record(record)
+            await self._unload_record(record, self.options.exit_timeout_secs, "it was unloaded")
             log.info("model '%s' unloaded", name)
         if unload_dependents:
             for model in record.versions.values():
@@ -682,12 +684,23 @@ class Server:
             backend = self._backends[kind] = backend_type()
         return backend
 
-    async def _unload_record(self, record: ModelRecord) -> None:
-        for model in record.versions.values():
-            await model.scheduler.drain()
-            await model.backend_model.unload()
+    async def _unload_record(self, record: ModelRecord, timeout: float, why: str) -> None:
+        """Let the versions finish what they have queued and running, for up to `timeout` seconds (the exit
+        timeout: Triton waits for in-flight requests), then stop what still runs and release them."""
+        await asyncio.gather(*(self._unload_version(model, timeout, why) for model in record.versions.values()))
         if record.override_path is not None:
             shutil.rmtree(record.override_path, ignore_errors=True)
+
+    @staticmethod
+    async def _unload_version(model: ModelVersion, timeout: float, why: str) -> None:
+        try:
+            await asyncio.wait_for(model.scheduler.drain(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("model '%s' version %s still had requests running %gs after unload began: stopping them",
+                        model.name, model.version, timeout)
+            for instance in model.backend_model.instances:
+                instance.abort(f"{why}, and it was still running {timeout:g}s later (the exit timeout)")
+        await model.backend_model.unload()
 
     # ---- polling ---------------------------------------------------------------------------------
 

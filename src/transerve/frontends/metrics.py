@@ -113,11 +113,23 @@ class TritonMetricsCollector:
             yield from self._gpu.families()
         # Triton's registry lists counters, then gauges, then summaries, then what backends add.
         yield from _summary_families(models)
+        yield _restarts(models)
         for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
             family = _family(name, description, kind)
             for sample in samples:
                 family.add_sample(*sample)
             yield family
+
+
+def _restarts(models: list[ModelVersion]) -> Metric:
+    """transerve's own counter (Triton has none): python-backend workers restarted, by reason ("crash", "memory":
+    past `max_worker_rss_bytes`, "hung": an execute past its request's timeout); left out while there is none."""
+    family = _family("transerve_model_instance_restarts", "Number of model instance processes restarted, by reason",
+                     "counter")
+    for model in models:
+        for reason, number in sorted(model.backend_model.restarts.items()):
+            family.add_sample(family.name, {"model": model.name, "version": model.version, "reason": reason}, number)
+    return family
 
 
 def _summary_families(models: list[ModelVersion]) -> Iterator[Metric]:

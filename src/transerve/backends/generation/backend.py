@@ -91,16 +91,18 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
             max_batch_rows=settings.max_batch_rows, max_concurrent_calls=settings.max_concurrent_calls,
         )
+    from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine
 
-    extra = {"scheduling": settings.scheduling} if settings.scheduling else {}
+    # A config may name a scheduling to compare against (docs/generation.md); in-flight otherwise.
+    scheduling = scheduling_named(settings.scheduling) if settings.scheduling else None
     with _TORCH_LOADING:
         return TorchEngine(
             settings.model_dir, device=f"cuda:{placement.device_id}" if on_gpu else "cpu",
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
             max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
             latency_threads=settings.latency_threads, latency_rows=settings.latency_rows,
-            onednn_linear=settings.onednn_linear, join_group=settings.join_group, **extra,
+            onednn_linear=settings.onednn_linear, join_group=settings.join_group, scheduling=scheduling,
         )
 
 

@@ -32,7 +32,8 @@ class GenerationSettings:
     kv_cache_tokens: int
     #: The default when a request says nothing.
     max_new_tokens: int
-    #: The torch engine's scheduling ("inflight" unless the config says otherwise), None when not set.
+    #: The torch engine's scheduling by name, None when not set (in-flight): the others are kept to compare against
+    #: (`static_scheduling`).
     scheduling: str | None
     #: Torch engine: threads of the joining work while at most `latency_rows` rows run (0: the CPUs it may use).
     latency_threads: int = 0

@@ -3,6 +3,10 @@
 The server side of an instance keeps one worker, talks to it through `ipc.AsyncConnection`
 (shared-memory tensors, a socket for control) and restarts it when it dies: requests in flight at
 that moment fail with an INTERNAL error naming the model, and later requests go to a fresh worker.
+The server also ends workers on purpose (see docs/security.md, "Faults"): a busy worker of a model being
+unloaded once the exit timeout has passed, a worker past its model's `max_worker_rss_bytes`, a worker whose
+execute runs on `hung-execute-grace-secs` after its request timed out; what such a worker was running fails
+UNAVAILABLE, and the last two are restarted. Workers die with the server (a parent-death signal).
 A decoupled model's responses and the BLS calls a model makes travel on the same connection
 (`streams.WorkerStreams`).
 """
@@ -19,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +68,14 @@ STOP_TIMEOUT_S = 10.0
 EXIT_TIMEOUT_S = 5.0
 #: Executions an instance accepts before earlier ones finish (`--backend-config=python,max-inflight=N`).
 DEFAULT_MAX_INFLIGHT = 4
+#: How long an execute may go on after its request's timeout expired before its worker is deemed hung and
+#: restarted (`--backend-config=python,hung-execute-grace-secs=N`): a model sees `is_cancelled()` at the timeout
+#: and may stop on its own first; a worker restart costs the model's `initialize`.
+DEFAULT_HUNG_GRACE_S = 10.0
+#: The model config parameter that caps a worker's resident memory (bytes); past it, the worker is restarted.
+RSS_PARAMETER = "max_worker_rss_bytes"
+#: How often a worker's resident memory is read (/proc/<pid>/statm, a few microseconds) when it is capped.
+RSS_POLL_S = 0.5
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +91,10 @@ class WorkerSpec:
     log_fd: int | None = None
     #: The model's own Python environment (EXECUTION_ENV_PATH); None: the server's interpreter.
     interpreter: Interpreter | None = None
+    #: `max_worker_rss_bytes`: a worker whose resident memory passes it is restarted; 0: no ceiling.
+    max_rss_bytes: int = 0
+    #: `hung-execute-grace-secs`: how long an execute may run past its request's timeout.
+    hung_grace_s: float = DEFAULT_HUNG_GRACE_S
 
 
 class WorkerProcess:
@@ -93,6 +110,10 @@ class WorkerProcess:
         self.instance = instance
         self.exit_code: asyncio.Future[int] = self._loop.create_future()
         self.connection = AsyncConnection(sock, endpoint, self._loop)
+        #: Why the server killed this worker on purpose (unload, memory, a hung execute); None while it has not.
+        self.ended_by: str | None = None
+        #: The timed-out request whose execute hung this worker: executes queued behind it run again elsewhere.
+        self.hung_on: InferRequest | None = None
         #: Decoupled requests and BLS calls, once an instance adopts the worker.
         self.streams: WorkerStreams | None = None
         self._pidfd = os.pidfd_open(process.pid)
@@ -114,6 +135,8 @@ class WorkerProcess:
             str(to_worker.fd),
             "--output-fd",
             str(from_worker.fd),
+            "--parent-pid",
+            str(os.getpid()),
         ]
         passed = [child.fileno(), to_worker.fd, from_worker.fd]
         if spec.log_fd is not None:
@@ -197,10 +220,27 @@ class WorkerProcess:
         if self.process.returncode is None:
             self.process.kill()
 
+    def end(self, reason: str) -> None:
+        """Kill the worker on purpose: what it was running fails UNAVAILABLE, naming `reason`."""
+        if self.ended_by is None:
+            self.ended_by = reason
+        self.kill()
+
+    def rss_bytes(self) -> int:
+        """The worker's resident memory (0 once it is gone)."""
+        try:
+            with open(f"/proc/{self.process.pid}/statm", "rb") as statm:
+                return int(statm.read().split()[1]) * _PAGE_BYTES
+        except (OSError, ValueError, IndexError):
+            return 0
+
     async def abort(self) -> None:
         """Kill the worker without waiting on model code, and wait until it is gone."""
         self.kill()
         await self.exit_code
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def describe_exit(code: int) -> str:
@@ -247,6 +287,7 @@ class PythonInstance(BackendInstance):
         decoupled: bool,
         runtime: Any,
         rescheduling: Rescheduling | None = None,
+        restarts: Counter[str] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
@@ -264,10 +305,17 @@ class PythonInstance(BackendInstance):
         self._closed = False
         #: Tasks started from callbacks, kept referenced until they finish.
         self._background: set[asyncio.Task[None]] = set()
+        #: Workers restarted, by reason ("crash", "memory", "hung"), shared by the model's instances (a metric).
+        self._restarts: Counter[str] = Counter() if restarts is None else restarts
+        #: A worker killed by `abort`, for `close` to wait on.
+        self._aborted: WorkerProcess | None = None
+        self._rss_timer: asyncio.TimerHandle | None = None
 
     async def start(self, worker: WorkerProcess | None = None) -> None:
         """Start (or adopt, after auto-complete) a worker and initialize the model in it."""
         self._worker = await self._launch(worker)
+        if self._spec.max_rss_bytes:
+            self._rss_timer = self._loop.call_later(RSS_POLL_S, self._check_rss)
 
     async def _launch(self, worker: WorkerProcess | None = None) -> WorkerProcess:
         if worker is None:
@@ -275,7 +323,7 @@ class PythonInstance(BackendInstance):
         streams = worker.streams = WorkerStreams(
             worker.connection, self._runtime, self._spec.model_name, self._spec.model_version
         )
-        worker.exit_code.add_done_callback(lambda done: streams.lost(self._exit_message(done.result())))
+        worker.exit_code.add_done_callback(lambda _: streams.lost(self._lost_error(worker)))
         try:
             self._has_is_ready = await worker.call(OP_INITIALIZE, self._initialize_args)
         except BaseException:
@@ -288,6 +336,7 @@ class PythonInstance(BackendInstance):
         """A worker died: unless we are closing, start a fresh one at once."""
         if self._closed or worker is not self._worker:
             return
+        self._restarts["crash"] += 1
         logger.error(
             "model '%s' instance '%s' process exited unexpectedly (%s); restarting it",
             self._spec.model_name,
@@ -296,6 +345,30 @@ class PythonInstance(BackendInstance):
         )
         self._worker = None
         self._restart()
+
+    def _end_worker(self, worker: WorkerProcess, why: str, reason: str) -> None:
+        """Kill a worker on purpose and start a fresh one at once: what it ran fails UNAVAILABLE."""
+        if self._closed or worker is not self._worker:
+            return
+        self._restarts[why] += 1
+        logger.error("model '%s' instance '%s': %s; restarting it", self._spec.model_name, self.name, reason)
+        worker.end(reason)
+        self._worker = None
+        self._restart()
+
+    def _check_rss(self) -> None:
+        """Restart the worker if its resident memory passed the model's ceiling (polled, so a worker busy in a
+        long execute is caught too)."""
+        if self._closed:
+            return
+        worker, ceiling = self._worker, self._spec.max_rss_bytes
+        if worker is not None:
+            rss = worker.rss_bytes()
+            if rss > ceiling:
+                self._end_worker(
+                    worker, "memory", f"its resident memory ({rss} bytes) passed {RSS_PARAMETER} ({ceiling} bytes)"
+                )
+        self._rss_timer = self._loop.call_later(RSS_POLL_S, self._check_rss)
 
     def _restart(self) -> asyncio.Task[WorkerProcess]:
         """The running restart, or a new one (a failed restart is retried by the next request)."""
@@ -367,7 +440,7 @@ class PythonInstance(BackendInstance):
                 _execute_body(requests, tokens),
                 _input_groups(requests),
                 on_reply=functools.partial(self._replied, worker, requests, tokens, done),
-                on_lost=functools.partial(self._worker_lost, worker, len(requests), done),
+                on_lost=functools.partial(self._worker_lost, worker, requests, done),
             )
             return None
         except Exception as exc:  # an input the transport cannot carry
@@ -417,6 +490,23 @@ class PythonInstance(BackendInstance):
         worker = self._worker
         if worker is not None and worker.streams is not None:
             worker.streams.cancel(request)
+
+    def expired(self, request: InferRequest) -> None:
+        """Past its deadline the request is cancelled, and its worker restarted if it still runs it `hung_grace_s`
+        later. (Told by the deadline's timer, which may fire a little before the deadline by the clock.)"""
+        worker = self._worker
+        self.cancel(request)
+        if worker is not None and worker.streams is not None:
+            self._loop.call_later(self._spec.hung_grace_s, self._check_hung, worker, request)
+
+    def _check_hung(self, worker: WorkerProcess, request: InferRequest) -> None:
+        """A request timed out `hung_grace_s` ago: if its worker still runs it, the worker is hung (or too slow to be
+        of use): restart it rather than let it hold the instance forever."""
+        if worker.streams is not None and worker.streams.holds(request):
+            worker.hung_on = request
+            self._end_worker(
+                worker, "hung", f"an execute ran {self._spec.hung_grace_s:g}s past its request's timeout"
+            )
 
     def _late(
         self,
@@ -513,18 +603,29 @@ class PythonInstance(BackendInstance):
                 responses.append(ServerError(ErrorCode[code], message))
         return ExecutionResult(responses, input_ns, infer_ns, output_ns), late, again
 
-    def _exit_message(self, exit_code: int) -> str:
-        return (
-            f"Failed to process the request(s): model '{self._spec.model_name}' instance '{self.name}' "
-            f"process exited unexpectedly ({describe_exit(exit_code)})"
+    def _lost_error(self, worker: WorkerProcess) -> ServerError:
+        """The error of requests a worker was running when it ended: UNAVAILABLE if the server ended it (the
+        request may be sent again), INTERNAL if it died (the model may well fail it again)."""
+        where = f"Failed to process the request(s): model '{self._spec.model_name}' instance '{self.name}'"
+        if worker.ended_by is not None:
+            return ServerError(ErrorCode.UNAVAILABLE, f"{where} was stopped: {worker.ended_by}")
+        return ServerError(
+            ErrorCode.INTERNAL, f"{where} process exited unexpectedly ({describe_exit(worker.exit_code.result())})"
         )
 
-    def _worker_lost(self, worker: WorkerProcess, count: int, done: Callable[[ExecutionResult], None]) -> None:
-        """Fail an execution whose worker died, once the exit code can name the cause."""
+    def _worker_lost(
+        self, worker: WorkerProcess, requests: list[InferRequest], done: Callable[[ExecutionResult], None]
+    ) -> None:
+        """Fail an execution whose worker died, once the exit code can name the cause; one that waited behind a hung
+        execute (a sync model runs one at a time, so the model never saw it) runs again on the fresh worker."""
 
         async def settle() -> None:
-            error = ServerError(ErrorCode.INTERNAL, self._exit_message(await worker.exited()))
-            done(ExecutionResult([error] * count))
+            await worker.exited()
+            hung_on = worker.hung_on
+            if hung_on is not None and not self._closed and all(request is not hung_on for request in requests):
+                done(await self._execute_after_restart(requests))
+                return
+            done(ExecutionResult([self._lost_error(worker)] * len(requests)))
 
         self._in_background(settle())
 
@@ -545,14 +646,27 @@ class PythonInstance(BackendInstance):
         except ServerError:
             return False
 
+    def abort(self, reason: str) -> None:
+        """Closing, out of time: kill a worker that is still running something (its requests fail UNAVAILABLE);
+        an idle one is left to `close`, which lets the model finalize."""
+        self._closed = True
+        worker = self._worker
+        if worker is not None and worker.connection.busy:
+            worker.end(reason)
+            self._worker, self._aborted = None, worker
+
     async def close(self) -> None:
         self._closed = True
+        if self._rss_timer is not None:
+            self._rss_timer.cancel()
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
         worker, self._worker = self._worker, None
         if worker is not None:
             await worker.stop()
+        if self._aborted is not None:
+            await self._aborted.exit_code
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
@@ -678,6 +792,8 @@ class PythonBackend(Backend):
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
             log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
             interpreter=interpreter,
+            max_rss_bytes=_rss_ceiling(config),
+            hung_grace_s=_setting(context.backend_config, "hung-execute-grace-secs", DEFAULT_HUNG_GRACE_S, 0, float),
         )
         if config.sequence_batching.state:
             # Triton's python backend loads such a model but never stores the output state, so every request
@@ -697,6 +813,7 @@ class PythonBackend(Backend):
                 raise
         decoupled = config.model_transaction_policy.decoupled
         rescheduling = Rescheduling(config) if config.sequence_batching.iterative_sequence else None
+        restarts: Counter[str] = Counter()
         instances = [
             PythonInstance(
                 spec,
@@ -705,6 +822,7 @@ class PythonBackend(Backend):
                 decoupled,
                 context.runtime,
                 rescheduling,
+                restarts,
             )
             for name, kind, device in names
         ]
@@ -716,7 +834,9 @@ class PythonBackend(Backend):
         if failure is not None:
             await asyncio.gather(*(instance.close() for instance in instances))
             raise failure
-        return BackendModel(config, instances)
+        model = BackendModel(config, instances)
+        model.restarts = restarts
+        return model
 
 
 async def _auto_complete(
@@ -761,15 +881,28 @@ def _initialize_args(
     }
 
 
-def _setting(backend_config: dict[str, str], key: str, default: int, minimum: int) -> int:
-    """An integer from `--backend-config=python,KEY=VALUE`, e.g. `shm-default-byte-size` (arena bytes)."""
+def _setting(backend_config: dict[str, str], key: str, default: Any, minimum: int, kind: type = int) -> Any:
+    """A number from `--backend-config=python,KEY=VALUE`, e.g. `shm-default-byte-size` (arena bytes)."""
     value = backend_config.get(key)
     if value is None:
         return default
     try:
-        number = int(value)
+        number = kind(value)
     except ValueError:
         number = minimum - 1
-    if number < minimum:
-        raise ServerError(ErrorCode.INVALID_ARG, f"backend config {key} must be an integer >= {minimum}, got '{value}'")
+    if not number >= minimum:  # NaN included
+        what = "an integer" if kind is int else "a number"
+        raise ServerError(ErrorCode.INVALID_ARG, f"backend config {key} must be {what} >= {minimum}, got '{value}'")
     return number
+
+
+def _rss_ceiling(config: model_config_pb2.ModelConfig) -> int:
+    """The model's `max_worker_rss_bytes` parameter (0: none); INVALID_ARG unless a positive integer."""
+    if RSS_PARAMETER not in config.parameters:
+        return 0
+    value = config.parameters[RSS_PARAMETER].string_value.strip()
+    if not value.isdigit() or int(value) <= 0:
+        raise ServerError(
+            ErrorCode.INVALID_ARG, f"parameter {RSS_PARAMETER} must be a positive number of bytes, got '{value}'"
+        )
+    return int(value)

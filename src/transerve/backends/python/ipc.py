@@ -516,6 +516,11 @@ class AsyncConnection:
     def live_blocks(self) -> int:
         return self._endpoint.live_blocks
 
+    @property
+    def busy(self) -> bool:
+        """Whether a call (an execute, a finalize, ...) awaits its reply."""
+        return bool(self._waiting)
+
     def request(self, op: int, body: Any, groups: Sequence[Sequence[Entry]] = ()) -> asyncio.Future[Any]:
         """Send a call; the future resolves to the reply's (body, groups), or raises ConnectionLost."""
         future = self._loop.create_future()

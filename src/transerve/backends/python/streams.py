@@ -94,6 +94,10 @@ class WorkerStreams:
             tokens.append(token)
         return tokens
 
+    def holds(self, request: InferRequest) -> bool:
+        """Whether the worker still runs (or has yet to start) a non-decoupled request."""
+        return id(request) in self._watched
+
     def unwatch(self, request: InferRequest) -> None:
         """The request was answered (or failed): its cancellation no longer concerns the worker."""
         self._watched.pop(id(request), None)
@@ -321,9 +325,8 @@ class WorkerStreams:
 
     # ---- the worker is gone -------------------------------------------------------------------------
 
-    def lost(self, reason: str) -> None:
-        """Fail every open stream and stop every BLS call of a worker that died."""
-        error = ServerError(ErrorCode.INTERNAL, reason)
+    def lost(self, error: ServerError) -> None:
+        """Fail every open stream and stop every BLS call of a worker that died (or that the server ended)."""
         for token in list(self._requests):
             _, stream = self._requests[token]
             self.drop(token)

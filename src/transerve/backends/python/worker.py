@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import importlib
 import inspect
 import itertools
@@ -51,6 +52,8 @@ from transerve.backends.python.ipc import (
 Reply = tuple[tuple[str, str] | None, Any]
 _DONE = (None, None, None)
 _RESCHEDULED = (RESCHEDULED, None, None)
+#: prctl(2): the signal a process gets when the thread that started it ends.
+PR_SET_PDEATHSIG = 1
 _SKIPPED = ("CANCELLED", "the request was cancelled before the model started it", None)
 
 
@@ -518,13 +521,28 @@ def serve_on_loop(channel: Channel, runner: ModelRunner) -> None:
         loop.close()
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this worker when the server dies, however it dies (SIGKILL included), so no worker
+    outlives it. A server that died before the request took effect is seen as a changed parent pid."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the closed socket still ends the worker, between calls
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket-fd", type=int, required=True, help="the SOCK_SEQPACKET end to serve")
     parser.add_argument("--input-fd", type=int, required=True, help="memfd of the server-to-worker arena")
     parser.add_argument("--output-fd", type=int, required=True, help="memfd of the worker-to-server arena")
     parser.add_argument("--log-settings-fd", type=int, help="memfd of the server's log settings page")
+    parser.add_argument("--parent-pid", type=int, help="the server's pid: exit with it")
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
     # Triton's stub embeds the interpreter without arguments, so models see `sys.argv == [""]`; models that run
     # `unittest.main(...)` parse it and would reject the worker's own options.
     sys.argv = [""]

@@ -91,6 +91,8 @@ class HttpFrontend:
         #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
         self.forwarding = forwarding
         self._listener: asyncio.base_events.Server | None = None
+        #: Requests being handled, for `close` to let their answers out.
+        self._handling = 0
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -109,16 +111,25 @@ class HttpFrontend:
         if self._listener is not None:
             self._listener.close()
 
-    async def close(self) -> None:
-        """Stop the connections' timer; open connections end with the process."""
+    async def close(self, linger: float = 1.0) -> None:
+        """Let answers the core has settled (those of requests stopped at shutdown included) be written, for up to
+        `linger` seconds, then stop the connections' timer; open connections end with the process. A handler's
+        answer is written in the step its handler returns in, so none handling means none left to write."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger
+        while self._handling and loop.time() < deadline:
+            await asyncio.sleep(0.01)
         if self._connections is not None:
             self._connections.close()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
+        self._handling += 1
         try:
             response = await self._route(request)
         except ServerError as exc:
             response = error_response(HTTP_STATUS[exc.code], exc.message)
+        finally:
+            self._handling -= 1
         return response
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
