@@ -147,6 +147,13 @@ class _Transport:
 
     def __init__(self) -> None:
         self.out = bytearray()
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def writelines(self, parts: list[bytes]) -> None:
         for part in parts:
@@ -230,5 +237,17 @@ def test_a_message_larger_than_the_windows_gets_window_as_it_arrives() -> None:
             sent += len(chunk)
             await asyncio.sleep(0)
         assert len(calls.streams[0].messages) == 1
+
+    asyncio.run(run())
+
+
+def test_a_connection_is_not_read_while_its_writes_are_paused() -> None:
+    async def run() -> None:
+        calls = _Calls()
+        connection, transport = _open(calls)
+        connection.pause_writing()
+        assert not transport.reading  # a client that does not read gets nothing more read, PINGs included
+        connection.resume_writing()
+        assert transport.reading
 
     asyncio.run(run())
