@@ -295,20 +295,35 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout() -> None:
         unacknowledged.close()
 
 
-def test_an_answer_the_client_never_reads_is_given_up(native: ServerProcess) -> None:
-    """The client never opens its window past the first 64 KiB: the stream is reset after the stall timeout."""
+def _call_with_1_mib_answer(probe: Probe) -> None:
+    probe.h2.send_headers(1, request_headers(INFER))
+    body = grpc_message(identity_request(1 << 20))
+    for start in range(0, len(body), 1 << 19):
+        probe.h2.send_data(1, body[start:start + (1 << 19)], end_stream=start + (1 << 19) >= len(body))
+    probe.send()
+
+
+def test_a_stream_whose_answer_is_never_read_is_given_up(native: ServerProcess) -> None:
+    """The client opens the connection's window but never the stream's: that stream is reset after the stall
+    timeout, and the connection goes on."""
     with Probe(native.grpc_port) as probe:
         probe.handshake()
-        probe.h2.send_headers(1, request_headers(INFER))
-        body = grpc_message(identity_request(1 << 20))
-        for start in range(0, len(body), 1 << 19):
-            probe.h2.send_data(1, body[start:start + (1 << 19)], end_stream=start + (1 << 19) >= len(body))
-        probe.send()
+        probe.h2.increment_flow_control_window(1 << 24)
+        _call_with_1_mib_answer(probe)
         events = probe.events(lambda event: isinstance(event, StreamReset | StreamEnded), timeout=20)
         assert isinstance(events[-1], StreamReset) and events[-1].error_code == ErrorCodes.CANCEL
         assert sum(len(event.data) for event in events if isinstance(event, DataReceived)) <= 65535
-        probe.h2.increment_flow_control_window(1 << 20)  # the connection goes on, once the client reads again
         assert probe.health()
+
+
+def test_a_connection_whose_answers_are_never_read_is_cut(native: ServerProcess) -> None:
+    """The client never opens even the connection's window past its first 64 KiB: every answer is stuck, so the
+    connection is closed after the stall timeout."""
+    with Probe(native.grpc_port) as probe:
+        probe.handshake()
+        _call_with_1_mib_answer(probe)
+        assert_calmed(probe.terminated(timeout=20))
+    assert_bystander_answered(native)
 
 
 # ---- the message limit, on both transports --------------------------------------------------------------------------

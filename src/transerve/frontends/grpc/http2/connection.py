@@ -57,9 +57,12 @@ HELD_LIMIT = 1 << 30
 #: Queued response bytes of a stream past which its writer waits (`drained`).
 OUTBOX_HIGH = 1 << 20
 #: Queued response bytes of a connection past which its unary calls wait to start.
-BACKLOG_HIGH = 1 << 26
+BACKLOG_HIGH = 1 << 25
 #: Seconds a connection that ended in error waits for its GOAWAY to leave before it is cut.
 FAIL_LINGER = 0.5
+#: Frames handled per turn of the event loop before the rest of what was read waits for the next turn, so that a
+#: connection flooding frames cannot hold the loop from everyone else's.
+FRAMES_PER_TURN = 300
 
 _HEADERS_END = h2.END_HEADERS | h2.END_STREAM
 #: Messages shorter than this are copied behind their prefix; longer ones go out as they are.
@@ -105,7 +108,9 @@ class Http2Connection(asyncio.Protocol):
         self._table_update = False  # the next header block must say our dynamic table is empty
         self._blocked: dict[int, Stream] = {}  # streams with DATA waiting for window or a drained socket
         self._backlog = 0  # bytes of answers queued on streams
-        self._deferred: deque[Stream] = deque()  # unary calls complete but not started while the backlog is high
+        self._backlogged = False  # the backlog went past BACKLOG_HIGH: calls wait, and so does their requests' window
+        self._deferred: deque[Stream] = deque()  # unary calls complete but not started while backlogged
+        self._turn_full = False  # FRAMES_PER_TURN frames were handled in this turn
         self._write_paused = False
         self._out: list[bytes | memoryview] = []
         self._flush_scheduled = False
@@ -186,7 +191,22 @@ class Http2Connection(asyncio.Protocol):
             return
         if offset < len(data) and not self._closing:
             buffer += memoryview(data)[offset:]
+            if self._turn_full:  # the rest in a later turn; nothing more is read meanwhile
+                self._turn_full = False
+                self._need = 0
+                assert self._transport is not None
+                self._transport.pause_reading()
+                self.loop.call_soon(self._next_turn)
+                return
             self._need = h2.HEAD_SIZE + (HEAD.unpack_from(buffer)[0] >> 8 if len(buffer) >= h2.HEAD_SIZE else 0)
+
+    def _next_turn(self) -> None:
+        if self._closing:
+            return
+        if not self._write_paused:
+            assert self._transport is not None
+            self._transport.resume_reading()
+        self.data_received(b"")
 
     def _read_preface(self, data: bytes) -> bytes:
         size = len(h2.PREFACE)
@@ -212,7 +232,12 @@ class Http2Connection(asyncio.Protocol):
         view = memoryview(data)
         size = len(data)
         offset = 0
+        turn = FRAMES_PER_TURN
         while size - offset >= h2.HEAD_SIZE and not self._closing:
+            turn -= 1
+            if turn < 0:
+                self._turn_full = True
+                break
             head, flags, stream_id = HEAD.unpack_from(data, offset)
             length = head >> 8
             if length > MAX_FRAME:
@@ -300,8 +325,8 @@ class Http2Connection(asyncio.Protocol):
     def _advance(self, stream: Stream) -> None:
         """Give window for the message the stream's reader takes next, as far as it has arrived: the client can
         then finish a message larger than the windows, while what it queues behind waits for the reader."""
-        if stream.closed:
-            return
+        if stream.closed or (self._backlogged and stream.task is None):
+            return  # a call not started while answers pile up for this client gets no window (see `_relieve`)
         messages = stream.messages
         target = min(stream.received, stream.taken + (len(messages[0]) + 5 if messages else stream.need))
         grant = target - stream.credited
@@ -431,17 +456,22 @@ class Http2Connection(asyncio.Protocol):
 
     def _call_ended(self, stream: Stream) -> None:
         """The client sent all of the call: start it, unless answers already wait for this client (then later)."""
-        if self._backlog > BACKLOG_HIGH or self._deferred:
+        if self._backlogged:
             self._deferred.append(stream)
         else:
             self._handler.call_ended(self, stream)
 
-    def _start_deferred(self) -> None:
+    def _relieve(self) -> None:
+        """The backlog is below BACKLOG_HIGH again: start the calls that waited, give their requests window."""
+        self._backlogged = False
         deferred = self._deferred
-        while deferred and self._backlog <= BACKLOG_HIGH:
+        while deferred:
             stream = deferred.popleft()
             if not stream.closed:
                 self._handler.call_ended(self, stream)
+        for stream in list(self.streams.values()):
+            if stream.task is None:
+                self._advance(stream)
 
     def _on_window_update(self, stream_id: int, payload: memoryview) -> None:
         if len(payload) != 4:
@@ -584,6 +614,8 @@ class Http2Connection(asyncio.Protocol):
             stream.outbox.append(memoryview(message))
         stream.outbox_bytes += len(message) + 5
         self._backlog += len(message) + 5
+        if self._backlog > BACKLOG_HIGH:
+            self._backlogged = True
         self._pump(stream)
         return stream.outbox_bytes < OUTBOX_HIGH
 
@@ -658,8 +690,8 @@ class Http2Connection(asyncio.Protocol):
             self._answered = True
             stream.outbox_bytes -= sent
             self._backlog -= sent
-            if self._deferred and self._backlog <= BACKLOG_HIGH:
-                self._start_deferred()
+            if self._backlogged and self._backlog <= BACKLOG_HIGH:
+                self._relieve()
         if outbox:
             return
         self._blocked.pop(stream.id, None)
@@ -682,8 +714,8 @@ class Http2Connection(asyncio.Protocol):
             self._backlog -= stream.outbox_bytes
             stream.outbox_bytes = 0
             stream.outbox.clear()
-            if self._deferred and self._backlog <= BACKLOG_HIGH and not self._closing:
-                self._start_deferred()
+            if self._backlogged and self._backlog <= BACKLOG_HIGH and not self._closing:
+                self._relieve()
 
     def _ended(self, stream: Stream) -> None:
         """We sent END_STREAM. A client still sending is asked to stop (RST_STREAM NO_ERROR, section 8.1)."""
@@ -749,13 +781,19 @@ class Http2Connection(asyncio.Protocol):
                 return
             due = min(due, self._paused_since + limits.stall_timeout)
         else:
+            stalled = 0
             for stream in list(self._blocked.values()):
-                if now >= stream.stalled_since + limits.stall_timeout:
-                    log.info("resetting gRPC stream %d: its answer waited %.0f s for the client's window",
-                             stream.id, now - stream.stalled_since)
-                    self.reset(stream.id, h2.CANCEL)
-                else:
+                if now < stream.stalled_since + limits.stall_timeout:
                     due = min(due, stream.stalled_since + limits.stall_timeout)
+                elif self._send_window <= 0:  # the connection's window, not the stream's, is shut: all are stuck
+                    self.fail(h2.ENHANCE_YOUR_CALM, "the client does not read its answers")
+                    return
+                else:
+                    stalled += 1
+                    self.reset(stream.id, h2.CANCEL)
+            if stalled:
+                log.info("reset %d gRPC stream(s) whose answers waited %.0f s for the client's window", stalled,
+                         limits.stall_timeout)
         if not self.streams and self._acked:
             if now >= self._idle_since + limits.idle_timeout:
                 self.goaway()
