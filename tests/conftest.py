@@ -20,11 +20,14 @@ if _TESTS_DIR not in sys.path:
 
 from support import EXAMPLE_REPOSITORY, ServerProcess, require_triton, start_transerve, start_triton  # noqa: E402
 
+#: Both servers name a trace file (in their own working folder), so that a test may turn tracing on; it is off.
+TRACE_FILE = ("--trace-config", "triton,file=trace.json")
+
 
 @pytest.fixture(scope="session")
 def transerve_server() -> Iterator[ServerProcess]:
     """transerve serving examples/model_repository in place."""
-    with start_transerve(EXAMPLE_REPOSITORY) as server:
+    with start_transerve(EXAMPLE_REPOSITORY, *TRACE_FILE) as server:
         yield server
 
 
@@ -32,5 +35,5 @@ def transerve_server() -> Iterator[ServerProcess]:
 def triton_server() -> Iterator[ServerProcess]:
     """The real tritonserver 2.51 serving a copy of examples/model_repository; skipped (failed under CI) without it."""
     install = require_triton()
-    with start_triton(EXAMPLE_REPOSITORY, install=install) as server:
+    with start_triton(EXAMPLE_REPOSITORY, *TRACE_FILE, install=install) as server:
         yield server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -215,6 +216,30 @@ def _forwarding(pattern: str | None, option: str) -> HeaderForwarding | None:
     return HeaderForwarding(pattern, option) if pattern else None
 
 
+def warn_open_model_control(args: argparse.Namespace, access: AccessOptions) -> None:
+    """Warn when explicit model control is reachable from other machines without a restriction: whoever reaches the
+    port can then load models, and a load with `file:` contents is code the server runs (as in Triton)."""
+    if args.model_control_mode != ControlMode.EXPLICIT.value:
+        return
+    services = (("HTTP", args.allow_http, args.http_address, access.http_restrictions, "--http-restricted-api"),
+                ("GRPC", args.allow_grpc, args.grpc_address, access.grpc_restrictions, "--grpc-restricted-protocol"))
+    for name, enabled, address, restrictions, flag in services:
+        if enabled and not _loopback(address) and "model-repository" not in restrictions.required:
+            log.warning("explicit model control is served over %s on %s without a restriction: anyone who reaches "
+                        "it can load models, and a load with 'file:' contents runs the code it uploads; restrict "
+                        "it with %s=model-repository:KEY=VALUE or listen on 127.0.0.1 (see docs/security.md)",
+                        name, address, flag)
+
+
+def _loopback(address: str) -> bool:
+    if address.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: it may resolve to anything
+        return False
+
+
 async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
     from transerve.frontends.grpc.http2.server import NativeGrpcFrontend
@@ -229,6 +254,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     keep_large_buffers()
     server = Server(options_from_args(args))
     server.log.install()
+    warn_open_model_control(args, access)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -163,6 +163,10 @@ def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_
     add_model(tmp_path, "wrong_dims", config=ADD_SUB_CONFIG.replace("dims: [ 4 ] }, {", "dims: [ 5 ] }, {", 1))
     add_model(tmp_path, "bad_threads", config=ADD_SUB_CONFIG
               + 'parameters { key: "intra_op_thread_count" value: { string_value: "many" } }')
+    add_model(tmp_path, "outside", config=ADD_SUB_CONFIG + 'default_model_filename: "../../good/1/model.onnx"')
+    stats = tmp_path.parent / "stats.csv"
+    add_model(tmp_path, "writes_outside", config=ADD_SUB_CONFIG + 'parameters { key: '
+              f'"session.collect_node_memory_stats_to_file" value: {{ string_value: "{stats}" }} }}')
     expected = {
         "missing": "model file",
         "corrupt": "onnxruntime cannot load model.onnx",
@@ -170,6 +174,8 @@ def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_
         "wrong_name": "unexpected inference input 'INPUT9', allowed inputs are: INPUT0, INPUT1",
         "wrong_dims": "the model expects shape [-1, 4] but the model configuration specifies [-1, 5]",
         "bad_threads": "parameter intra_op_thread_count must be an integer, got 'many'",
+        "outside": "default_model_filename '../../good/1/model.onnx' points outside the folder 'outside'",
+        "writes_outside": "parameter session.collect_node_memory_stats_to_file '/",
     }
 
     async def check(server: Server) -> None:
@@ -180,6 +186,20 @@ def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_
             assert "\n" not in index[name]["reason"]
         assert index["good"]["state"] == "READY"
         assert outputs(await server.infer(request("good", **pair())))["OUTPUT1"].tolist() == [[-1, 0, 1, 2]]
+
+    with_server(tmp_path, check)
+    assert not stats.exists()
+
+
+def test_session_settings_naming_files_are_relative_to_the_version_folder(tmp_path: Path):
+    model = add_model(tmp_path, "profiled", config=ADD_SUB_CONFIG
+                      + 'parameters { key: "session.collect_node_memory_stats_to_file" value: { string_value: '
+                        '"stats.csv" } }')
+
+    async def check(server: Server) -> None:
+        session = server.get_version("profiled").backend_model.instances[0].engine.session
+        entry = session.get_session_options().get_session_config_entry("session.collect_node_memory_stats_to_file")
+        assert entry == str(model / "1" / "stats.csv")
 
     with_server(tmp_path, check)
 

@@ -21,6 +21,8 @@ from test_python_backend import context, fp32_request, outputs, with_model, writ
 from transerve.backends.base import BackendModel
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.streams import ResponseStream
+from transerve.core.tracing import TraceOptions, Tracer
+from transerve.core.tracing.options import TIMESTAMPS
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 DECOUPLED_CONFIG = """
@@ -40,6 +42,7 @@ class FakeCore:
     def __init__(self, **models: FakeModel) -> None:
         self.models = models
         self.calls: list[InferRequest] = []
+        self.tracing: Tracer | None = None
 
     def get_version(self, name: str, version: str = "") -> Any:
         if name not in self.models:
@@ -502,3 +505,57 @@ def test_a_bls_iterator_dropped_early_does_not_disturb_later_calls(tmp_path: Pat
         assert model.instances[0]._worker.connection.live_blocks <= 2
 
     with_model(context(tmp_path, "abandoning", runtime=FakeCore(double=double, stream_three=stream_three)), check)
+
+
+TRACED_BLS_MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            data = request.inputs()[0].as_numpy()
+            trace = request.trace()
+            for traced in (True, False):
+                pb_utils.InferenceRequest(model_name="double", inputs=[pb_utils.Tensor("INPUT0", data)],
+                                          requested_output_names=["OUTPUT0"], **({"trace": trace} if traced else {})
+                                          ).exec()
+            try:
+                pb_utils.InferenceRequest(model_name="double", inputs=[], requested_output_names=[], trace=None)
+            except TypeError as exc:
+                refused = str(exc)
+            seen = {"context": trace.get_context(), "refused": refused}
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.array([json.dumps(seen)],
+                                                                                            dtype=object))]))
+        return responses
+"""
+
+
+def test_bls_calls_with_the_requests_trace_are_its_children(tmp_path: Path):
+    """`trace=request.trace()` names the request's trace id to the server, which traces the call as a child of the
+    running request (only of the calling model's own); without it, or with None (as Triton), the call is not."""
+    write_model(tmp_path, "bls", TRACED_BLS_MODEL, BLS_CONFIG)
+    core = FakeCore(double=double)
+    core.tracing = Tracer(TraceOptions(level=TIMESTAMPS, rate=1, file=str(tmp_path / "trace.json")))
+
+    async def check(model: BackendModel) -> None:
+        for owner in ("bls", "another_model"):
+            request = fp32_request([1.0])
+            trace = core.tracing.start(request)
+            assert trace is not None
+            request.trace.started(owner, "1", "", request.inputs)
+            answer = seen(await model.instances[0].execute([request]))
+            assert answer == {"context": None,
+                              "refused": "InferenceRequest(): trace must be InferenceTrace, not NoneType"}
+            traced, untraced = core.calls[-2:]
+            assert untraced.trace is None
+            if owner == "bls":
+                assert (traced.trace.parent_id, traced.trace.id) == (request.trace.id, request.trace.id + 1)
+            else:  # a trace id of another model's request names nothing here
+                assert traced.trace is None
+            request.trace.ended(None)
+            trace.finish()
+
+    with_model(context(tmp_path, "bls", runtime=core), check)

@@ -121,12 +121,17 @@ def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_
     torch.save({"weights": torch.ones(2)}, tmp_path / "not_torchscript" / "1" / "model.pt")
     (tmp_path / "not_torchscript" / "config.pbtxt").write_text(config())
     add_model(tmp_path, "bad_mode", config(extra='parameters { key: "INFERENCE_MODE" value: { string_value: "yes" } }'))
+    (tmp_path / "linked_out" / "1").mkdir(parents=True)
+    (tmp_path / "linked_out" / "1" / "model.pt").symlink_to(tmp_path / "good" / "1" / "model.pt")
+    (tmp_path / "linked_out" / "config.pbtxt").write_text(config())
     expected = {
         "no_config": "a TorchScript model does not record its inputs and outputs",
         "missing": "model file",
         "corrupt": "torch cannot load model.pt",
         "not_torchscript": "torch cannot load model.pt",
         "bad_mode": "parameter INFERENCE_MODE must be 'true' or 'false', got 'yes'",
+        "linked_out": "failed to load 'linked_out' version 1: default_model_filename 'model.pt' leads outside the "
+                      "folder 'linked_out' through a symbolic link",
     }
 
     async def check(server: Server) -> None:

@@ -82,3 +82,19 @@ def test_labels_are_read_per_output_relative_to_the_model_folder(tmp_path: Path)
         load_labels(tmp_path, config)
     assert raised.value.message == (
         f"failed to open text file for read {tmp_path / 'missing.txt'}: No such file or directory")
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("/etc/hostname", "must be a relative path inside the folder"),
+    ("../labels.txt", "points outside the folder"),
+    ("escape.txt", "leads outside the folder 'm' through a symbolic link"),
+])
+def test_a_label_file_outside_the_model_folder_fails_the_load(tmp_path: Path, name: str, message: str) -> None:
+    (tmp_path / "labels.txt").write_text("cat\n", encoding="utf-8")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "escape.txt").symlink_to(tmp_path / "labels.txt")
+    config = model_config_pb2.ModelConfig(output=[model_config_pb2.ModelOutput(name="LOGITS", label_filename=name)])
+    with pytest.raises(ServerError) as raised:
+        load_labels(tmp_path / "m", config)
+    assert raised.value.code is ErrorCode.INVALID_ARG
+    assert f"output 'LOGITS' label_filename '{name}' {message}" in raised.value.message

@@ -181,3 +181,44 @@ def test_trace_ending_after_exit_is_dropped(tmp_path: Path) -> None:
     late.finish()
     tracer.update("", {"rate": 3})  # replaces (and retires) the setting after exit: nothing is written
     assert not list(tmp_path.iterdir())
+
+
+def test_bls_calls_join_running_requests_only(tmp_path: Path) -> None:
+    """A BLS call names its caller's trace id: it becomes that request's child while the request runs, when the
+    request is the calling model's; a model that is told its request's trace gets no context in Triton's mode."""
+    tracer = Tracer(options(tmp_path / "t.json"))
+    request = InferRequest("caller", [])
+    trace = tracer.start(request)
+    assert trace is not None and request.trace.for_model() == (1, None)
+    assert tracer.bls_child(1, "caller") is None  # not started yet
+    request.trace.started("caller", "1", "", [])
+    assert tracer.bls_child(1, "other_model") is None
+    child = tracer.bls_child(1, "caller")
+    assert child is not None and (child.id, child.parent_id) == (2, 1)
+    child.started("callee", "1", "", [])
+    grandchild = tracer.bls_child(2, "callee")
+    assert grandchild is not None and grandchild.parent_id == 2
+    refused = tracer.bls_child(1, "caller")  # a call the core then refuses: an id spent, nothing written
+    assert refused is not None and not refused.begun
+    child.ended(None)
+    request.trace.ended(None)
+    assert tracer.bls_child(1, "caller") is None  # ended: later calls are not traced
+    trace.finish()
+    tracer.close()
+    headers = [entry for entry in json.loads((tmp_path / "t.json").read_text()) if "model_name" in entry]
+    assert headers == [{"id": 1, "model_name": "caller", "model_version": 1},
+                       {"id": 2, "model_name": "callee", "model_version": 1, "parent_id": 1}]
+
+
+def test_sampling_before_the_request_is_read(tmp_path: Path) -> None:
+    """Generate requests are sampled by model name before their body is read; one that cannot be read still
+    writes the frontend's stamps."""
+    tracer = Tracer(options(tmp_path / "t.json", rate=2))
+    assert tracer.sample("m") is None
+    trace = tracer.sample("m")
+    assert trace is not None
+    trace.capture("HTTP_RECV_START", 5)
+    trace.finish()
+    tracer.close()
+    assert json.loads((tmp_path / "t.json").read_text()) == [
+        {"id": 1, "timestamps": [{"name": "HTTP_RECV_START", "ns": 5}]}]

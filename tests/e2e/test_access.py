@@ -369,3 +369,43 @@ def test_reserved_parameter_prefix_is_refused_as_in_triton(servers_with: Any, ke
         answers.append(((http.status_code, http.json()), grpc_call(server, "ModelInfer", request, [])))
     assert answers[1] == answers[0]
     assert answers[1][0][0] == 400
+
+
+# ---- explicit model control on a public address ---------------------------------------------------------------
+
+OPEN_CONTROL_WARNING = "explicit model control is served over"
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--model-control-mode=explicit", "--http-address=0.0.0.0", "--grpc-address=::"], ["HTTP", "GRPC"]),
+        (["--model-control-mode=explicit", "--http-address=10.1.2.3", "--grpc-address=example.org"], ["HTTP", "GRPC"]),
+        (["--model-control-mode=explicit", "--http-address=127.0.0.1", "--grpc-address=[::1]"], []),
+        (["--model-control-mode=explicit", "--http-address=localhost", "--grpc-address=127.1.2.3"], []),
+        (["--model-control-mode=poll", "--http-address=0.0.0.0", "--grpc-address=0.0.0.0"], []),
+        (["--model-control-mode=explicit", "--allow-http=false", "--allow-grpc=false"], []),
+        (["--model-control-mode=explicit", f"--http-restricted-api=model-repository,inference:k={SECRET}",
+          f"--grpc-restricted-protocol=model-repository:k={SECRET}"], []),
+        (["--model-control-mode=explicit", f"--http-restricted-api=inference:k={SECRET}"], ["HTTP", "GRPC"]),
+    ],
+)
+def test_open_model_control_is_warned_of_per_protocol(flags, warned, caplog):
+    from transerve.cli import access_from_args, build_parser, warn_open_model_control
+
+    args = build_parser().parse_args(["serve", "--model-repository", str(MODELS), *flags])
+    with caplog.at_level("WARNING", logger="transerve"):
+        warn_open_model_control(args, access_from_args(args))
+    said = [record.getMessage() for record in caplog.records if OPEN_CONTROL_WARNING in record.getMessage()]
+    assert [message.split()[6] for message in said] == warned, said
+
+
+def test_the_server_log_warns_of_model_control_open_to_the_network(tmp_path):
+    """HTTP on every interface, gRPC on loopback: one warning, for HTTP, naming the flag that restricts it."""
+    tmp_path.joinpath("repo").mkdir()
+    with start_transerve(tmp_path / "repo", "--model-control-mode=explicit", "--http-address=0.0.0.0") as server:
+        assert server.alive()
+    warnings = [line for line in server.log.splitlines() if OPEN_CONTROL_WARNING in line]
+    assert len(warnings) == 1, server.log
+    assert " W " in warnings[0] and "over HTTP on 0.0.0.0" in warnings[0]
+    assert "--http-restricted-api=model-repository:KEY=VALUE" in warnings[0]

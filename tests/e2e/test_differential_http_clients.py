@@ -99,6 +99,20 @@ def calls(client: Any, module: Any, region: tuple[str, int]) -> dict[str, Callab
         "model_statistics": lambda: client.get_inference_statistics("add_sub"),
         "log_settings": client.get_log_settings,
         "update_log_settings": lambda: client.update_log_settings({"log_info": True}),
+        # Trace settings: changed, then cleared back to the start values (both servers trace to `trace.json`).
+        "trace_settings": client.get_trace_settings,
+        "model_trace_settings": lambda: client.get_trace_settings("add_sub"),
+        "unknown_model_trace_settings": lambda: client.get_trace_settings("no_such_model"),
+        "update_trace_settings": lambda: client.update_trace_settings(
+            settings={"trace_rate": "5", "trace_level": ["TIMESTAMPS"]}),
+        "update_model_trace_settings": lambda: client.update_trace_settings(
+            "add_sub", {"trace_count": "3", "log_frequency": "2"}),
+        "model_trace_settings_after": lambda: client.get_trace_settings("add_sub"),
+        "update_trace_file": lambda: client.update_trace_settings(settings={"trace_file": "elsewhere.json"}),
+        "clear_model_trace_settings": lambda: client.update_trace_settings(
+            "add_sub", {"trace_count": None, "log_frequency": None}),
+        "clear_trace_settings": lambda: client.update_trace_settings(
+            settings={"trace_rate": None, "trace_level": None}),
         "system_shm_register": lambda: client.register_system_shared_memory("clients", key, size),
         "system_shm_status": client.get_system_shared_memory_status,
         "system_shm_region_status": lambda: client.get_system_shared_memory_status("clients"),
@@ -153,5 +167,11 @@ def test_every_client_call_agrees(servers: dict[str, ServerProcess], region: tup
     assert ours["load"][0] == "error" and "explicit model load / unload is not allowed" in ours["load"][1]
     assert ours["system_shm_region_status"][1][0]["key"] == region[0]
     assert ours["system_shm_status_after"] == ("ok", [])
+    assert ours["model_trace_settings_after"][1]["trace_count"] == "3"
+    assert ours["model_trace_settings_after"][1]["trace_level"] == ["TIMESTAMPS"]
+    assert ours["clear_trace_settings"] == ours["trace_settings"] == ("ok", {
+        "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
+        "trace_file": "trace.json", "trace_mode": "triton"})
+    assert ours["update_trace_file"][0] == "error" and "can not be updated" in ours["update_trace_file"][1]
     expected = np.arange(8, dtype=np.float32).reshape(2, 4)
     assert ours["infer_gzip_binary"][1] == {"OUTPUT0": (expected * 2).tolist(), "OUTPUT1": (expected * 0).tolist()}

@@ -1,5 +1,6 @@
 """The python backend as Triton 24.10's (the release behind Triton 2.51): response senders of non-decoupled models,
-request rescheduling, model control from model code and pb_utils' argument checks, against the real Triton.
+request rescheduling, cancellation, model control from model code and pb_utils' argument checks, and the statistics
+of rescheduled and cancelled requests, against the real Triton.
 
 The models live in `python_parity_models/`; every test that can runs the same requests against transerve and
 Triton and expects the same answers. Where Triton has no answer (a request it drops, a model it never answers),
@@ -34,6 +35,11 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = (repo / "sender_async" / "config.pbtxt").read_text()
     config = config.replace('name: "sender"', 'name: "sender_async"').replace('string_value: "0"', 'string_value: "1"')
     (repo / "sender_async" / "config.pbtxt").write_text(config)
+    shutil.copytree(repo / "cancel_probe", repo / "cancel_probe_batched")
+    config = (repo / "cancel_probe_batched" / "config.pbtxt").read_text()
+    config = config.replace('name: "cancel_probe"', 'name: "cancel_probe_batched"')
+    config = config.replace("max_batch_size: 0", "max_batch_size: 1\ndynamic_batching { }")
+    (repo / "cancel_probe_batched" / "config.pbtxt").write_text(config)
     return repo
 
 
@@ -65,6 +71,40 @@ def stream(server: ServerProcess, model: str, inputs: list[grpcclient.InferInput
         received = [answers.get(timeout=TIMEOUT_S) for _ in range(count)]
         client.stop_stream()
     return received
+
+
+def wait_for(condition, what: str):
+    """Poll `condition()` until it gives something true (statistics settle after the answer); that value."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def model_stats(server: ServerProcess, model: str) -> dict:
+    answer = requests.get(f"{server.base_url}/v2/models/{model}/stats", timeout=TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["model_stats"][0]
+
+
+def failure_metric(server: ServerProcess, model: str, reason: str) -> float:
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=TIMEOUT_S).text
+    sample = f'nv_inference_request_failure{{model="{model}",reason="{reason}",version="1"}} '
+    return float(next(line for line in text.splitlines() if line.startswith(sample)).split()[-1])
+
+
+def counts(stats: dict) -> dict[str, int]:
+    """The counters of a model's statistics (durations differ between runs and servers)."""
+    inference = stats["inference_stats"]
+    found = {"inference_count": stats["inference_count"], "execution_count": stats["execution_count"]}
+    found.update({name: inference[name]["count"] for name in ("success", "fail", "queue", "compute_infer")})
+    found.update({f"batch_{batch['batch_size']}": batch["compute_infer"]["count"] for batch in stats["batch_stats"]})
+    return found
+
+
+def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: value - before.get(name, 0) for name, value in after.items() if value != before.get(name, 0)}
 
 
 def mode_input(mode: str) -> list[grpcclient.InferInput]:
@@ -153,6 +193,153 @@ def test_rescheduling_without_iterative_sequence_is_refused(servers):
     assert answer.json()["error"] == (
         "model 'reschedule_plain' rescheduled a request, which needs "
         "'sequence_batching { iterative_sequence: true }' in its configuration")
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_each_run_of_a_rescheduled_request_counts_as_an_execution(servers, server):
+    target = servers[server]
+    before = counts(model_stats(target, "iterative_addsub"))
+    for value in (1, 2, 3):
+        assert outputs(infer(target, "iterative_addsub", {"IN": ("INT32", [value])})) == {"OUT": [2 * value],
+                                                                                         "RUNS": [2]}
+    after = wait_for(lambda: (found := counts(model_stats(target, "iterative_addsub")))["execution_count"]
+                     - before["execution_count"] >= 6 and found, "six executions")
+    changed = delta(after, before)
+    # Triton 2.51 also counts one CANCELED failure per rescheduled request as it is released (the cancelled null
+    # request it sends to free the sequence), with no meaningful duration: transerve does not copy that.
+    expected_fail = {"triton": 3, "transerve": 0}[server]
+    if expected_fail:
+        after = wait_for(lambda: (found := counts(model_stats(target, "iterative_addsub")))["fail"]
+                         - before.get("fail", 0) >= expected_fail and found, "the release failures")
+        changed = delta(after, before)
+    assert changed.pop("fail", 0) == expected_fail
+    # Two runs per request, each an execution, an inference, a queued request and a success.
+    assert changed == {"inference_count": 6, "execution_count": 6, "success": 6, "queue": 6, "compute_infer": 6,
+                       "batch_1": 6}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_each_run_of_a_rescheduled_decoupled_request_counts_as_an_execution(servers, server):
+    target = servers[server]
+    before = counts(model_stats(target, "iterative"))
+    value = grpcclient.InferInput("IN", [1], "INT32")
+    value.set_data_from_numpy(np.array([3], np.int32))
+    assert len(stream(target, "iterative", [value], 3)) == 3
+    after = wait_for(lambda: (found := counts(model_stats(target, "iterative")))["success"]
+                     - before.get("success", 0) >= 3 and found, "three successes")
+    changed = delta(after, before)
+    assert changed.pop("fail", 0) in {"triton": (0, 1), "transerve": (0,)}[server]  # Triton's release failure
+    assert changed == {"inference_count": 3, "execution_count": 3, "success": 3, "queue": 3, "compute_infer": 3,
+                       "batch_1": 3}
+
+
+# ---- cancellation of non-decoupled requests ---------------------------------------------------------------------
+
+def probe_inputs(delay_ms: int, marker: Path | str, batched: bool) -> list[grpcclient.InferInput]:
+    shape = [1, 1] if batched else [1]
+    delay = grpcclient.InferInput("DELAY_MS", shape, "INT32")
+    delay.set_data_from_numpy(np.full(shape, delay_ms, np.int32))
+    path = grpcclient.InferInput("MARKER", shape, "BYTES")
+    path.set_data_from_numpy(np.full(shape, str(marker).encode(), np.object_))
+    return [delay, path]
+
+
+PROBES = ["cancel_probe", "cancel_probe_batched"]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+@pytest.mark.parametrize("model", PROBES)
+@pytest.mark.parametrize("how", ["cancel", "client_timeout"])
+def test_a_running_request_hears_that_its_grpc_client_went_away(servers, server, model, how, tmp_path):
+    target = servers[server]
+    marker = tmp_path / "seen.json"
+    before = counts(model_stats(target, model))
+    with grpcclient.InferenceServerClient(target.grpc_url) as client:
+        answers: queue.Queue = queue.Queue()
+        inputs = probe_inputs(20_000, marker, model.endswith("batched"))
+        if how == "cancel":
+            call = client.async_infer(model, inputs, lambda result, error: answers.put(error or result))
+            time.sleep(1.0)  # it is running
+            call.cancel()
+        else:
+            client.async_infer(model, inputs, lambda result, error: answers.put(error or result), client_timeout=1.0)
+        answer = answers.get(timeout=TIMEOUT_S)
+        assert answer.status() in ("StatusCode.CANCELLED", "StatusCode.DEADLINE_EXCEEDED")
+        wait_for(marker.exists, "the model's report")
+    assert json.loads(wait_for(marker.read_text, "the report's text")) == {"request": True, "sender": True}
+    # The model answered normally, so the request counts as a success, as Triton counts what its backend reports.
+    after = wait_for(lambda: (found := counts(model_stats(target, model)))["success"] > before.get("success", 0)
+                     and found, "the success")
+    assert delta(after, before) == {"inference_count": 1, "execution_count": 1, "success": 1, "queue": 1,
+                                    "compute_infer": 1, "batch_1": 1}
+
+
+@pytest.mark.parametrize("model", PROBES)
+def test_a_running_request_hears_that_its_http_client_closed_the_connection(servers, model, tmp_path):
+    # Triton 2.51 does not cancel a request whose HTTP client went away (its model never sees is_cancelled()).
+    marker = tmp_path / "seen.json"
+    shape = [1, 1] if model.endswith("batched") else [1]
+    body = {"inputs": [{"name": "DELAY_MS", "shape": shape, "datatype": "INT32", "data": [20_000]},
+                       {"name": "MARKER", "shape": shape, "datatype": "BYTES", "data": [str(marker)]}]}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{servers['transerve'].base_url}/v2/models/{model}/infer", json=body, timeout=1.0)
+    wait_for(marker.exists, "the model's report")
+    assert json.loads(wait_for(marker.read_text, "the report's text")) == {"request": True, "sender": True}
+
+
+def send_seven(server: ServerProcess, model: str, tmp_path: Path) -> tuple[dict[str, int], dict[str, float]]:
+    """A (1.5 s), then B to G (at once), G's client going away while A runs; the statistics and the CANCELED
+    failure metric before, once everything is answered."""
+    batched = model.endswith("batched")
+    before = counts(model_stats(server, model))
+    canceled = failure_metric(server, model, "CANCELED")
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        answers: queue.Queue = queue.Queue()
+        calls = {}
+        for name in "ABCDEFG":
+            calls[name] = client.async_infer(
+                model, probe_inputs(1500 if name == "A" else 0, tmp_path / name, batched),
+                lambda result, error: answers.put(error or result))
+            time.sleep(0.05)
+        calls["F"].cancel()
+        received = [answers.get(timeout=TIMEOUT_S) for _ in range(7)]
+    assert sum(isinstance(answer, Exception) for answer in received) == 1  # F, cancelled
+    return before, {"CANCELED": canceled}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_request_cancelled_in_the_dynamic_batchers_queue_is_a_canceled_failure(servers, server, tmp_path):
+    # Triton's batcher holds what it cannot hand on (two batches wait per busy instance there, none here): F is
+    # still in its queue when its client goes away, and both drop it and count it as CANCELED when they reach it.
+    target, model = servers[server], "cancel_probe_batched"
+    before, metric = send_seven(target, model, tmp_path)
+    after = wait_for(lambda: (found := counts(model_stats(target, model)))["fail"] > before.get("fail", 0)
+                     and found["success"] - before.get("success", 0) >= 6 and found, "six successes and a failure")
+    assert delta(after, before) == {"inference_count": 6, "execution_count": 6, "success": 6, "fail": 1,
+                                    "queue": 6, "compute_infer": 6, "batch_1": 6}
+    assert failure_metric(target, model, "CANCELED") == metric["CANCELED"] + 1
+    assert not (tmp_path / "F").exists()  # never computed
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_request_cancelled_in_the_direct_queue_is_dropped_as_canceled(servers, server, tmp_path):
+    # Without dynamic batching Triton hands every request to its instance at once, so F runs there (its model sees
+    # is_cancelled()) and counts as a success. transerve's instance has four requests in hand (max-inflight), so F
+    # still waits in the scheduler's queue: it is dropped and counted as CANCELED, as Triton's batcher does.
+    target, model = servers[server], "cancel_probe"
+    before, metric = send_seven(target, model, tmp_path)
+    if server == "triton":
+        expected = {"inference_count": 7, "execution_count": 7, "success": 7, "queue": 7, "compute_infer": 7,
+                    "batch_1": 7}
+    else:
+        expected = {"inference_count": 6, "execution_count": 6, "success": 6, "fail": 1, "queue": 6,
+                    "compute_infer": 6, "batch_1": 6}
+    after = wait_for(lambda: (found := counts(model_stats(target, model)))["execution_count"]
+                     - before["execution_count"] >= expected["execution_count"]
+                     and found["fail"] - before.get("fail", 0) >= expected.get("fail", 0) and found, "the counts")
+    assert delta(after, before) == expected
+    assert failure_metric(target, model, "CANCELED") == metric["CANCELED"] + expected.get("fail", 0)
+    assert (tmp_path / "F").exists() == (server == "triton")
 
 
 # ---- model control from model code, argv and argument checks ----------------------------------------------------

@@ -1,7 +1,7 @@
 """Triton's trace extension end to end, against the real Triton 2.51: the settings over HTTP and gRPC (every answer
 equal, byte for byte over HTTP), the JSON trace file (the same traces, ids, models, timestamps and tensors), the
-files of `count` and `log-frequency`, the OpenTelemetry spans (caught by an OTLP/HTTP receiver in this file) and
-the command line's refusals.
+files of `count` and `log-frequency`, the OpenTelemetry spans (caught by an OTLP/HTTP receiver) and the command
+line's refusals. Generate, gRPC streams and BLS calls are in test_trace_streams.py.
 
 Deliberate divergences, tested against transerve alone: a trace update that is not valid JSON, or holds a value of
 the wrong type, is a 400 (Triton: 500); gRPC traces stamp GRPC_WAITREAD_START and _END at the same moment (the
@@ -11,16 +11,9 @@ service sees a call once its message is read).
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
-import shutil
 import subprocess
 import sys
-import threading
-import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import json_format
 from support import EXAMPLE_REPOSITORY, REPO_ROOT, ServerProcess, require_triton, start_transerve, start_triton
+from support.tracing import OtlpReceiver, read_traces, span_tree, summary
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from transerve.cli import build_parser, options_from_args
@@ -256,26 +250,6 @@ def run_requests(server: ServerProcess, traceparent: str | None = None) -> None:
         rpc.close()
 
 
-def read_traces(folder: Path, pattern: str = "trace.json*") -> dict[str, list[dict[str, Any]]]:
-    return {path.name: json.loads(path.read_text()) for path in sorted(folder.glob(pattern))}
-
-
-def summary(entries: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per trace id: its header, the multiset of timestamp names and its tensor activities, whatever the order."""
-    traces: dict[int, dict[str, Any]] = {}
-    for entry in entries:
-        trace = traces.setdefault(entry["id"], {"header": None, "stamps": Counter(), "tensors": []})
-        if "model_name" in entry:
-            trace["header"] = entry
-        elif "timestamps" in entry:
-            trace["stamps"].update(stamp["name"] for stamp in entry["timestamps"])
-        else:
-            trace["tensors"].append((entry["activity"], entry["tensor"]))
-    for trace in traces.values():
-        trace["tensors"].sort(key=lambda item: (item[0], item[1]["name"]))
-    return traces
-
-
 def served_and_stopped(flags: tuple[str, ...], work: Callable[[ServerProcess], None]) -> dict[str, Any]:
     """Run `work` on both servers, stop them (which writes what the trace files still lack) and read each one's
     trace files (in its working folder, which goes with the server)."""
@@ -333,128 +307,7 @@ def test_propagated_context_is_not_a_trace_in_triton_mode(tmp_path: Path) -> Non
     assert not list(tmp_path.glob("trace.json*"))
 
 
-BLS_MODEL = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            call = pb_utils.InferenceRequest(
-                model_name="add_sub", requested_output_names=["OUTPUT0"],
-                inputs=[pb_utils.Tensor("INPUT0", x), pb_utils.Tensor("INPUT1", x)], trace=request.trace())
-            assert request.trace().get_context() is None
-            out = pb_utils.get_output_tensor_by_name(call.exec(), "OUTPUT0").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", out)]))
-        return responses
-"""
-BLS_CONFIG = """
-name: "bls_caller" backend: "python" max_batch_size: 8
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
-"""
-
-
-def test_bls_models_passing_their_trace_run(tmp_path: Path) -> None:
-    """Models written for Triton pass `trace=request.trace()` to their BLS calls; they run, traced themselves (the
-    call is not traced under them yet: see docs/extensions.md)."""
-    repo = tmp_path / "models"
-    shutil.copytree(EXAMPLE_REPOSITORY / "add_sub", repo / "add_sub")
-    (repo / "bls_caller" / "1").mkdir(parents=True)
-    (repo / "bls_caller" / "config.pbtxt").write_text(BLS_CONFIG)
-    (repo / "bls_caller" / "1" / "model.py").write_text(BLS_MODEL)
-    trace_file = tmp_path / "trace.json"
-    with start_transerve(repo, "--trace-config", f"triton,file={trace_file}", "--trace-config", "level=TIMESTAMPS",
-                         "--trace-config", "rate=1") as server:
-        body = {"inputs": [{"name": "X", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
-        answer = requests.post(f"{server.base_url}/v2/models/bls_caller/infer", json=body, timeout=TIMEOUT_S)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["outputs"][0]["data"] == [2, 4, 6, 8]
-    headers = [entry for entry in json.loads(trace_file.read_text()) if "model_name" in entry]
-    assert headers == [{"id": 1, "model_name": "bls_caller", "model_version": 1}]
-
-
 # ------------------------------------------------------------------------------------------- OpenTelemetry
-
-
-class OtlpReceiver:
-    """An OTLP/HTTP trace collector on loopback: keeps every span it is sent, from protobuf bodies (the Python SDK)
-    or JSON ones (Triton's C++ exporter)."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.requests: list[Any] = []
-        received = self.requests
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                message = ExportTraceServiceRequest()
-                if "json" in self.headers.get("Content-Type", ""):
-                    json_format.Parse(body, message, ignore_unknown_fields=True)
-                else:
-                    message.ParseFromString(body)
-                received.append(message)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
-
-    def spans(self) -> list[tuple[dict[str, str], str, Any]]:
-        """(resource attributes, scope name, span) of every span received."""
-        found = []
-        for message in self.requests:
-            for resource_spans in message.resource_spans:
-                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    found += [(resource, scope_spans.scope.name, span) for span in scope_spans.spans]
-        return found
-
-    def wait_for(self, count: int, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.spans()) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def span_tree(spans: list[tuple[dict[str, str], str, Any]], client_span: bytes) -> list[tuple[Any, ...]]:
-    """Each span as (its path of names from the top, kind, attributes, sorted event names, event times within the
-    span), with the top span's parent named "client" when it is the propagated one."""
-    by_id = {span.span_id: span for _, _, span in spans}
-
-    def path(span: Any) -> tuple[str, ...]:
-        parent = by_id.get(span.parent_span_id)
-        if parent is not None:
-            return (*path(parent), span.name)
-        return ("client" if span.parent_span_id == client_span else "", span.name)
-
-    tree = []
-    for _, _, span in spans:
-        attributes = {a.key: json_format.MessageToDict(a.value) for a in span.attributes}
-        inside = all(span.start_time_unix_nano <= e.time_unix_nano <= span.end_time_unix_nano for e in span.events)
-        tree.append((path(span), span.kind, sorted(attributes.items()), sorted(e.name for e in span.events),
-                     inside or span.name == "InferRequest"))
-    return sorted(tree)
-
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

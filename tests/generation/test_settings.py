@@ -75,3 +75,15 @@ def test_bad_values_are_refused_with_the_reason(version, parameters, words):
 def test_a_missing_model_folder_makes_the_model_unavailable(tmp_path):
     message = refused(tmp_path, ErrorCode.UNAVAILABLE, model_dir="nowhere")
     assert f"model directory '{tmp_path / 'nowhere'}' not found" in message
+
+
+@pytest.mark.parametrize("name", ["/usr", "../../elsewhere", "link"])
+def test_a_model_folder_outside_the_models_is_refused(tmp_path, name):
+    version = tmp_path / "gen" / "1"
+    version.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (version / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert "parameter model_dir" in refused(version, model_dir=name)
+    config = parse_config_text(f'name: "gen"\nbackend: "generation"\ndefault_model_filename: "{name}"')
+    with pytest.raises(ServerError, match="default_model_filename"):
+        read_settings(config, version)

@@ -115,13 +115,17 @@ def test_inputs_the_config_does_not_declare_keep_their_shape(tmp_path):
         (sample(ids('input_data_file: "short"')), "warmup setting expects 12 bytes, but the data provided from short "
                                                   "only has 4 bytes"),
         (sample(ids('input_data_file: "missing"')), "failed to read warmup data file"),
-        (sample(ids('input_data_file: "../config.pbtxt"')), "must be a file in the model's 'warmup' folder"),
+        (sample(ids('input_data_file: "../config.pbtxt"')), "input_data_file '../config.pbtxt' points outside the "
+                                                            "folder 'warmup'"),
+        (sample(ids('input_data_file: "/etc/hostname"')), "must be a relative path inside the folder 'warmup'"),
+        (sample(ids('input_data_file: "escape"')), "leads outside the folder 'warmup' through a symbolic link"),
         (sample(ids("")), "warmup setting expects input 'IDS' to have input_data_type set"),
     ],
 )
 def test_bad_samples_fail_the_load(tmp_path, warmup, message):
     (tmp_path / "warmup").mkdir()
     (tmp_path / "warmup" / "short").write_bytes(b"1234")
+    (tmp_path / "warmup" / "escape").symlink_to(tmp_path / "config.pbtxt")
     with pytest.raises(ServerError) as caught:
         warm(config(warmup), tmp_path, Recorder("m_0"))
     assert caught.value.code is ErrorCode.INVALID_ARG and message in caught.value.message

@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import ServerError
 from transerve.core.types import InferRequest, InferResponse
+from transerve.repository.paths import inside
 
 
 @dataclass(slots=True)
@@ -39,18 +40,40 @@ class ModelContext:
     #: `get_version(name, version)`, `await infer(request)` and `infer_stream(request)`.
     runtime: Any = None
 
+    def model_file(self, default: str) -> Path:
+        """The version's model file (or folder): `default_model_filename`, else `default`; INVALID_ARG when the
+        name leads outside the model's folder."""
+        name = self.config.default_model_filename or default
+        return inside(self.model_path, self.version_path, name, "default_model_filename")
+
+
+@dataclass(slots=True)
+class Rerun:
+    """Requests of an execution that their model rescheduled and that ran again within it (the python backend's
+    iterative sequences). Triton runs a rescheduled request as a new execution, and counts it as one."""
+
+    #: The requests that ran again, as positions in the execution.
+    indexes: list[int]
+    #: Monotonic nanoseconds at which their previous run ended, rescheduling them.
+    rescheduled_ns: int
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
 
 @dataclass(slots=True)
 class ExecutionResult:
     """One result per request (a response or that request's error), plus where the time went.
 
-    A decoupled model's result is None: its responses went into the request's `response_stream`.
+    A decoupled model's result is None: its responses went into the request's `response_stream`. The compute
+    times are those of the first run; `reruns`, if any, are the runs of rescheduled requests after it.
     """
 
     results: list[InferResponse | ServerError | None]
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    reruns: list[Rerun] | None = None
 
 
 class BackendInstance(abc.ABC):

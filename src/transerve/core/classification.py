@@ -20,6 +20,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import invalid_arg
 from transerve.core.types import InferRequest, InferResponse, Tensor
+from transerve.repository.paths import inside
 
 #: The request output parameter that asks for classification.
 PARAMETER = "classification"
@@ -35,7 +36,7 @@ def load_labels(model_path: Path, config: model_config_pb2.ModelConfig) -> dict[
     for output in config.output:
         if not output.label_filename:
             continue
-        path = model_path / output.label_filename
+        path = inside(model_path, model_path, output.label_filename, f"output '{output.name}' label_filename")
         try:
             labels[output.name] = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:

@@ -78,6 +78,14 @@ class ModelStats:
         self.fail.add(duration_ns)
         self.failures[_FAILURE_REASON.get(code, "BACKEND")] += 1
 
+    def record_outcome(self, code: ErrorCode | None, duration_ns: int) -> None:
+        """A request that ran to its end after its client went away, counted by how it ended (None: it succeeded),
+        as Triton counts what its backend reports."""
+        if code is None:
+            self.success.add(duration_ns)
+        else:
+            self.record_failure(code, duration_ns)
+
     def record_execution(
         self,
         batch_size: int,

@@ -59,7 +59,7 @@ class InferRequest:
     #: Where a decoupled model sends its responses (set by the core; a `core.streams.ResponseStream`).
     response_stream: Any = None
     #: The request's trace when it is traced (a `core.tracing.RequestTrace`, set by the frontend that sampled it
-    #: or by the ensemble step that spawned it); None otherwise, the one thing an untraced request checks.
+    #: or by the ensemble step or BLS call that spawned it); None otherwise, the one thing an untraced request checks.
     trace: Any = None
 
     def batch_size(self, max_batch_size: int) -> int:

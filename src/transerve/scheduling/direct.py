@@ -12,10 +12,11 @@ import time
 from collections import deque
 
 from transerve.backends.base import BackendInstance, ExecutionResult
-from transerve.core.errors import ServerError, internal
+from transerve.core.errors import internal
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
 from transerve.scheduling import OnDone
+from transerve.scheduling.cancellation import Watcher, dropped, settle, watch
 
 _Pending = tuple[InferRequest, "asyncio.Future[InferResponse]", OnDone | None]
 
@@ -55,6 +56,7 @@ class DirectScheduler:
         while queue and free:
             pending = queue.popleft()
             if pending[1].done():  # cancelled by its client while queued
+                dropped(self._stats, pending[0])
                 continue
             self._start(free.popleft(), pending)
 
@@ -67,29 +69,33 @@ class DirectScheduler:
         if request.trace is not None:
             request.trace.compute_started(started)
         self._running += 1
-        if instance.cancellable:
-            pending[1].add_done_callback(functools.partial(_cancel_if_cancelled, instance, request))
+        watcher = watch(instance, request, pending[1])
         try:
-            execution = instance.execute_then([request], functools.partial(self._finish, instance, pending))
+            execution = instance.execute_then([request], functools.partial(self._finish, instance, pending, watcher))
             if execution is None:
                 return
             if not isinstance(execution, asyncio.Future):
                 execution = self._loop.create_task(execution)
         except Exception as exc:  # a backend bug: fail this request (never from inside `submit`), keep serving
-            self._loop.call_soon(self._finish, instance, pending, self._failed(instance, f"failed: {exc!r}"))
+            failed = self._failed(instance, f"failed: {exc!r}")
+            self._loop.call_soon(self._finish, instance, pending, watcher, failed)
             return
-        execution.add_done_callback(functools.partial(self._collect, instance, pending))
+        execution.add_done_callback(functools.partial(self._collect, instance, pending, watcher))
 
-    def _collect(self, instance: BackendInstance, pending: _Pending, done: asyncio.Future) -> None:
+    def _collect(
+        self, instance: BackendInstance, pending: _Pending, watcher: Watcher | None, done: asyncio.Future
+    ) -> None:
         if done.cancelled():
             result = self._failed(instance, "was cancelled")
         elif done.exception() is not None:
             result = self._failed(instance, f"failed: {done.exception()!r}")
         else:
             result = done.result()
-        self._finish(instance, pending, result)
+        self._finish(instance, pending, watcher, result)
 
-    def _finish(self, instance: BackendInstance, pending: _Pending, result: ExecutionResult) -> None:
+    def _finish(
+        self, instance: BackendInstance, pending: _Pending, watcher: Watcher | None, result: ExecutionResult
+    ) -> None:
         """Settle the request, let `on_done` go on with it (an ensemble sends its next step), then count."""
         self._running -= 1
         self._free.append(instance)
@@ -98,12 +104,8 @@ class DirectScheduler:
             result = self._failed(instance, f"returned {len(result.results)} results for 1 requests")
         if request.trace is not None:
             request.trace.compute_ended(result.compute_input_ns, result.compute_output_ns)
-        if future.done():  # cancelled by its client while it ran: its canceller accounts for it
-            on_done = None
-        elif isinstance(outcome := result.results[0], ServerError):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+        if not settle(self._stats, request, future, result.results[0], watcher):
+            on_done = None  # cancelled by its client while it ran: its canceller goes on without it
         if on_done is not None:
             try:
                 on_done(future)
@@ -123,8 +125,3 @@ class DirectScheduler:
         while self._queue or self._running:
             await asyncio.sleep(0.005)
 
-
-def _cancel_if_cancelled(instance: BackendInstance, request: InferRequest, future: asyncio.Future) -> None:
-    """Tell the instance when the client of a request it runs cancels it (its connection went away)."""
-    if future.cancelled():
-        instance.cancel(request)

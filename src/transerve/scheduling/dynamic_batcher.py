@@ -24,10 +24,11 @@ from collections.abc import Iterable
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult
-from transerve.core.errors import ServerError, internal, unavailable
+from transerve.core.errors import internal, unavailable
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
 from transerve.scheduling import OnDone
+from transerve.scheduling.cancellation import Watcher, dropped, settle, watch
 from transerve.scheduling.queues import Pending, RequestQueue
 from transerve.scheduling.strategy import batching_strategy
 
@@ -38,23 +39,19 @@ TIMEOUT_MESSAGE = "Request timeout expired"
 class _Execution:
     """A dispatched batch and, once its instance answered, the result."""
 
-    __slots__ = ("batch", "result")
+    __slots__ = ("batch", "watchers", "result")
 
-    def __init__(self, batch: list[Pending]) -> None:
+    def __init__(self, batch: list[Pending], watchers: list[Watcher | None]) -> None:
         self.batch = batch
+        #: Per request, what tells its instance that its client went away (see `cancellation`).
+        self.watchers = watchers
         self.result: ExecutionResult | None = None
 
-    def answer(self) -> None:
+    def answer(self, stats: ModelStats) -> None:
         """Resolve each request's future with its own outcome."""
         assert self.result is not None
-        for pending, outcome in zip(self.batch, self.result.results, strict=True):
-            future = pending.future
-            if future.done():
-                continue
-            if isinstance(outcome, ServerError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+        for pending, watcher, outcome in zip(self.batch, self.watchers, self.result.results, strict=True):
+            settle(stats, pending.request, pending.future, outcome, watcher)
 
 
 class DynamicBatcher:
@@ -166,6 +163,7 @@ class DynamicBatcher:
         for pending in candidates:
             if pending.future.done():  # its client went away while it waited
                 abandoned.append(pending)
+                dropped(self._stats, pending.request)
                 continue
             if batch:
                 total = size + pending.size
@@ -206,7 +204,9 @@ class DynamicBatcher:
 
     def _reject(self, rejected: list[Pending]) -> None:
         for pending in rejected:
-            if not pending.future.done():
+            if pending.future.done():  # its client went away first
+                dropped(self._stats, pending.request)
+            else:
                 pending.future.set_exception(unavailable(TIMEOUT_MESSAGE))
 
     # ---- executing -----------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class DynamicBatcher:
             if request.trace is not None:
                 request.trace.compute_started(started)
         self._running += 1
-        entry = _Execution(batch)
+        entry = _Execution(batch, [watch(instance, pending.request, pending.future) for pending in batch])
         if self._in_order is not None:
             self._in_order.append(entry)
         try:
@@ -262,10 +262,10 @@ class DynamicBatcher:
         )
         entry.result = result
         if self._in_order is None:
-            entry.answer()
+            entry.answer(self._stats)
         else:
             while self._in_order and self._in_order[0].result is not None:
-                self._in_order.popleft().answer()
+                self._in_order.popleft().answer(self._stats)
         self._dispatch()
 
     def _failed(self, instance: BackendInstance, batch: list[Pending], what: str) -> ExecutionResult:

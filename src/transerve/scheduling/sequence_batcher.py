@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import BackendInstance, ExecutionResult
+from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
 from transerve.config.sequence_batching import BooleanControl, SequenceControls, sequence_controls
 from transerve.core.datatypes import NUMPY_DTYPES
 from transerve.core.errors import ErrorCode, ServerError, internal, invalid_arg
@@ -53,6 +53,7 @@ from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
 from transerve.scheduling import OnDone
+from transerve.scheduling.cancellation import Watcher, settle, watch
 
 log = logging.getLogger("transerve")
 
@@ -414,12 +415,16 @@ class SequenceBatcher:
         dropped. `finished` runs once every result is delivered."""
         started = time.monotonic_ns()
         real = 0
+        watchers: list[Watcher | None] = []
         for request, future in zip(requests, futures, strict=True):
             if future is not None:
                 real += 1
                 self._stats.queue.add(started - request.arrival_ns)
                 if request.trace is not None:
                     request.trace.compute_started(started)
+                watchers.append(watch(lane.instance, request, future))
+            else:
+                watchers.append(None)
         self._queued -= real
         self._running += 1
 
@@ -430,7 +435,7 @@ class SequenceBatcher:
                 result = self._failed(lane, len(requests), f"failed: {done.exception()!r}")
             else:
                 result = done.result()
-            self._deliver(lane, requests, futures, real, result)
+            self._deliver(lane, requests, futures, watchers, real, result)
             finished()
 
         try:
@@ -438,7 +443,8 @@ class SequenceBatcher:
             if not isinstance(execution, asyncio.Future):
                 execution = self._loop.create_task(execution)
         except Exception as exc:  # a backend bug: fail this batch, keep serving
-            self._deliver(lane, requests, futures, real, self._failed(lane, len(requests), f"failed: {exc!r}"))
+            failed = self._failed(lane, len(requests), f"failed: {exc!r}")
+            self._deliver(lane, requests, futures, watchers, real, failed)
             finished()
             return
         execution.add_done_callback(collect)
@@ -448,6 +454,7 @@ class SequenceBatcher:
         lane: _Lane,
         requests: list[InferRequest],
         futures: list[asyncio.Future[InferResponse] | None],
+        watchers: list[Watcher | None],
         real: int,
         result: ExecutionResult,
     ) -> None:
@@ -463,13 +470,26 @@ class SequenceBatcher:
             len(requests), real, result.compute_input_ns, result.compute_infer_ns, result.compute_output_ns,
             inferences=real,
         )
-        for future, outcome in zip(futures, result.results, strict=True):
-            if future is None or future.done():
-                continue
-            if isinstance(outcome, ServerError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+        for rerun in result.reruns or ():
+            self._record_rerun(requests, futures, rerun)
+        for request, future, watcher, outcome in zip(requests, futures, watchers, result.results, strict=True):
+            if future is not None:
+                settle(self._stats, request, future, outcome, watcher)
+
+    def _record_rerun(
+        self, requests: list[InferRequest], futures: list[asyncio.Future[InferResponse] | None], rerun: Rerun
+    ) -> None:
+        """Count rescheduled requests that ran again as Triton counts them, which queues them anew: each run is an
+        execution, and the run that rescheduled a request is a success of its own (the last run is counted as any
+        request is). They ran again at once, so with no time in the queue."""
+        real = [index for index in rerun.indexes if futures[index] is not None]
+        for index in real:
+            self._stats.success.add(rerun.rescheduled_ns - requests[index].arrival_ns)
+        self._stats.queue.add(0, len(real))
+        self._stats.record_execution(
+            len(rerun.indexes), len(real), rerun.compute_input_ns, rerun.compute_infer_ns, rerun.compute_output_ns,
+            inferences=len(real),
+        )
 
     def _failed(self, lane: _Lane, count: int, what: str) -> ExecutionResult:
         error = internal(f"model '{self._model_name}' instance '{lane.instance.name}' {what}")

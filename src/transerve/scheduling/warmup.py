@@ -17,6 +17,7 @@ from transerve.backends.base import BackendInstance
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol, deserialize_bytes
 from transerve.core.errors import ServerError, invalid_arg
 from transerve.core.types import InferRequest, Tensor
+from transerve.repository.paths import inside
 
 #: The folder under the model's directory that holds `input_data_file`s (Triton's kWarmupDataFolder).
 WARMUP_FOLDER = "warmup"
@@ -102,9 +103,7 @@ def _data(
 
 
 def _read(model_path: Path, file_name: str) -> bytes:
-    path = model_path / WARMUP_FOLDER / file_name
-    if path.resolve().parent != (model_path / WARMUP_FOLDER).resolve():
-        raise invalid_arg(f"warmup data file '{file_name}' must be a file in the model's '{WARMUP_FOLDER}' folder")
+    path = inside(model_path / WARMUP_FOLDER, model_path / WARMUP_FOLDER, file_name, "warmup input_data_file")
     try:
         return path.read_bytes()
     except OSError as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2
 
 from transerve.core.errors import invalid_arg, unavailable
+from transerve.repository.paths import inside
 
 ENGINES = ("ctranslate2", "torch")
 COMPUTE_TYPES = {
@@ -43,10 +44,12 @@ class GenerationSettings:
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
-    """The settings, or INVALID_ARG for a bad value and UNAVAILABLE for a missing model folder."""
+    """The settings, or INVALID_ARG for a bad value or a model folder outside the model's (`version_path` is
+    `<model>/<version>`) and UNAVAILABLE for a missing one."""
     parameters = {key: value.string_value for key, value in config.parameters.items()}
+    setting = "parameter model_dir" if parameters.get("model_dir") else "default_model_filename"
     name = parameters.get("model_dir") or config.default_model_filename or DEFAULT_MODEL_DIR
-    model_dir = version_path / name
+    model_dir = inside(version_path.parent, version_path, name, setting)
     if not model_dir.is_dir():
         raise unavailable(f"model directory '{model_dir}' not found (config parameter 'model_dir', relative to the "
                           "version folder)")

@@ -2,7 +2,8 @@
 
 Settings follow Triton's onnxruntime backend: `parameters` `intra_op_thread_count`, `inter_op_thread_count`
 and `execution_mode` (0 sequential, 1 parallel), plus onnxruntime's session config entries as parameters
-whose keys start with `session.`; `optimization { graph { level } }` (-1 basic, 1 extended,
+whose keys start with `session.` (one that names a file or folder is taken relative to the version folder and
+must stay inside the model's folder: `repository/paths.py`); `optimization { graph { level } }` (-1 basic, 1 extended,
 otherwise all); KIND_GPU instances run on the CUDA execution provider of their GPU, with TensorRT's in front
 when `optimization.execution_accelerators` asks for `tensorrt` (both need `onnxruntime-gpu`); KIND_CPU
 instances on the CPU provider.
@@ -11,6 +12,7 @@ instances on the CPU provider.
 from __future__ import annotations
 
 import asyncio
+import re
 from concurrent.futures import Executor
 from pathlib import Path
 from types import ModuleType
@@ -24,8 +26,12 @@ from transerve.backends.base import Backend, BackendModel, ModelContext, Placeme
 from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines, release
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg, unavailable
+from transerve.repository.paths import inside
 
 _PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "execution_mode")
+#: onnxruntime session settings whose value is a file or folder, by their last word (e.g.
+#: `session.collect_node_memory_stats_to_file`, which onnxruntime writes to): kept inside the model's folder.
+_PATH_SETTING = re.compile(r"(file|filepath|file_name|path|dir|folder|directory)$")
 
 
 #: onnxruntime's type names -> config data types.
@@ -93,7 +99,7 @@ class OnnxRuntimeBackend(Backend):
         loop = asyncio.get_running_loop()
         opened: list[tuple[Executor, OrtEngine]] = []
         try:
-            options = _session_options(ort, config)
+            options = _session_options(ort, context)
             opened = await open_engines(
                 loop, instance_placements(config),
                 lambda placement: OrtEngine(_open_session(ort, path, options, placement, config)), "ort",
@@ -126,15 +132,20 @@ class OnnxRuntimeBackend(Backend):
 
 def _model_file(context: ModelContext) -> Path:
     """`model.onnx`, or the `model.onnx/model.onnx` of a folder holding external weights (as Triton allows)."""
-    path = context.version_path / (context.config.default_model_filename or "model.onnx")
-    if path.is_dir():
-        path = path / "model.onnx"
+    where = f"failed to load '{context.name}' version {context.version}"
+    try:
+        path = context.model_file("model.onnx")
+        if path.is_dir():
+            path = inside(context.model_path, path, "model.onnx", "default_model_filename")
+    except ServerError as exc:
+        raise ServerError(exc.code, f"{where}: {exc.message}") from None
     if not path.is_file():
-        raise invalid_arg(f"failed to load '{context.name}' version {context.version}: model file '{path}' not found")
+        raise invalid_arg(f"{where}: model file '{path}' not found")
     return path
 
 
-def _session_options(ort: ModuleType, config: model_config_pb2.ModelConfig) -> Any:
+def _session_options(ort: ModuleType, context: ModelContext) -> Any:
+    config = context.config
     options = ort.SessionOptions()
     values = {key: _int(config.parameters[key].string_value, key) for key in _PARAMETERS if key in config.parameters}
     if values.get("intra_op_thread_count", 0) > 0:
@@ -145,7 +156,10 @@ def _session_options(ort: ModuleType, config: model_config_pb2.ModelConfig) -> A
         options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     for key, value in config.parameters.items():
         if key.startswith("session."):  # onnxruntime's own session settings, e.g. session.intra_op.allow_spinning
-            options.add_session_config_entry(key, value.string_value)
+            setting = value.string_value
+            if _PATH_SETTING.search(key):
+                setting = str(inside(context.model_path, context.version_path, setting, f"parameter {key}"))
+            options.add_session_config_entry(key, setting)
     level = config.optimization.graph.level
     levels = ort.GraphOptimizationLevel
     options.graph_optimization_level = {-1: levels.ORT_ENABLE_BASIC, 1: levels.ORT_ENABLE_EXTENDED}.get(

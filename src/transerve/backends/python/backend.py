@@ -18,6 +18,7 @@ import site
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
+from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext, Rerun
 from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
 from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
 from transerve.backends.python.environments import ExecutionEnvironments, Interpreter
@@ -253,6 +254,8 @@ class PythonInstance(BackendInstance):
         self._spec = spec
         self._initialize_args = initialize_args
         self._decoupled = decoupled
+        #: A decoupled request hears of its client's cancellation through its response stream instead.
+        self.cancellable = not decoupled
         self._runtime = runtime
         self._rescheduling = rescheduling
         self._worker: WorkerProcess | None = None
@@ -355,10 +358,10 @@ class PythonInstance(BackendInstance):
         tokens: list[int] | None = None,
     ) -> asyncio.Future[ExecutionResult] | None:
         """Send an execute whose reply calls `done`; a settled future instead if it cannot be sent. A request
-        run again keeps the `tokens` its responses already go under."""
+        run again keeps the `tokens` it already has (its responses go under it, it is cancelled under it)."""
         try:
-            if tokens is None and self._decoupled and worker.streams:
-                tokens = worker.streams.open(requests)
+            if tokens is None and worker.streams:
+                tokens = worker.streams.open(requests) if self._decoupled else worker.streams.watch(requests)
             worker.connection.call(
                 OP_EXECUTE,
                 _execute_body(requests, tokens),
@@ -369,6 +372,9 @@ class PythonInstance(BackendInstance):
             return None
         except Exception as exc:  # an input the transport cannot carry
             logger.exception("model '%s': cannot send requests to instance '%s'", self._spec.model_name, self.name)
+            if not self._decoupled and worker.streams:
+                for request in requests:
+                    worker.streams.unwatch(request)
             future = self._loop.create_future()
             error = ServerError(ErrorCode.INTERNAL, f"cannot send the request to the model: {exc}")
             future.set_result(ExecutionResult([error] * len(requests)))
@@ -391,19 +397,37 @@ class PythonInstance(BackendInstance):
                 ErrorCode.INTERNAL, f"model '{self._spec.model_name}' instance '{self.name}' failed: {exc!r}"
             )
             result, late, again = ExecutionResult([error] * len(requests)), [], []
+            if not self._decoupled and worker.streams is not None:
+                for request in requests:
+                    worker.streams.unwatch(request)
         if not late and not again:
             done(result)
             return
         completion = _Completion(result, done, len(late) + bool(again))
         for index, late_id in late:
-            worker.streams.expect_late(late_id, functools.partial(self._late, completion, requests[index], index))
+            worker.streams.expect_late(
+                late_id, functools.partial(self._late, worker.streams, completion, requests[index], index)
+            )
         if again:
             self._run_again(worker, requests, tokens, again, completion)
 
+    def cancel(self, request: InferRequest) -> None:
+        """Tell the worker: the model's `is_cancelled()` for the request becomes True (the scheduler calls this
+        when the client of a request this instance runs goes away)."""
+        worker = self._worker
+        if worker is not None and worker.streams is not None:
+            worker.streams.cancel(request)
+
     def _late(
-        self, completion: _Completion, request: InferRequest, index: int, response: LateResponse | ServerError
+        self,
+        streams: WorkerStreams,
+        completion: _Completion,
+        request: InferRequest,
+        index: int,
+        response: LateResponse | ServerError,
     ) -> None:
         """A non-decoupled request's response, sent by its model after `execute` returned."""
+        streams.unwatch(request)
         if isinstance(response, ServerError):
             completion.settle(index, response)
             return
@@ -432,9 +456,10 @@ class PythonInstance(BackendInstance):
         assert self._rescheduling is not None
         rerun = [self._rescheduling.again(requests[index]) for index in again]
         rerun_tokens = None if tokens is None else [tokens[index] for index in again]
-        settled = self._send(worker, rerun, functools.partial(completion.merge, again), rerun_tokens)
+        merge = functools.partial(completion.merge, again, time.monotonic_ns())
+        settled = self._send(worker, rerun, merge, rerun_tokens)
         if settled is not None:
-            settled.add_done_callback(lambda future: completion.merge(again, future.result()))
+            settled.add_done_callback(lambda future: merge(future.result()))
 
     def _execution_result(
         self,
@@ -451,10 +476,14 @@ class PythonInstance(BackendInstance):
         again: list[int] = []
         responses: list[InferResponse | ServerError | None] = []
         model_name, model_version = self._spec.model_name, self._spec.model_version
+        decoupled, streams = self._decoupled, worker.streams
         for index, ((code, message, parameters), tensors) in enumerate(zip(results, outputs, strict=True)):
-            if code is None:  # a decoupled request's responses went through its stream
+            if code is None:
+                if decoupled:  # its responses went through its stream
+                    responses.append(None)
+                    continue
                 responses.append(
-                    None if tokens is not None else InferResponse(
+                    InferResponse(
                         model_name,
                         model_version,
                         [Tensor(name, datatype, data) for name, datatype, data in tensors],
@@ -462,6 +491,8 @@ class PythonInstance(BackendInstance):
                         parameters=parameters or {},
                     )
                 )
+                if streams is not None:
+                    streams.unwatch(requests[index])
             elif code == PENDING:
                 late.append((index, message))
                 responses.append(None)
@@ -474,8 +505,11 @@ class PythonInstance(BackendInstance):
                         f"model '{model_name}' rescheduled a request, which needs "
                         "'sequence_batching { iterative_sequence: true }' in its configuration"
                     )
-                if tokens is not None and worker.streams is not None:
-                    worker.streams.drop(tokens[index])
+                if streams is not None:
+                    if not decoupled:
+                        streams.unwatch(requests[index])
+                    elif tokens is not None:
+                        streams.drop(tokens[index])
                 responses.append(ServerError(ErrorCode[code], message))
         return ExecutionResult(responses, input_ns, infer_ns, output_ns), late, again
 
@@ -537,13 +571,19 @@ class _Completion:
         self._result.results[index] = outcome
         self._one_less()
 
-    def merge(self, indexes: list[int], rerun: ExecutionResult) -> None:
-        """The results of the requests at `indexes`, run again; their compute time adds to the execution's."""
+    def merge(self, indexes: list[int], rescheduled_ns: int, rerun: ExecutionResult) -> None:
+        """The results of the requests at `indexes`, run again: one more run of the execution, and those of its
+        own rescheduled requests."""
+        result = self._result
         for index, outcome in zip(indexes, rerun.results, strict=True):
-            self._result.results[index] = outcome
-        self._result.compute_input_ns += rerun.compute_input_ns
-        self._result.compute_infer_ns += rerun.compute_infer_ns
-        self._result.compute_output_ns += rerun.compute_output_ns
+            result.results[index] = outcome
+        runs = result.reruns = result.reruns or []
+        runs.append(
+            Rerun(indexes, rescheduled_ns, rerun.compute_input_ns, rerun.compute_infer_ns, rerun.compute_output_ns)
+        )
+        for inner in rerun.reruns or ():
+            inner.indexes = [indexes[index] for index in inner.indexes]
+            runs.append(inner)
         self._one_less()
 
     def _one_less(self) -> None:
@@ -581,7 +621,8 @@ def _settle(future: asyncio.Future[ExecutionResult], result: ExecutionResult) ->
 
 def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> list[tuple[Any, ...]]:
     """Per request, what the worker's InferenceRequest needs besides the tensors (and, for a
-    decoupled model, the token its responses are sent under)."""
+    decoupled model, the token its responses are sent under; for a traced one, its trace id, which the
+    model's BLS calls name as their parent, and its OpenTelemetry context)."""
     return [
         (
             request.id,
@@ -590,6 +631,7 @@ def _execute_body(requests: list[InferRequest], tokens: list[int] | None) -> lis
             request.parameters,
             None if request.outputs is None else [output.name for output in request.outputs],
             None if tokens is None else tokens[index],
+            None if request.trace is None else request.trace.for_model(),
         )
         for index, request in enumerate(requests)
     ]
@@ -617,6 +659,9 @@ class PythonBackend(Backend):
 
     async def _load(self, context: ModelContext) -> BackendModel:
         config = context.config
+        model_file = context.model_file("model.py")
+        if not model_file.is_file():
+            raise ServerError(ErrorCode.INVALID_ARG, f"model file '{model_file}' not found")
         interpreter = None
         if ENV_PARAMETER in config.parameters and config.parameters[ENV_PARAMETER].string_value:
             interpreter = await self._environments.interpreter(
@@ -628,14 +673,12 @@ class PythonBackend(Backend):
         spec = WorkerSpec(
             model_name=context.name,
             model_version=context.version,
-            model_file=context.version_path / (config.default_model_filename or "model.py"),
+            model_file=model_file,
             arena_bytes=_setting(context.backend_config, "shm-default-byte-size", DEFAULT_ARENA_BYTES, 4096),
             max_inflight=_setting(context.backend_config, "max-inflight", DEFAULT_MAX_INFLIGHT, 1),
             log_fd=getattr(getattr(context.runtime, "log", None), "page_fd", None),
             interpreter=interpreter,
         )
-        if not spec.model_file.is_file():
-            raise ServerError(ErrorCode.INVALID_ARG, f"model file '{spec.model_file}' not found")
         if config.sequence_batching.state:
             # Triton's python backend loads such a model but never stores the output state, so every request
             # would see the initial state: refusing says so instead of computing wrong answers.

@@ -8,10 +8,14 @@ environment must have, with a Python of 3.10 or later): it gets transerve's own 
 that none of the server's other packages leaks into the model's environment.
 
 `$$TRITON_MODEL_DIRECTORY` in the path is the model's folder (its first occurrence, as Triton replaces it). The
-path must lie inside the model repository: a model cannot run an interpreter found elsewhere on the server. An
-archive is extracted once per server into a private cache folder (again if the archive changes), with tarfile's
-`data` filter (no absolute paths, no escaping links, no devices) and a bound on the bytes it unpacks; the cache
-is removed when the server exits.
+path, symbolic links resolved, must lie inside the model's repository or inside the model's folder (which may be
+a link from the repository to elsewhere): a model cannot run an interpreter found elsewhere on the server,
+whoever wrote its config. The bound is the repository rather than the model's folder because models share
+environments, as Triton's own QA does with one at the top of the repository; for a model loaded with `file:`
+contents, the repository is the private folder those files were written to. An archive is extracted once per
+server into a private cache folder (again if the archive changes), with tarfile's `data` filter (no absolute
+paths, no escaping links, no devices) and a bound on the bytes it unpacks; the cache is removed when the server
+exits.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ class ExecutionEnvironments:
             location = Path(path).resolve(strict=True)
         except (OSError, RuntimeError):
             raise _error(f"Failed to get the canonical path for {path}.") from None
-        if not location.is_relative_to(repository_path.resolve()):
+        if not any(location.is_relative_to(root.resolve()) for root in (repository_path, model_path)):
             raise ServerError(
                 ErrorCode.INVALID_ARG,
                 f"{PARAMETER} '{setting}' is outside the model repository: an execution environment must lie in it",

@@ -3,6 +3,8 @@
 * Decoupled requests: each gets a token, sent with the execute; the worker sends the request's
   responses under that token as the model produces them (from `execute` or later, from any of its
   threads), and they go into the request's ResponseStream. Cancelling the stream tells the worker.
+* Cancellation of other requests: each gets a token too (`watch`), under which the instance tells the worker
+  that its client went away (`cancel`), until the request is answered; the model sees it with `is_cancelled()`.
 * Late responses: a non-decoupled request whose model sends its one response after `execute` returned gets an
   id in the execute's reply; the response follows under that id (possibly before the reply is read).
 * BLS calls: the worker asks for an inference on another model; it runs through the core
@@ -12,7 +14,8 @@
   ran keeps its own code (Triton 2.51 turns those into INTERNAL too; later versions keep the code).
   The worker may cancel a call (OP_CANCEL under its id, when the model calls `cancel()` on its
   response iterator or drops it early): the called model's stream is cancelled, and the call's final
-  answer is a CANCELLED error.
+  answer is a CANCELLED error. A call made with `trace=request.trace()` names that request's trace id; while
+  that request runs, the call is traced as its child (Triton's parent_id).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class WorkerStreams:
         self._tokens = itertools.count(1)
         #: Open decoupled requests by token; warm-up requests have no stream and are not kept.
         self._requests: dict[int, tuple[InferRequest, ResponseStream]] = {}
+        #: The tokens of other requests until they are answered, by the request's id().
+        self._watched: dict[int, int] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
         #: The called models' streams of running BLS calls, and calls the worker cancelled before theirs opened.
         self._call_streams: dict[int, ResponseStream] = {}
@@ -79,6 +84,25 @@ class WorkerStreams:
                 self._connection.open_streams += 1
                 stream.on_cancel(lambda token=token: self._cancel(token))
         return tokens
+
+    def watch(self, requests: list[InferRequest]) -> list[int]:
+        """Tokens for a non-decoupled execute's requests, which `cancel` can tell the worker of until `unwatch`."""
+        watched = self._watched
+        tokens = []
+        for request in requests:
+            token = watched[id(request)] = next(self._tokens)
+            tokens.append(token)
+        return tokens
+
+    def unwatch(self, request: InferRequest) -> None:
+        """The request was answered (or failed): its cancellation no longer concerns the worker."""
+        self._watched.pop(id(request), None)
+
+    def cancel(self, request: InferRequest) -> None:
+        """The client of a non-decoupled request the worker has went away: its `is_cancelled()` becomes True."""
+        token = self._watched.get(id(request))
+        if token is not None:
+            self._connection.notify(OP_CANCEL, token, None)
 
     def drop(self, token: int) -> None:
         """The request ended without a final response from the model (its execute failed)."""
@@ -134,7 +158,9 @@ class WorkerStreams:
         elif op == OP_LATE_RESPONSE:
             self._late_response(call_id, body, groups[0] if groups else [])
         elif op == OP_BLS_CALL:
-            self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else []))
+            # The call's trace is spawned now, while the request it names is surely still running.
+            trace = self._runtime.tracing.bls_child(body[-1], self._model_name) if body[-1] else None
+            self._start_call(call_id, self._run_call(call_id, body, groups[0] if groups else [], trace))
         elif op == OP_MODEL_CONTROL:
             self._start_call(call_id, self._model_control(call_id, *body))
         elif op == OP_METRIC:
@@ -163,9 +189,10 @@ class WorkerStreams:
         self._cancelled_calls.discard(call_id)
         self._connection.open_streams -= 1
 
-    async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry]) -> None:
-        """Run one BLS request through the core and send every answer back."""
-        name, version, request_id, correlation_id, flags, timeout, parameters, requested, decoupled = body
+    async def _run_call(self, call_id: int, body: tuple[Any, ...], inputs: list[Entry], trace: Any) -> None:
+        """Run one BLS request through the core and send every answer back (traced under its caller's trace when
+        `trace` is its RequestTrace)."""
+        name, version, request_id, correlation_id, flags, timeout, parameters, requested, decoupled, _ = body
         request = InferRequest(
             model_name=name,
             inputs=[Tensor(tensor_name, datatype, data) for tensor_name, datatype, data in inputs],
@@ -176,6 +203,7 @@ class WorkerStreams:
             correlation_id=correlation_id,
             flags=flags,
             timeout_us=timeout,
+            trace=trace,
         )
         try:
             stream = self._open(request, decoupled)
@@ -304,6 +332,7 @@ class WorkerStreams:
             task.cancel()
         if self._runtime is not None:
             self._runtime.custom_metrics.release(self)
+        self._watched.clear()
         late, self._late = self._late, {}
         self._early.clear()
         for settle in late.values():

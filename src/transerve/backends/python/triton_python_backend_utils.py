@@ -302,11 +302,31 @@ def _check_parameters(parameters: Any) -> dict[str, Any]:
 
 
 class InferenceTrace:
-    """What `request.trace()` gives. transerve does not trace BLS calls yet, so it carries no context; models that
-    pass it on (`pb_utils.InferenceRequest(..., trace=request.trace())`, as Triton's docs show) run unchanged."""
+    """What `request.trace()` gives: a BLS request built with `trace=request.trace()` is traced as a child of that
+    request, as in Triton, when the request is traced (and still running); otherwise the call is not traced."""
+
+    __slots__ = ("_id", "_context")
+
+    def __init__(self) -> None:
+        #: The request's trace id on the server (0: not traced).
+        self._id = 0
+        self._context: str | None = None
+
+    @classmethod
+    def _of(cls, trace: tuple[int, str | None]) -> InferenceTrace:
+        """The trace of a received request, from what the server said of it."""
+        made = cls()
+        made._id, made._context = trace
+        return made
 
     def get_context(self) -> str | None:
-        return None
+        """In OpenTelemetry mode, the W3C context of the request's span as JSON (`{"traceparent": ...}`), for spans
+        of the model's own; None in Triton's mode and for a request that is not traced."""
+        return self._context
+
+
+#: The trace of a request that is not traced (and of a BLS request built without one).
+_UNTRACED = InferenceTrace()
 
 
 class InferenceRequest:
@@ -324,9 +344,11 @@ class InferenceRequest:
         "_parameters",
         "_parameters_json",
         "_token",
+        "_decoupled",
         "_sender",
         "_served",
         "_release_flags",
+        "_trace",
     )
 
     def __init__(
@@ -340,7 +362,7 @@ class InferenceRequest:
         flags: int = 0,
         timeout: int = 0,
         preferred_memory: Any = None,
-        trace: Any = None,
+        trace: InferenceTrace = _UNTRACED,
         parameters: dict[str, Any] | None = None,
     ) -> None:
         """The BLS form; like Triton's, `inputs`, `requested_output_names` and `model_name` are required, and
@@ -364,9 +386,12 @@ class InferenceRequest:
         self._model_version = model_version
         self._flags = flags
         self._timeout = timeout
+        _require(trace, InferenceTrace, "InferenceRequest", "trace")
         self._parameters = _check_parameters(parameters)
         self._parameters_json: str | None = None
+        self._trace = trace
         self._token: int | None = None
+        self._decoupled = False
         self._sender: InferenceResponseSender | None = None
         self._served = False
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
@@ -383,10 +408,13 @@ class InferenceRequest:
         model_name: str,
         model_version: int,
         token: int | None,
+        decoupled: bool,
+        trace: tuple[int, str | None] | None = None,
     ) -> InferenceRequest:
         """A request as the worker receives it; its parameters become JSON only if the model asks.
 
-        `token` names a decoupled request's response stream on the server (None for other models).
+        `token` names the request on the server: the server cancels it under that token, and a decoupled model's
+        responses go to its stream under it. `trace` is its trace id and OpenTelemetry context when it is traced.
         """
         request = cls.__new__(cls)
         request._request_id = request_id
@@ -401,9 +429,11 @@ class InferenceRequest:
         request._parameters = parameters
         request._parameters_json = None
         request._token = token
+        request._decoupled = decoupled
         request._sender = None
         request._served = True
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        request._trace = _UNTRACED if trace is None else InferenceTrace._of(trace)
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -430,11 +460,11 @@ class InferenceRequest:
         return self._requested_output_names
 
     def trace(self) -> InferenceTrace:
-        """The request's trace, which Triton's models pass as a BLS request's `trace=` to trace the call under it."""
-        return InferenceTrace()
+        """The request's trace, which models pass as a BLS request's `trace=` to trace the call under it."""
+        return self._trace
 
     def is_cancelled(self) -> bool:
-        """Whether the client went away (decoupled requests; the server tells the worker at once)."""
+        """Whether the client went away (the server tells the worker at once, as Triton's stub asks its server)."""
         channel = _channel
         if self._token is None or channel is None:
             return False
@@ -491,6 +521,7 @@ class InferenceRequest:
             self._parameters,
             self._requested_output_names,
             bool(decoupled),
+            self._trace._id,
         )
         return _require_channel().start_bls(body, inputs)
 
@@ -533,7 +564,7 @@ class InferenceResponseSender:
             )
         final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
         outcome = None if response is None else _outcome(response, request._requested_output_names)
-        if request._token is None:
+        if not request._decoupled:
             self._send_single(outcome, final)
             return
         error, parameters, entries = outcome or (None, None, [])
@@ -550,7 +581,10 @@ class InferenceResponseSender:
                 self._held = outcome
                 return
             error, parameters, entries = outcome
-            _require_channel().send(OP_LATE_RESPONSE, self._late, (error, parameters), [entries])
+            channel = _require_channel()
+            channel.send(OP_LATE_RESPONSE, self._late, (error, parameters), [entries])
+            if self._request._token is not None:
+                channel.close_tokens([self._request._token])  # the request is done: no cancellation to hear of
 
     def _count(self, has_response: bool, final: bool) -> None:
         """Triton's checks of a non-decoupled request's sends (a response returned from `execute` counts too)."""

@@ -51,6 +51,7 @@ from transerve.backends.python.ipc import (
 Reply = tuple[tuple[str, str] | None, Any]
 _DONE = (None, None, None)
 _RESCHEDULED = (RESCHEDULED, None, None)
+_SKIPPED = ("CANCELLED", "the request was cancelled before the model started it", None)
 
 
 def _held_result(outcome: pb_utils.Outcome) -> tuple[Any, list[Entry]]:
@@ -172,7 +173,8 @@ class ModelRunner:
         received = pb_utils.InferenceRequest._received
         wrap = pb_utils.Tensor._wrap
         requests = []
-        for (request_id, correlation_id, flags, parameters, requested, token), inputs in zip(body, groups, strict=True):
+        for (request_id, correlation_id, flags, parameters, requested, token, trace), inputs in zip(
+                body, groups, strict=True):
             requests.append(
                 received(
                     request_id,
@@ -184,14 +186,19 @@ class ModelRunner:
                     self.model_name,
                     self.model_version,
                     token,
+                    self.decoupled,
+                    trace,
                 )
             )
-        if self.decoupled:
-            self.channel.open_tokens([request._token for request in requests])
+        tokens = [request._token for request in requests if request._token is not None]
+        if tokens:
+            self.channel.open_tokens(tokens)
         return requests
 
     def _live(self, requests: list[pb_utils.InferenceRequest]) -> list[pb_utils.InferenceRequest]:
-        """The requests to compute: a decoupled request cancelled while it waited here is not."""
+        """The requests of a decoupled model to compute: one cancelled while it waited here is not. (Other models
+        get every request, as in Triton, whose model sees `is_cancelled()`: reading the socket here would cost
+        their fast path a system call per execute.)"""
         channel = self.channel
         channel.poll()
         if not channel.cancelled:
@@ -206,12 +213,9 @@ class ModelRunner:
         malformed return value) fails every request of the call, as in Triton.
         """
         try:
-            if not self.decoupled:
-                returned = self._settle(self.model.execute(requests))
-                return self._responses(requests, self._check_responses(requests, returned))
-            live = self._live(requests)
+            live = self._live(requests) if self.decoupled else requests
             returned = self._settle(self.model.execute(live)) if live else None
-            return self._decoupled_results(requests, live, returned)
+            return self._results(requests, live, returned)
         except BaseException as exc:
             traceback.print_exc()
             return self.failed(requests, describe(exc))
@@ -229,8 +233,8 @@ class ModelRunner:
     def failed(self, requests: list[pb_utils.InferenceRequest], reason: str) -> tuple[list[Any], list[list[Entry]]]:
         """Every request of the call fails and its sender can send no more; a non-decoupled request whose one
         response was sent before the failure keeps it, as Triton's client gets that first response."""
+        self.channel.close_tokens([request._token for request in requests if request._token is not None])
         if self.decoupled:
-            self.channel.close_tokens([request._token for request in requests])
             return self.failure(len(requests), reason)
         results, outputs = self.failure(len(requests), reason)
         for index, request in enumerate(requests):
@@ -249,15 +253,38 @@ class ModelRunner:
     def _results(
         self, requests: list[pb_utils.InferenceRequest], live: list[pb_utils.InferenceRequest], returned: Any
     ) -> tuple[list[Any], list[list[Entry]]]:
+        """Per request of the call: its result and outputs. A decoupled request cancelled before it started (not in
+        `live`) ends with a CANCELLED error; a non-decoupled request that is answered can no longer be cancelled."""
         if self.decoupled:
-            return self._decoupled_results(requests, live, returned)
-        return self._responses(requests, self._check_responses(requests, returned))
+            results, outputs = self._decoupled_results(live, returned)
+        else:
+            results, outputs = self._responses(live, self._check_responses(live, returned))
+            done = [request._token for request, result in zip(live, results, strict=True)
+                    if result[0] not in (PENDING, RESCHEDULED) and request._token is not None]
+            if done:
+                self.channel.close_tokens(done)
+        if len(live) == len(requests):
+            return results, outputs
+        answered = iter(zip(results, outputs, strict=True))
+        started = {id(request) for request in live}
+        all_results: list[Any] = []
+        all_outputs: list[list[Entry]] = []
+        skipped = []
+        for request in requests:
+            if id(request) in started:
+                result, output = next(answered)
+            else:
+                result, output = _SKIPPED, []
+                skipped.append(request._token)
+            all_results.append(result)
+            all_outputs.append(output)
+        self.channel.close_tokens(skipped)
+        return all_results, all_outputs
 
     def _decoupled_results(
-        self, requests: list[pb_utils.InferenceRequest], live: list[pb_utils.InferenceRequest], returned: Any
+        self, requests: list[pb_utils.InferenceRequest], returned: Any
     ) -> tuple[list[Any], list[list[Entry]]]:
-        """A decoupled model answers through its senders: `execute` must return None, as in Triton.
-        A request cancelled before it started ends with a CANCELLED error."""
+        """A decoupled model answers through its senders: `execute` must return None, as in Triton."""
         if returned is not None:
             raise TypeError(
                 f"Python model '{self.instance_name}' is using the decoupled mode and the execute function "
@@ -267,14 +294,6 @@ class ModelRunner:
             _RESCHEDULED if request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE else _DONE
             for request in requests
         ]
-        if len(live) != len(requests):
-            started = {id(request) for request in live}
-            skipped = []
-            for index, request in enumerate(requests):
-                if id(request) not in started:
-                    results[index] = ("CANCELLED", "the request was cancelled before the model started it", None)
-                    skipped.append(request._token)
-            self.channel.close_tokens(skipped)
         return results, [[] for _ in requests]
 
     @staticmethod

@@ -135,7 +135,10 @@ class PyTorchBackend(Backend):
         torch = import_engine("torch", "torch")
         where = f"failed to load '{context.name}' version {context.version}"
         config = context.config
-        path = context.version_path / (config.default_model_filename or "model.pt")
+        try:
+            path = context.model_file("model.pt")
+        except ServerError as exc:
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
         if not path.is_file():
             raise invalid_arg(f"{where}: model file '{path}' not found")
         if not config.input or not config.output:

@@ -96,7 +96,10 @@ class TensorRTBackend(Backend):
     async def load(self, context: ModelContext) -> BackendModel:
         trt, torch = _engine_modules()
         where = f"failed to load '{context.name}' version {context.version}"
-        path = context.version_path / (context.config.default_model_filename or "model.plan")
+        try:
+            path = context.model_file("model.plan")
+        except ServerError as exc:
+            raise ServerError(exc.code, f"{where}: {exc.message}") from None
         if not path.is_file():
             raise invalid_arg(f"{where}: model file '{path}' not found")
         config = context.config

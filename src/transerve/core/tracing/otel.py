@@ -15,15 +15,17 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from transerve.core.tracing.trace import CAPTURE, HEADER, STAMP, Trace
+from transerve.core.tracing.trace import CAPTURE, HEADER, STAMP, RequestTrace, Trace
 
 SERVICE_NAME = "triton-inference-server"
 TRACER_NAME = "triton-server"
@@ -49,7 +51,8 @@ class OtelExporter:
                 batching["schedule_delay_millis"] = int(value)
             elif setting == "bsp_max_export_batch_size":
                 batching["max_export_batch_size"] = int(value)
-        self._provider = TracerProvider(resource=Resource.create(attributes))
+        self._ids = _PromisedIds()
+        self._provider = TracerProvider(resource=Resource.create(attributes), id_generator=self._ids)
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url), **batching))
         self._tracer = self._provider.get_tracer(TRACER_NAME)
         self._propagator = TraceContextTextMapPropagator()
@@ -61,9 +64,28 @@ class OtelExporter:
         context = self._propagator.extract(headers)
         return context if otel_trace.get_current_span(context).get_span_context().is_valid else None
 
+    def context(self, request: RequestTrace) -> str:
+        """The propagation context of `request`'s span, as Triton gives it to a python model (`get_context()`): its
+        ids are chosen now and kept for when the spans are built."""
+        trace = request.trace
+        state = ""
+        if trace.parent is not None:
+            client = otel_trace.get_current_span(trace.parent).get_span_context()
+            trace.otel_trace_id, state = client.trace_id, client.trace_state.to_header()
+        elif not trace.otel_trace_id:
+            trace.otel_trace_id = self._ids.random_trace_id()
+        if not request.span_id:
+            request.span_id = self._ids.random_span_id()
+        context = {"traceparent": f"00-{trace.otel_trace_id:032x}-{request.span_id:016x}-01"}
+        if state:
+            context["tracestate"] = state
+        return orjson.dumps(context).decode()
+
     def export(self, trace: Trace) -> None:
         offset = time.time_ns() - time.monotonic_ns()
         kind = otel_trace.SpanKind.SERVER
+        if trace.parent is None:
+            self._ids.trace_id = trace.otel_trace_id
         root = self._tracer.start_span("InferRequest", context=trace.parent or otel_context.Context(), kind=kind,
                                        start_time=offset + trace.started_ns)
         for _, name, ns in (entry for entry in trace.root.entries if entry[0] == CAPTURE):
@@ -80,6 +102,7 @@ class OtelExporter:
                           "triton.trace_id": request.id, "triton.trace_parent_id": request.parent_id}
             if request.request_id:
                 attributes["triton.request_id"] = request.request_id
+            self._ids.span_id = request.span_id
             span = self._tracer.start_span(request.model_name, context=otel_trace.set_span_in_context(parent),
                                            kind=kind, attributes=attributes, start_time=offset + start)
             spans[request.id] = span
@@ -101,3 +124,26 @@ class OtelExporter:
     def close(self) -> None:
         """Export what is still batched, then stop the exporter."""
         self._provider.shutdown()
+
+
+class _PromisedIds(RandomIdGenerator):
+    """Random ids, except those given out before the spans existed (a model's `get_context()`): set just before the
+    span they belong to is started, used once."""
+
+    def __init__(self) -> None:
+        self.trace_id = 0
+        self.span_id = 0
+
+    def generate_trace_id(self) -> int:
+        promised, self.trace_id = self.trace_id, 0
+        return promised or super().generate_trace_id()
+
+    def generate_span_id(self) -> int:
+        promised, self.span_id = self.span_id, 0
+        return promised or super().generate_span_id()
+
+    def random_trace_id(self) -> int:
+        return super().generate_trace_id()
+
+    def random_span_id(self) -> int:
+        return super().generate_span_id()

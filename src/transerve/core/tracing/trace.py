@@ -1,4 +1,4 @@
-"""One sampled request and the requests it spawns (ensemble steps): what each stamps while it runs.
+"""One sampled request and the requests it spawns (ensemble steps, BLS calls): what each stamps while it runs.
 
 Stamping only appends a tuple (monotonic nanoseconds, Triton's activity names); the trace is rendered, as Triton's
 JSON or as OpenTelemetry spans, once the frontend has sent the answer and every request of the trace has ended.
@@ -26,15 +26,23 @@ Entry = tuple[int, str, int] | tuple[int, str, dict[str, str]]
 class Trace:
     """Triton's Trace: the frontend holds it from sampling until its answer is sent, each request while it runs."""
 
-    __slots__ = ("setting", "root", "requests", "started_ns", "finished_ns", "parent", "_new_id", "_done", "_pending")
+    __slots__ = ("setting", "root", "requests", "started_ns", "finished_ns", "parent", "otel_trace_id", "_new_id",
+                 "_done", "_pending", "_running", "_context")
 
     def __init__(self, setting: Setting, new_id: Callable[[], int], done: Callable[[Trace], None],
-                 parent: Any = None) -> None:
+                 parent: Any = None, running: dict[int, RequestTrace] | None = None,
+                 context: Callable[[RequestTrace], str] | None = None) -> None:
         self.setting = setting
         self._new_id = new_id
         self._done = done
+        #: The tracer's requests between their start and end, by trace id (where a BLS call finds its parent).
+        self._running: dict[int, RequestTrace] = {} if running is None else running
+        #: What gives a request's OpenTelemetry context to its model (None in Triton's mode: it has none).
+        self._context = context
         #: A propagated OpenTelemetry context the trace's spans continue (None: a trace of its own).
         self.parent = parent
+        #: The OpenTelemetry trace id once a context was given out (0: the exporter picks one).
+        self.otel_trace_id = 0
         self.started_ns = time.monotonic_ns()
         self.finished_ns = 0
         self.root = RequestTrace(self, new_id(), 0)
@@ -64,7 +72,8 @@ class Trace:
 class RequestTrace:
     """The activities of one request of a trace, under its own trace id (`parent_id` 0 for the sampled request)."""
 
-    __slots__ = ("trace", "id", "parent_id", "model_name", "model_version", "request_id", "entries", "_compute_ns")
+    __slots__ = ("trace", "id", "parent_id", "model_name", "model_version", "request_id", "entries", "span_id",
+                 "_compute_ns")
 
     def __init__(self, trace: Trace, trace_id: int, parent_id: int) -> None:
         self.trace = trace
@@ -74,11 +83,25 @@ class RequestTrace:
         self.model_version = ""
         self.request_id = ""
         self.entries: list[Entry] = []
+        #: The id of the request's OpenTelemetry span once its context was given out (0: the exporter picks one).
+        self.span_id = 0
         #: When the request's execution began; -1 for a request that computes nothing itself (an ensemble).
         self._compute_ns = 0
 
+    @property
+    def begun(self) -> bool:
+        """Whether the core took the request (one refused before that has no activity of its own)."""
+        return bool(self.model_name)
+
+    def for_model(self) -> tuple[int, str | None]:
+        """What a python-backend model is told of its request's trace: the trace id its BLS calls name as their
+        parent, and the OpenTelemetry context `get_context()` gives (W3C `traceparent` of the request's span, as
+        JSON; None in Triton's mode)."""
+        context = self.trace._context
+        return self.id, None if context is None else context(self)
+
     def child(self) -> RequestTrace:
-        """The trace of a request this one spawns (an ensemble step)."""
+        """The trace of a request this one spawns (an ensemble step, a BLS call)."""
         trace = self.trace
         child = RequestTrace(trace, trace._new_id(), self.id)
         trace.requests.append(child)
@@ -87,11 +110,13 @@ class RequestTrace:
     def started(self, model_name: str, model_version: str, request_id: str, inputs: Iterable[Tensor],
                 computes: bool = True) -> None:
         """The core accepted the request and queues it (REQUEST_START, QUEUE_START, its inputs)."""
-        self.trace._hold()
+        trace = self.trace
+        trace._hold()
+        trace._running[self.id] = self
         self.model_name, self.model_version, self.request_id = model_name, model_version, request_id
         if not computes:
             self._compute_ns = -1
-        level = self.trace.setting.level
+        level = trace.setting.level
         now = time.monotonic_ns()
         if level & TIMESTAMPS:
             self.entries += [(HEADER, "", 0), (STAMP, "REQUEST_START", now), (STAMP, "QUEUE_START", now)]
@@ -116,13 +141,15 @@ class RequestTrace:
                          (STAMP, "COMPUTE_END", end)]
 
     def ended(self, response: InferResponse | None) -> None:
-        """The request is done (its outputs, when it has a response, then REQUEST_END)."""
+        """The request is done (its outputs, when it has a response, then REQUEST_END); no BLS call joins it now."""
         level = self.trace.setting.level
         if response is not None and level & TENSORS:
             self.entries += [(TENSOR, "TENSOR_BACKEND_OUTPUT", tensor_fields(tensor)) for tensor in response.outputs]
         if level & TIMESTAMPS:
             self.entries.append((STAMP, "REQUEST_END", time.monotonic_ns()))
-        self.trace._release()
+        trace = self.trace
+        trace._running.pop(self.id, None)
+        trace._release()
 
 
 def tensor_fields(tensor: Tensor) -> dict[str, str]:

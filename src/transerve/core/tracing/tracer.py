@@ -32,6 +32,8 @@ class Tracer:
         self._writer: ThreadPoolExecutor | None = None
         self._files: dict[str, TraceFile] = {}
         self._ids = itertools.count(1)
+        #: Traced requests between their start and end, by trace id: the parents BLS calls may name.
+        self._running: dict[int, RequestTrace] = {}
         self._exporter: Any = None
         self._closed = False
         if options.mode == OPENTELEMETRY:
@@ -47,21 +49,42 @@ class Tracer:
         #: Whether any setting traces: the one check a request pays when none does.
         self.active = options.level != OFF
 
+    @property
+    def propagates(self) -> bool:
+        """Whether requests' headers may carry a trace context to continue (OpenTelemetry mode)."""
+        return self._exporter is not None
+
     # ---- the request path ------------------------------------------------------------------------
 
     def start(self, request: InferRequest, headers: Mapping[str, str] | None = None) -> Trace | None:
         """Sample `request` under its model's setting; when it is traced, `request.trace` is set and the caller
         (a frontend) owns the returned Trace until it calls `finish`. `headers` may carry an OpenTelemetry
         context (W3C `traceparent`), which is always traced in OpenTelemetry mode."""
-        setting = self._models.get(request.model_name, self._global)
+        trace = self.sample(request.model_name, headers)
+        if trace is not None:
+            request.trace = trace.root
+        return trace
+
+    def sample(self, model_name: str, headers: Mapping[str, str] | None = None) -> Trace | None:
+        """`start` before the request is read (Triton samples a generate request before it parses the body): the
+        caller sets `request.trace = trace.root` once it has the request."""
+        setting = self._models.get(model_name, self._global)
         parent = None
         if self._exporter is not None and headers and setting.level != OFF:
             parent = self._exporter.extract(headers)
         if not setting.sample(force=parent is not None):
             return None
-        trace = Trace(setting, self._ids.__next__, self._finished, parent)
-        request.trace = trace.root
-        return trace
+        return Trace(setting, self._ids.__next__, self._finished, parent, self._running,
+                     None if self._exporter is None else self._exporter.context)
+
+    def bls_child(self, parent_id: int, model_name: str) -> RequestTrace | None:
+        """The trace of a BLS request that `model_name`'s code makes under the trace of one of its requests
+        (`parent_id`, the id its worker was given): a child of that request, as Triton spawns it. None once that
+        request has ended, or when it is not the model's own."""
+        parent = self._running.get(parent_id)
+        if parent is None or parent.model_name != model_name:
+            return None
+        return parent.child()
 
     def _finished(self, trace: Trace) -> None:
         if self._closed:  # its answer was still being sent at exit

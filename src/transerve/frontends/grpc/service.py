@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -23,6 +24,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found, unavailable, unsupported
 from transerve.core.server import ControlMode, ModelVersion, Server
 from transerve.core.shared_memory import CUDA_REGISTER_REFUSAL, UnopenedRegion
+from transerve.core.streams import ResponseStream, StreamItem
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_grpc
 from transerve.core.types import InferRequest, InferResponse
@@ -183,7 +185,7 @@ class InferenceService:
             raise unsupported("ModelInfer RPC doesn't support models with decoupled transaction policy")
         decoded = self._decode(request, metadata)
         tracing = self._server.tracing
-        if tracing.active and (trace := tracing.start(decoded)) is not None:
+        if tracing.active and (trace := tracing.start(decoded, dict(metadata))) is not None:
             return await self._infer_traced(trace, decoded, encode)
         return encode(await self._server.infer(decoded))
 
@@ -240,17 +242,22 @@ class InferenceService:
         grpc_errors: bool,
     ) -> None:
         in_order = _InOrder(outbox)
+        tracing = self._server.tracing
+        waiting = time.monotonic_ns()  # Triton's GRPC_WAITREAD_START of the stream's first request
         try:
             async for request in requests:
+                read = None
+                if tracing.active:  # when this request's wait began (the previous one was read) and ended
+                    read = (waiting, waiting := time.monotonic_ns())
                 await window.acquire()
                 if self._is_decoupled(request):
-                    answer = self._stream_decoupled(request, metadata, outbox, window, grpc_errors)
+                    answer = self._stream_decoupled(request, metadata, outbox, window, grpc_errors, read)
                 elif grpc_errors:
                     answer = self._stream_answer_or_end(
-                        request, metadata, outbox, window, in_order, in_order.ticket()
+                        request, metadata, outbox, window, in_order, in_order.ticket(), read
                     )
                 else:
-                    answer = self._stream_answer(request, metadata, window, in_order, in_order.ticket())
+                    answer = self._stream_answer(request, metadata, window, in_order, in_order.ticket(), read)
                 task = self._loop.create_task(answer)
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -272,20 +279,45 @@ class InferenceService:
             return False  # the ordinary path reports the error, in order
         return model.config.model_transaction_policy.decoupled
 
+    def _stream_trace(self, request: InferRequest, metadata: Metadata, read: tuple[int, int]) -> Trace | None:
+        """Sample a stream's request (its metadata may carry an OpenTelemetry context); a traced one begins with
+        Triton's GRPC_WAITREAD stamps."""
+        trace = self._server.tracing.start(request, dict(metadata))
+        if trace is not None:
+            trace.capture("GRPC_WAITREAD_START", read[0])
+            trace.capture("GRPC_WAITREAD_END", read[1])
+        return trace
+
     async def _stream_answer(
         self, request: service_pb2.ModelInferRequest, metadata: Metadata, window: asyncio.Semaphore,
-        in_order: _InOrder, ticket: int,
+        in_order: _InOrder, ticket: int, read: tuple[int, int] | None,
     ) -> None:
+        trace = None
         try:
-            message = _stream_response(await self._server.infer(self._decode(request, metadata)))
+            decoded = self._decode(request, metadata)
+            if read is not None:
+                trace = self._stream_trace(decoded, metadata, read)
+            message = _stream_response(await self._server.infer(decoded))
         except ServerError as exc:
             message = _stream_error(request, exc.message)
         except Exception:
             log.exception("unhandled error in ModelStreamInfer")
             message = _stream_error(request, "internal error in ModelStreamInfer")
+        except BaseException:  # cancelled: the stream is gone
+            if trace is not None:
+                trace.finish()
+            raise
         finally:
             window.release()
-        in_order.deliver(ticket, message)
+        if trace is None:
+            in_order.deliver(ticket, message)
+            return
+        if trace.root.begun:  # the model answered, an error included: Triton's response stamps
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            _TracedOutbox(in_order, trace).deliver(ticket, message)
+        else:
+            in_order.deliver(ticket, message)
+        trace.finish()
 
     async def _stream_answer_or_end(
         self,
@@ -295,26 +327,37 @@ class InferenceService:
         window: asyncio.Semaphore,
         in_order: _InOrder,
         ticket: int,
+        read: tuple[int, int] | None,
     ) -> None:
         """`_stream_answer` under triton_grpc_error: a refusal is answered in order, a failure ends the stream."""
+        trace = None
         try:
-            stream = self._server.infer_stream(self._decode(request, metadata))
+            decoded = self._decode(request, metadata)
+            if read is not None:
+                trace = self._stream_trace(decoded, metadata, read)
+            stream = self._server.infer_stream(decoded)
         except ServerError as exc:
             window.release()
             in_order.deliver(ticket, _stream_error(request, exc.message))
+            if trace is not None:
+                trace.finish()
             return
         try:
-            item, _ = await stream.receive()
-        except StopAsyncIteration:
-            return
+            try:
+                item, _ = await (stream if trace is None else _TracedResponses(stream, trace)).receive()
+            except StopAsyncIteration:
+                return
+            finally:
+                window.release()
+                if not stream.closed:
+                    stream.cancel()  # the client closed the stream: drop the request
+            if isinstance(item, ServerError):
+                outbox.put_nowait(item)
+            else:
+                (in_order if trace is None else _TracedOutbox(in_order, trace)).deliver(ticket, _stream_response(item))
         finally:
-            window.release()
-            if not stream.closed:
-                stream.cancel()  # the client closed the stream: drop the request
-        if isinstance(item, ServerError):
-            outbox.put_nowait(item)
-        else:
-            in_order.deliver(ticket, _stream_response(item))
+            if trace is not None:
+                trace.finish()
 
     async def _stream_decoupled(
         self,
@@ -323,17 +366,22 @@ class InferenceService:
         outbox: asyncio.Queue[service_pb2.ModelStreamInferResponse | ServerError | None],
         window: asyncio.Semaphore,
         grpc_errors: bool,
+        read: tuple[int, int] | None,
     ) -> None:
         """Every response of a decoupled model as it comes; the final flag alone is sent only on request."""
-        stream = None
+        stream = trace = None
         try:
             infer_request = self._decode(request, metadata)
+            if read is not None:
+                trace = self._stream_trace(infer_request, metadata, read)
             stream = self._server.infer_stream(infer_request)
+            responses, send = (stream, outbox.put_nowait) if trace is None else (
+                _TracedResponses(stream, trace), _TracedOutbox(outbox, trace).put_nowait)
             empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
                 if "triton_enable_empty_final_response" in request.parameters else False
             while True:
                 try:
-                    item, final = await stream.receive()
+                    item, final = await responses.receive()
                 except StopAsyncIteration:
                     return
                 if item is None:
@@ -341,14 +389,17 @@ class InferenceService:
                         response = service_pb2.ModelInferResponse(
                             model_name=infer_request.model_name, model_version=request.model_version, id=request.id)
                         response.parameters["triton_final_response"].bool_param = True
-                        outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                        send(service_pb2.ModelStreamInferResponse(infer_response=response))
                 elif isinstance(item, ServerError):
-                    outbox.put_nowait(item if grpc_errors else _stream_error(request, item.message))
+                    if grpc_errors:
+                        outbox.put_nowait(item)
+                    else:
+                        send(_stream_error(request, item.message))
                 else:
                     item.id = item.id or request.id
                     response = encode_infer_response(item)
                     response.parameters["triton_final_response"].bool_param = final
-                    outbox.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                    send(service_pb2.ModelStreamInferResponse(infer_response=response))
         except ServerError as exc:
             outbox.put_nowait(_stream_error(request, exc.message))
         except Exception:
@@ -358,6 +409,8 @@ class InferenceService:
             if stream is not None and not stream.closed:
                 stream.cancel()  # the client closed the stream: stop the model
             window.release()
+            if trace is not None:
+                trace.finish()
 
     # ---- model repository ------------------------------------------------------------------------
 
@@ -482,9 +535,10 @@ class InferenceService:
             if handler is not None:
                 request_type = getattr(service_pb2, method.input_type.name)
                 serialized = self._model_infer_serialized if method.name == "ModelInfer" else None
-                # A stream reads its metadata for triton_grpc_error; ModelInfer only to forward headers.
+                # A stream reads its metadata for triton_grpc_error; ModelInfer only to forward headers or to read
+                # OpenTelemetry's trace context.
                 takes_metadata = method.name == "ModelStreamInfer" or (
-                    self._forwarding is not None and method.name == "ModelInfer"
+                    method.name == "ModelInfer" and (self._forwarding is not None or self._server.tracing.propagates)
                 )
                 yield Rpc(method.name, request_type, handler, method.client_streaming, serialized, takes_metadata)
 
@@ -507,6 +561,45 @@ class _InOrder:
         while self._next in self._ready:
             self._outbox.put_nowait(self._ready.pop(self._next))
             self._next += 1
+
+
+class _TracedResponses:
+    """A traced stream request's responses: the first one taken stamps INFER_RESPONSE_COMPLETE, as Triton's stream
+    handler stamps its first response callback only."""
+
+    __slots__ = ("_stream", "_trace")
+
+    def __init__(self, stream: ResponseStream, trace: Trace | None) -> None:
+        self._stream = stream
+        self._trace = trace
+
+    async def receive(self) -> tuple[StreamItem, bool]:
+        taken = await self._stream.receive()
+        if self._trace is not None:
+            self._trace.capture("INFER_RESPONSE_COMPLETE")
+            self._trace = None
+        return taken
+
+
+class _TracedOutbox:
+    """Where a traced stream request's messages go, each between GRPC_SEND_START and GRPC_SEND_END: as for ModelInfer,
+    the end is when the message is handed on to be written."""
+
+    __slots__ = ("_outbox", "_trace")
+
+    def __init__(self, outbox: Any, trace: Trace) -> None:
+        self._outbox = outbox
+        self._trace = trace
+
+    def put_nowait(self, message: service_pb2.ModelStreamInferResponse) -> None:
+        self._trace.capture("GRPC_SEND_START")
+        self._outbox.put_nowait(message)
+        self._trace.capture("GRPC_SEND_END")
+
+    def deliver(self, ticket: int, message: service_pb2.ModelStreamInferResponse) -> None:
+        self._trace.capture("GRPC_SEND_START")
+        self._outbox.deliver(ticket, message)
+        self._trace.capture("GRPC_SEND_END")
 
 
 def _stream_response(response: InferResponse) -> service_pb2.ModelStreamInferResponse:

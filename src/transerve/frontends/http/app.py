@@ -14,6 +14,8 @@ import orjson
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.server import ControlMode, Server
 from transerve.core.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
+from transerve.core.signature import ModelSignature
+from transerve.core.streams import ResponseStream
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_json
 from transerve.core.types import InferRequest, InferResponse
@@ -25,13 +27,16 @@ from transerve.frontends.http.codec import (
     is_raw_body,
 )
 from transerve.frontends.http.generate import (
+    EXACTLY_ONE,
     SSE_CONTENT_TYPE,
+    TracedResponses,
     as_answer_error,
     decode_generate_request,
     event_stream,
     first_event,
     refused,
     single_response,
+    traced_events,
 )
 from transerve.frontends.http.protocol import (
     ENCODINGS,
@@ -230,21 +235,44 @@ class HttpFrontend:
         model = self.server.get_version(name, version)
         if request.headers.get("content-encoding", "identity") not in ("", "identity"):
             raise invalid_arg("Unsupported content-encoding, only 'identity' is supported.")
+        tracing = self.server.tracing
+        if tracing.active and (trace := tracing.sample(name, request.headers)) is not None:
+            return await self._generate_traced(trace, request, name, version, model.signature, streaming)
         infer_request = decode_generate_request(name, version, model.signature, request.body)
-        stream = self.server.infer_stream(infer_request)
+        return await _generate_answer(self.server.infer_stream(infer_request), streaming)
+
+    async def _generate_traced(self, trace: Trace, request: HttpRequest, name: str, version: str,
+                               signature: ModelSignature, streaming: bool) -> HttpResponse:
+        """`_generate` for a traced request, sampled before its body is read, as Triton samples it (a body it
+        cannot read leaves a trace of the HTTP_RECV stamps). An error response of the model is an answer
+        written (HTTP_SEND stamps); other errors are not."""
+        if request.received_ns is not None:
+            trace.capture("HTTP_RECV_START", request.received_ns[0])
+            trace.capture("HTTP_RECV_END", request.received_ns[1])
         try:
-            if not streaming:
-                return _json(await single_response(stream))
-            first = await first_event(stream)
-            if refused(first):
-                raise first
-        except BaseException:  # the client went away, or the answer is an error: stop the model
-            if not stream.closed:
-                stream.cancel()
+            infer_request = decode_generate_request(name, version, signature, request.body)
+            infer_request.trace = trace.root
+            stream = TracedResponses(self.server.infer_stream(infer_request), trace)
+            try:
+                answer = await _generate_answer(stream, streaming)
+            except ServerError as exc:
+                if exc.message == EXACTLY_ONE:
+                    raise
+                answer = error_response(HTTP_STATUS[exc.code], exc.message)
+        except BaseException:
+            trace.finish()
             raise
-        # As in Triton, the first response sets the status: an error there is the request's error.
-        status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
-        return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
+        if answer.stream is not None:
+            answer.stream = traced_events(answer.stream, trace)
+            return answer
+        trace.capture("HTTP_SEND_START")
+
+        def sent() -> None:
+            trace.capture("HTTP_SEND_END")
+            trace.finish()
+
+        answer.on_sent = sent
+        return answer
 
     def _trace_setting(self, request: HttpRequest, model_name: str) -> HttpResponse:
         """The trace extension: GET reads the settings of a model ("" for the global ones), POST changes them."""
@@ -317,6 +345,23 @@ class HttpFrontend:
                 await self.server.unload_model(parts[1], bool(parameters.get("unload_dependents", False)))
             return HttpResponse(200, b"", "application/json")
         return error_response(404, "Not Found")
+
+
+async def _generate_answer(stream: ResponseStream | TracedResponses, streaming: bool) -> HttpResponse:
+    """A generate request's answer: its one response, or its responses as server-sent events."""
+    try:
+        if not streaming:
+            return _json(await single_response(stream))
+        first = await first_event(stream)
+        if refused(first):
+            raise first
+    except BaseException:  # the client went away, or the answer is an error: stop the model
+        if not stream.closed:
+            stream.cancel()
+        raise
+    # As in Triton, the first response sets the status: an error there is the request's error.
+    status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
+    return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
 
 
 def _json_body(body: bytes) -> dict[str, Any]:

@@ -5,12 +5,16 @@ model input becomes that input (its datatype and shape from the model's metadata
 parameters, and `id` is also the request's id. Members are taken in their order, duplicates included, so a
 repeated input is refused as Triton refuses it. A response is one flat object: `id` when the request had one,
 `model_name`, `model_version`, the response's parameters and each output by name.
+
+A traced request is stamped as Triton stamps these endpoints: INFER_RESPONSE_COMPLETE for every response the model
+gives (its final flag alone included), HTTP_SEND_START and _END around every answer written (each event of a
+stream).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,7 @@ from transerve.core.protocol_parameters import SCHEDULING_PARAMETERS, apply_sche
 from transerve.core.signature import ModelSignature, TensorSpec
 from transerve.core.streams import ResponseStream, StreamItem
 from transerve.core.tensors import json_strings, tensor_from_values
+from transerve.core.tracing import Trace
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
@@ -162,7 +167,42 @@ def as_answer_error(error: ServerError) -> ServerError:
     return error if refused(error) else ServerError(ErrorCode.INVALID_ARG, error.message)
 
 
-async def single_response(stream: ResponseStream) -> dict[str, Any]:
+class TracedResponses:
+    """A request's stream for the generate endpoints, stamping INFER_RESPONSE_COMPLETE as each item is taken."""
+
+    __slots__ = ("_stream", "_trace")
+
+    def __init__(self, stream: ResponseStream, trace: Trace) -> None:
+        self._stream = stream
+        self._trace = trace
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    async def receive(self) -> tuple[StreamItem, bool]:
+        taken = await self._stream.receive()
+        self._trace.capture("INFER_RESPONSE_COMPLETE")
+        return taken
+
+
+async def traced_events(events: AsyncGenerator[bytes, None], trace: Trace) -> AsyncIterator[bytes]:
+    """`/generate_stream`'s events, each between HTTP_SEND_START and HTTP_SEND_END (the connection writes an
+    event before it asks for the next); the trace is done with the stream, however it ends."""
+    try:
+        async for event in events:
+            trace.capture("HTTP_SEND_START")
+            yield event
+            trace.capture("HTTP_SEND_END")
+    finally:
+        await events.aclose()  # the client went away: stop the model now
+        trace.finish()
+
+
+async def single_response(stream: ResponseStream | TracedResponses) -> dict[str, Any]:
     """`/generate`: exactly one response is expected, as Triton requires; the others are counted, not kept."""
     first: StreamItem = None
     count = 0
@@ -182,7 +222,7 @@ async def single_response(stream: ResponseStream) -> dict[str, Any]:
     return encode_generate_response(first)
 
 
-async def first_event(stream: ResponseStream) -> StreamItem:
+async def first_event(stream: ResponseStream | TracedResponses) -> StreamItem:
     """The first response (or error) of a stream, None when there is none; Triton waits for it before it
     answers, so that an error there sets the status."""
     while True:
@@ -194,7 +234,7 @@ async def first_event(stream: ResponseStream) -> StreamItem:
             return item
 
 
-async def event_stream(stream: ResponseStream, first: StreamItem) -> AsyncIterator[bytes]:
+async def event_stream(stream: ResponseStream | TracedResponses, first: StreamItem) -> AsyncGenerator[bytes, None]:
     """`/generate_stream`: one `data:` event per response, starting with `first`; an error response is an error
     event, and, as in Triton, the stream goes on after it until the model's final flag."""
     try:
