@@ -3,7 +3,7 @@
     unshare -n sh -c 'ip link set lo up; python benchmarks/grpc_hostile.py'      # every probe, both transports
     python benchmarks/grpc_hostile.py --transports native --probes ping,settings --seconds 5
 
-Each probe of issue 19's table runs against a fresh server per transport while a bystander calls ModelInfer
+Each probe of issue 19's table runs, in turn, against one server per transport while a bystander calls ModelInfer
 (add_sub) every 10 ms on a connection of its own:
 
 - rapid_reset: HEADERS + DATA + RST_STREAM, as fast as the client can, reconnecting whenever cut, for --rr-seconds;
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import socket
 import struct
 import sys
@@ -244,9 +245,9 @@ def rapid_reset(port: int, seconds: float) -> Cut:
         if closed and closed[0] and crossed is not None:
             delays.append(closed[0] - crossed)
         elif crossed is not None:
-            return Cut(crossed, None, f"{streams} streams reset on {connections} connection(s)")
+            return Cut(crossed, None, f"{streams} streams sent on {connections} connection(s)")
     worst = max(delays) if delays else None
-    return Cut(0.0, worst, f"{streams} streams reset on {connections} connection(s)")
+    return Cut(0.0, worst, f"{streams} streams sent on {connections} connection(s)")
 
 
 def ping_flood(port: int, seconds: float) -> Cut:
@@ -323,7 +324,7 @@ def window_closed(port: int, seconds: float, calls: int = 200, size: int = 1 << 
     first_data: float | None = None
     ended: set[int] = set()
     cut: float | None = None
-    sock.settimeout(0.05)
+    why = ""
     while time.monotonic() < deadline and cut is None:
         for stream, rest in list(pending.items()):  # send what the server's windows allow
             room = min(conn.local_flow_control_window(stream), conn.max_outbound_frame_size, len(rest))
@@ -332,8 +333,13 @@ def window_closed(port: int, seconds: float, calls: int = 200, size: int = 1 << 
                 pending[stream] = rest[room:]
                 if room == len(rest):
                     del pending[stream]
-        with contextlib.suppress(OSError):
+        sock.settimeout(10)
+        try:
             sock.sendall(conn.data_to_send())
+        except OSError:
+            cut = time.monotonic()
+            break
+        sock.settimeout(0.05)
         try:
             data = sock.recv(1 << 20)
         except TimeoutError:
@@ -351,11 +357,12 @@ def window_closed(port: int, seconds: float, calls: int = 200, size: int = 1 << 
                 ended.add(event.stream_id)
             elif isinstance(event, ConnectionTerminated):
                 cut = time.monotonic()
+                why = f", GOAWAY {event.error_code!s} {event.additional_data!r}"
         if len(ended) == calls:
             cut = time.monotonic()
     sock.close()
     crossed = (first_data or time.monotonic()) + STALL_TIMEOUT
-    return Cut(crossed, cut, f"{len(ended)} of {calls} calls ended")
+    return Cut(crossed, cut, f"{len(ended)} of {calls} calls ended{why}")
 
 
 PROBES: dict[str, tuple[Callable[[int, float], Cut], str]] = {
@@ -399,12 +406,26 @@ def run_probe(server, transport: str, name: str, seconds: float) -> Row:  # type
                bystander.errors, len(bystander.latencies), cut)
 
 
+def write_json(rows: list[Row], path: str) -> None:
+    """The rows as a list of objects (times in seconds, memory in MB); None where the connection was never cut."""
+    records = [{"transport": row.transport, "probe": row.probe, "rss_growth_peak_mb": round(row.growth_peak, 1),
+                "rss_growth_after_mb": round(row.growth_after, 1), "bystander_p99_ms": round(row.p99_ms, 2),
+                "bystander_errors": row.errors, "bystander_calls": row.calls, "cut_after_budget_s": row.cut.delay(),
+                "note": row.cut.note} for row in rows]
+    text = json.dumps(records, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transports", default="native,grpcio")
     parser.add_argument("--probes", default=",".join(PROBES))
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each flood may go on (default 10)")
     parser.add_argument("--rr-seconds", type=float, default=20.0, help="how long the rapid reset runs (default 20)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout, no table)")
     args = parser.parse_args(argv)
     from support import EXAMPLE_REPOSITORY, start_transerve
 
@@ -419,6 +440,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{transport:7} {name:20} done: {row}", file=sys.stderr, flush=True)
                 if server.process.poll() is not None:
                     raise SystemExit(f"the {transport} server died during {name}:\n{server.log_tail()}")
+    if args.json:
+        write_json(rows, args.json)
+        if args.json == "-":
+            return
     print("| transport | probe | RSS growth, peak / after (MB) | bystander p99 (ms) | bystander errors / calls "
           "| cut after budget (s) | note |")
     print("|---|---|---|---|---|---|---|")

@@ -57,7 +57,7 @@ HELD_LIMIT = 1 << 30
 #: Queued response bytes of a stream past which its writer waits (`drained`).
 OUTBOX_HIGH = 1 << 20
 #: Queued response bytes of a connection past which its unary calls wait to start.
-BACKLOG_HIGH = 1 << 25
+BACKLOG_HIGH = 1 << 23
 #: Seconds a connection that ended in error waits for its GOAWAY to leave before it is cut.
 FAIL_LINGER = 0.5
 #: Frames handled per turn of the event loop before the rest of what was read waits for the next turn, so that a
