@@ -4,6 +4,7 @@
     python benchmarks/protocol.py --duration 10 --rounds 3 --protocols binary,grpc
     python benchmarks/protocol.py --transerve-url 127.0.0.1:8000 --triton-url 127.0.0.1:18000 \
         --transerve-grpc-url 127.0.0.1:8001 --triton-grpc-url 127.0.0.1:18001
+    python benchmarks/protocol.py --servers transerve,transerve-tls,triton,triton-tls   # the cost of TLS
 
 add_sub does almost no work, so what is measured is the server's request path: HTTP or HTTP/2 parsing,
 decoding, validation, scheduling, the trip to the python-backend worker and back, encoding.
@@ -13,7 +14,9 @@ minimal asyncio.Protocol on uvloop, with request bytes built once: measured on t
 against Triton at concurrency 16, that costs about 26 us of client CPU per request, where tritonclient.http.aio
 costs about 170 us (asyncio streams were within noise of the protocol, at 27 us). Connections can be spread over
 several client processes (--client-processes), and the table reports the busiest client process's CPU use so
-a reader can see when the client, not the server, was saturated.
+a reader can see when the client, not the server, was saturated. For servers started here, "server us/req" is the
+CPU time of the server's main process per answer (warm-up included; python-backend workers are other processes,
+the same work for both servers): on a machine the client shares, it is steadier than throughput.
 
 gRPC is measured the same way, with unary ModelInfer calls carrying raw contents. gRPC's own Python clients are
 too heavy for this: measured against Triton on the 2-core machine, a grpc.aio channel sending pre-serialized
@@ -21,6 +24,11 @@ bytes costs 150-230 us of client CPU per call, tritonclient.grpc.aio 130-260 us 
 170-210 us. So the client speaks just enough HTTP/2 itself (GrpcConnection): a constant header block and
 message built once, all of a client process's calls multiplexed as streams on one connection (as gRPC
 clients do, tritonclient's shared channel included).
+
+TLS: the servers named `<server>-tls` are started here with certificates made for the run (tests/support/certs.py):
+transerve with `--grpc-use-ssl` and `--http-use-ssl`, Triton with `--grpc-use-ssl` (it has no HTTPS, so its HTTP
+rows are left out), and the clients speak TLS 1.3 through the event loop's SSL transport (ALPN h2 for gRPC). The
+"vs plain" column divides a TLS row's throughput by the same server's plaintext row.
 
 Fairness: both servers serve the same repository on the same machine, and runs alternate (A/B/A/B...) so
 that drift in the machine's load spreads over both. Every run has a warm-up that is not counted, and every
@@ -35,6 +43,7 @@ import contextlib
 import http.client
 import json
 import multiprocessing
+import ssl
 import struct
 import sys
 import time
@@ -42,7 +51,9 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import psutil
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -105,15 +116,26 @@ def grpc_message(host: str) -> bytes:
 PROTOCOLS = {"json": json_request, "binary": binary_request, "grpc": grpc_message}
 
 
-def check_answer(host: str, port: int, protocol: str) -> None:
+def client_context(ca: str | None, alpn: str) -> ssl.SSLContext | None:
+    """The client's TLS context when the server's certificate is signed by `ca`; None for plaintext."""
+    if ca is None:
+        return None
+    context = ssl.create_default_context(cafile=ca)
+    context.set_alpn_protocols([alpn])
+    return context
+
+
+def check_answer(host: str, port: int, protocol: str, ca: str | None = None) -> None:
     """One request with a full parse of the answer, so that a benchmark never measures a fast wrong answer."""
     if protocol == "grpc":
-        check_grpc_answer(host, port)
+        check_grpc_answer(host, port, ca)
         return
     request = PROTOCOLS[protocol](f"{host}:{port}")
     head, body = request.split(b"\r\n\r\n", 1)
     headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
-    conn = http.client.HTTPConnection(host, port, timeout=30)
+    context = client_context(ca, "http/1.1")
+    conn = (http.client.HTTPConnection(host, port, timeout=30) if context is None
+            else http.client.HTTPSConnection(host, port, timeout=30, context=context))
     try:
         conn.request("POST", MODEL_PATH, body=body, headers=headers)
         response = conn.getresponse()
@@ -136,12 +158,14 @@ def check_answer(host: str, port: int, protocol: str) -> None:
         raise SystemExit(f"{host}:{port} {protocol}: wrong OUTPUT0 {outputs.get('OUTPUT0')}, expected {expected}")
 
 
-def check_grpc_answer(host: str, port: int) -> None:
+def check_grpc_answer(host: str, port: int, ca: str | None = None) -> None:
     """The benchmark's own request bytes, sent with grpcio and its answer parsed in full."""
     import grpc
     from tritonclient.grpc import service_pb2
 
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    target = f"{host}:{port}"
+    with (grpc.insecure_channel(target) if ca is None else
+          grpc.secure_channel(target, grpc.ssl_channel_credentials(Path(ca).read_bytes()))) as channel:
         call = channel.unary_unary(GRPC_PATH, response_deserializer=service_pb2.ModelInferResponse.FromString)
         try:
             response = call(grpc_message(host)[5:], timeout=30)
@@ -229,7 +253,7 @@ def hpack_literal(name: str, value: str) -> bytes:
 
 
 class GrpcConnection(asyncio.Protocol):
-    """Unary gRPC calls as HTTP/2 streams over one cleartext connection, any number in flight at once.
+    """Unary gRPC calls as HTTP/2 streams over one connection (cleartext, or TLS), any number in flight at once.
 
     Just enough HTTP/2 for a load generator: the client's windows are opened wide once, the server's connection
     window is respected, SETTINGS and PING are acknowledged. Response headers are never decoded (a decoder that
@@ -237,12 +261,12 @@ class GrpcConnection(asyncio.Protocol):
     server answers an error with trailers only; `send` reports that as 200, anything else as 500.
     """
 
-    def __init__(self, authority: str) -> None:
+    def __init__(self, authority: str, scheme: str = "http") -> None:
         self.loop = asyncio.get_running_loop()  # once, not per call: it costs a getpid() syscall in CPython 3.11
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.headers = b"".join(hpack_literal(name, value) for name, value in [
-            (":method", "POST"), (":scheme", "http"), (":path", GRPC_PATH), (":authority", authority),
+            (":method", "POST"), (":scheme", scheme), (":path", GRPC_PATH), (":authority", authority),
             ("content-type", "application/grpc"), ("te", "trailers"),
         ])
         self.next_stream = 1
@@ -342,22 +366,28 @@ class WorkerResult:
     errors: int = 0
     cpu_fraction: float = 0.0
     """This process's CPU time over the measured window's wall time: near 1.0 means the client was saturated."""
+    answered: int = 0
+    """Every answer, warm-up included: what the server's CPU time over the whole run is divided by."""
 
 
 async def drive(host: str, port: int, protocol_name: str, request: bytes, connections: int, warmup: float,
-                duration: float, barrier: Barrier) -> WorkerResult:
+                duration: float, barrier: Barrier, ca: str | None = None) -> WorkerResult:
     """Keep `connections` requests in flight, back to back; record those started within the measured window.
 
-    Over HTTP each request in flight has its own connection; over gRPC they are streams of one connection.
+    Over HTTP each request in flight has its own connection; over gRPC they are streams of one connection. With
+    `ca`, connections speak TLS to a server whose certificate that CA signed for localhost.
     """
     loop = asyncio.get_running_loop()
+    grpc = protocol_name == "grpc"
+    context = client_context(ca, "h2" if grpc else "http/1.1")
+    tls = {"ssl": context, "server_hostname": "localhost"} if context is not None else {}
 
     def factory() -> asyncio.Protocol:
-        return GrpcConnection(f"{host}:{port}") if protocol_name == "grpc" else Connection()
+        return GrpcConnection(f"{host}:{port}", "https" if context else "http") if grpc else Connection()
 
     protocols: list[Connection | GrpcConnection] = []
-    for _ in range(1 if protocol_name == "grpc" else connections):
-        _, protocol = await loop.create_connection(factory, host, port)
+    for _ in range(1 if grpc else connections):
+        _, protocol = await loop.create_connection(factory, host, port, **tls)
         protocols.append(protocol)
     protocols = [protocols[i % len(protocols)] for i in range(connections)]
     barrier.wait()  # all client processes start their clocks together
@@ -381,8 +411,9 @@ async def drive(host: str, port: int, protocol_name: str, request: bytes, connec
                 status = await protocol.send(request)
             except ConnectionError:
                 result.errors += 1
-                _, protocol = await loop.create_connection(factory, host, port)
+                _, protocol = await loop.create_connection(factory, host, port, **tls)
                 continue
+            result.answered += 1
             if started >= measure_from:
                 result.latencies.append(time.perf_counter() - started)
                 if status != 200:
@@ -397,7 +428,7 @@ async def drive(host: str, port: int, protocol_name: str, request: bytes, connec
 
 
 def worker_main(host: str, port: int, protocol: str, request: bytes, connections: int, warmup: float,
-                duration: float, barrier: Barrier, results: Queue) -> None:
+                duration: float, barrier: Barrier, results: Queue, ca: str | None = None) -> None:
     """Entry point of one client process: uvloop when available, as it is cheaper per request than asyncio's loop.
 
     A failure is sent back as text, so the parent reports it instead of waiting for a result that never comes.
@@ -409,7 +440,7 @@ def worker_main(host: str, port: int, protocol: str, request: bytes, connections
     else:
         runner = uvloop.run
     try:
-        results.put(runner(drive(host, port, protocol, request, connections, warmup, duration, barrier)))
+        results.put(runner(drive(host, port, protocol, request, connections, warmup, duration, barrier, ca)))
     except Exception as exc:  # noqa: BLE001 - any failure must reach the parent
         barrier.abort()
         results.put(f"client process failed: {type(exc).__name__}: {exc}")
@@ -427,13 +458,17 @@ class RunResult:
     latencies: list[float]
     errors: int
     client_cpu: float
+    server_cpu: float | None = None
+    """The server's main process's CPU seconds per answer (warm-up included), when its pid is known."""
 
 
 def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: int, processes: int,
-             warmup: float, duration: float, request: bytes | None = None) -> RunResult:
+             warmup: float, duration: float, request: bytes | None = None, ca: str | None = None,
+             server_pid: int | None = None) -> RunResult:
     """One timed run: `concurrency` connections spread over up to `processes` client processes.
 
-    `request` replaces the protocol's add_sub request with prepared bytes (other benchmarks reuse this driver).
+    `request` replaces the protocol's add_sub request with prepared bytes (other benchmarks reuse this driver);
+    `ca` makes the connections TLS, trusting that CA; with `server_pid` the server's CPU time per answer is measured.
     """
     host, port = address
     request = request if request is not None else PROTOCOLS[protocol](f"{host}:{port}")
@@ -444,9 +479,11 @@ def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: 
     results = context.Queue()
     workers = [
         context.Process(target=worker_main,
-                        args=(host, port, protocol, request, share, warmup, duration, barrier, results))
+                        args=(host, port, protocol, request, share, warmup, duration, barrier, results, ca))
         for share in shares
     ]
+    server_process = psutil.Process(server_pid) if server_pid is not None else None
+    server_cpu_before = sum(server_process.cpu_times()[:2]) if server_process is not None else 0.0
     for worker in workers:
         worker.start()
     collected: list[WorkerResult] = []
@@ -462,8 +499,11 @@ def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: 
             if worker.is_alive():
                 worker.kill()
     latencies = sorted(latency for result in collected for latency in result.latencies)
+    answered = sum(r.answered for r in collected)
+    server_cpu = ((sum(server_process.cpu_times()[:2]) - server_cpu_before) / answered
+                  if server_process is not None and answered else None)
     return RunResult(server, protocol, concurrency, duration, latencies, sum(r.errors for r in collected),
-                     max(r.cpu_fraction for r in collected))
+                     max(r.cpu_fraction for r in collected), server_cpu)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -475,6 +515,12 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
 
 
+def server_us(group: list[RunResult]) -> str:
+    """The server's CPU microseconds per answer over a row's runs, when measured."""
+    measured = [r.server_cpu for r in group if r.server_cpu is not None]
+    return f"{sum(measured) / len(measured) * 1e6:.0f}" if measured else ""
+
+
 def report(runs: list[RunResult], servers: list[str], protocols: list[str]) -> str:
     """A Markdown table, one row per server, protocol and concurrency, with every round of a row merged."""
     rows: dict[tuple[str, int, str], list[RunResult]] = {}
@@ -483,20 +529,25 @@ def report(runs: list[RunResult], servers: list[str], protocols: list[str]) -> s
     throughput = {
         key: sum(len(r.latencies) for r in group) / sum(r.duration for r in group) for key, group in rows.items()
     }
+    tls = any(server.endswith("-tls") for server in servers)
     lines = [
-        "| server | protocol | concurrency | req/s | p50 ms | p99 ms | transerve/Triton | errors | client CPU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | protocol | concurrency | req/s | p50 ms | p99 ms | transerve/Triton | errors | client CPU "
+        "| server us/req |" + (" vs plain |" if tls else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if tls else ""),
     ]
     for protocol, concurrency, server in sorted(rows, key=lambda k: (protocols.index(k[0]), k[1], servers.index(k[2]))):
         group = rows[(protocol, concurrency, server)]
         latencies = sorted(latency for r in group for latency in r.latencies)
-        triton = throughput.get((protocol, concurrency, "triton"))
-        transerve = throughput.get((protocol, concurrency, "transerve"))
-        ratio = f"{transerve / triton:.2f}" if server == "transerve" and triton and transerve is not None else ""
+        mine = throughput[(protocol, concurrency, server)]
+        triton = throughput.get((protocol, concurrency, server.replace("transerve", "triton")))
+        ratio = f"{mine / triton:.2f}" if server.startswith("transerve") and triton else ""
+        plain = throughput.get((protocol, concurrency, server.removesuffix("-tls")))
+        versus = (f" {mine / plain:.2f} |" if server.endswith("-tls") and plain else " |") if tls else ""
         lines.append(
-            f"| {server} | {protocol} | {concurrency} | {throughput[(protocol, concurrency, server)]:.0f} "
+            f"| {server} | {protocol} | {concurrency} | {mine:.0f} "
             f"| {percentile(latencies, 0.50) * 1e3:.2f} | {percentile(latencies, 0.99) * 1e3:.2f} | {ratio} "
-            f"| {sum(r.errors for r in group)} | {max(r.client_cpu for r in group) * 100:.0f}% |"
+            f"| {sum(r.errors for r in group)} | {max(r.client_cpu for r in group) * 100:.0f}% | {server_us(group)} |"
+            + versus
         )
     return "\n".join(lines)
 
@@ -515,30 +566,58 @@ def comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+SERVERS = ("transerve", "triton", "transerve-tls", "triton-tls")
+
+
 @contextlib.contextmanager
-def servers_under_test(args: argparse.Namespace) -> Iterator[dict[str, dict[str, tuple[str, int]]]]:
-    """The servers' HTTP and gRPC addresses: given by URL, or started here (and stopped on exit) with tests/support."""
+def servers_under_test(args: argparse.Namespace) -> Iterator[dict[str, dict[str, Any]]]:
+    """The servers' HTTP and gRPC addresses: given by URL, or started here (and stopped on exit) with tests/support.
+
+    A `-tls` server's addresses also name, under "ca", the CA its clients trust; Triton's lacks "http" (no HTTPS).
+    """
     sys.path.insert(0, str(REPO_ROOT / "tests"))
+    import tempfile
+
     from support import EXAMPLE_REPOSITORY, TritonUnavailable, start_transerve, start_triton
 
     urls = {"transerve": (args.transerve_url, args.transerve_grpc_url),
             "triton": (args.triton_url, args.triton_grpc_url)}
     with contextlib.ExitStack() as stack:
         addresses = {}
+        certs = None
         for name in args.servers:
-            http_url, grpc_url = urls[name]
+            http_url, grpc_url = urls.get(name, (None, None))
             if http_url or grpc_url:
                 addresses[name] = {kind: parse_address(url) for kind, url in (("http", http_url), ("grpc", grpc_url))
                                    if url}
                 continue
+            flags: list[str] = []
+            https = None
+            if name.endswith("-tls"):
+                if certs is None:
+                    from support.certs import make_certificates
+
+                    certs = make_certificates(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+                flags = ["--grpc-use-ssl=true", f"--grpc-server-cert={certs.server_cert}",
+                         f"--grpc-server-key={certs.server_key}"]
+                if name.startswith("transerve"):
+                    flags += ["--http-use-ssl=true", f"--http-server-cert={certs.server_cert}",
+                              f"--http-server-key={certs.server_key}"]
+                    https = client_context(str(certs.ca), "http/1.1")
             print(f"starting {name} on {EXAMPLE_REPOSITORY} ...", file=sys.stderr)
             try:
                 server = stack.enter_context(
-                    start_transerve(EXAMPLE_REPOSITORY) if name == "transerve" else start_triton(EXAMPLE_REPOSITORY)
+                    start_transerve(EXAMPLE_REPOSITORY, *flags, https=https) if name.startswith("transerve")
+                    else start_triton(EXAMPLE_REPOSITORY, *flags)
                 )
             except TritonUnavailable as exc:
                 raise SystemExit(f"cannot start Triton: {exc}\n(use --servers transerve, or --triton-url)") from exc
-            addresses[name] = {"http": ("127.0.0.1", server.http_port), "grpc": ("127.0.0.1", server.grpc_port)}
+            addresses[name] = {"http": ("127.0.0.1", server.http_port), "grpc": ("127.0.0.1", server.grpc_port),
+                               "pid": server.process.pid}
+            if certs is not None and name.endswith("-tls"):
+                addresses[name]["ca"] = str(certs.ca)
+                if name == "triton-tls":
+                    del addresses[name]["http"]
         yield addresses
 
 
@@ -550,7 +629,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in comma_list(s)], default=[1, 16, 64],
                         help="comma-separated connection counts (default 1,16,64)")
     parser.add_argument("--protocols", type=comma_list, default=["json", "binary", "grpc"], help="json,binary,grpc")
-    parser.add_argument("--servers", type=comma_list, default=["transerve", "triton"], help="transerve,triton")
+    parser.add_argument("--servers", type=comma_list, default=["transerve", "triton"],
+                        help="transerve,triton; transerve-tls and triton-tls are started here with gRPC over TLS "
+                             "(and HTTPS for transerve)")
     parser.add_argument("--transerve-url", help="use this running transerve (host:port) instead of starting one")
     parser.add_argument("--triton-url", help="use this running Triton (host:port) instead of starting one")
     parser.add_argument("--transerve-grpc-url", help="the running transerve's gRPC address (host:port)")
@@ -560,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
                              "client process takes CPU from the server)")
     args = parser.parse_args(argv)
     for name in args.servers:
-        if name not in ("transerve", "triton"):
+        if name not in SERVERS:
             parser.error(f"unknown server {name!r}")
     for protocol in args.protocols:
         if protocol not in PROTOCOLS:
@@ -571,18 +652,23 @@ def main(argv: list[str] | None = None) -> None:
         for name, server_addresses in addresses.items():
             for protocol in args.protocols:
                 kind = "grpc" if protocol == "grpc" else "http"
+                if name == "triton-tls" and kind == "http":
+                    continue  # Triton has no HTTPS
                 if kind not in server_addresses:
                     flag = f"--{name}-grpc-url" if kind == "grpc" else f"--{name}-url"
                     parser.error(f"{name}: protocol {protocol} needs {flag}")
-                check_answer(*server_addresses[kind], protocol)
+                check_answer(*server_addresses[kind], protocol, server_addresses.get("ca"))
         for protocol in args.protocols:
             for concurrency in args.concurrency:
                 for round_index in range(args.rounds):
                     # One run of each server per round, so the runs go A/B/A/B and machine drift hits both.
                     for name in args.servers:
-                        address = addresses[name]["grpc" if protocol == "grpc" else "http"]
+                        address = addresses[name].get("grpc" if protocol == "grpc" else "http")
+                        if address is None:  # triton-tls over HTTP
+                            continue
                         run = run_once(name, address, protocol, concurrency, args.client_processes, args.warmup,
-                                       args.duration)
+                                       args.duration, ca=addresses[name].get("ca"),
+                                       server_pid=addresses[name].get("pid"))
                         runs.append(run)
                         print(f"round {round_index + 1}/{args.rounds} {name:9s} {protocol:6s} c={concurrency:<3d} "
                               f"{len(run.latencies) / run.duration:8.0f} req/s  errors {run.errors}", file=sys.stderr)

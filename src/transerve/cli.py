@@ -24,6 +24,7 @@ from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
 from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
+from transerve.frontends.tls import TlsError, TlsOptions
 
 log = logging.getLogger("transerve")
 
@@ -43,6 +44,16 @@ def _backend_config(text: str) -> tuple[str, str, str]:
     if not backend or not key or not equals:
         raise argparse.ArgumentTypeError(f"expected <backend>,<key>=<value>, got '{text}'")
     return backend, key, value
+
+
+class _GrpcSslMutual(argparse.Action):
+    """`--grpc-use-ssl-mutual`: as in tritonserver, any value, false included, also sets `--grpc-use-ssl` (which a
+    later `--grpc-use-ssl=false` turns off again)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.grpc_use_ssl = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a gRPC connection with no call open for this long (GOAWAY, default 300)")
     add("--grpc-stall-timeout-secs", type=float, default=30.0, metavar="SECONDS",
         help="give up an answer that waits this long for a client that does not read it (default 30)")
+    add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL", help="serve gRPC over TLS")
+    add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL", action=_GrpcSslMutual,
+        help="with true, require client certificates signed by --grpc-root-cert; as in tritonserver, any value "
+             "turns on --grpc-use-ssl")
+    add("--grpc-server-cert", metavar="PEM", help="the server's certificate chain, with --grpc-use-ssl")
+    add("--grpc-server-key", metavar="PEM", help="the server's private key (unencrypted), with --grpc-use-ssl")
+    add("--grpc-root-cert", metavar="PEM", help="the CA that client certificates must be signed by, with "
+        "--grpc-use-ssl-mutual")
+    add("--http-use-ssl", type=_bool, default=False, metavar="BOOL", help="serve HTTPS instead of HTTP")
+    add("--http-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
+        help="serve HTTPS to clients with a certificate signed by --http-root-cert only (implies --http-use-ssl)")
+    add("--http-server-cert", metavar="PEM", help="the server's certificate chain, with --http-use-ssl")
+    add("--http-server-key", metavar="PEM", help="the server's private key (unencrypted), with --http-use-ssl")
+    add("--http-root-cert", metavar="PEM", help="the CA that client certificates must be signed by, with "
+        "--http-use-ssl-mutual")
     add("--http-restricted-api", action="append", default=[], metavar="API[,API...]:KEY=VALUE",
         help="answer these API groups only to requests with header KEY: VALUE (403 otherwise); groups: "
              + ", ".join(GROUPS))
@@ -171,12 +197,14 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
 
 @dataclass(frozen=True)
 class AccessOptions:
-    """The frontends' restrictions and header forwarding, checked before anything starts."""
+    """The frontends' restrictions, header forwarding and TLS, checked before anything starts."""
 
     http_restrictions: Restrictions
     grpc_restrictions: Restrictions
     http_forwarding: HeaderForwarding | None
     grpc_forwarding: HeaderForwarding | None
+    http_tls: TlsOptions | None = None
+    grpc_tls: TlsOptions | None = None
 
 
 def grpc_limits_from_args(args: argparse.Namespace) -> Http2Limits:
@@ -207,8 +235,15 @@ def access_from_args(args: argparse.Namespace) -> AccessOptions:
                                GRPC_HEADER_PREFIX),
             _forwarding(args.http_header_forward_pattern, "http-header-forward-pattern"),
             _forwarding(args.grpc_header_forward_pattern, "grpc-header-forward-pattern"),
+            # Only a served protocol's files are read: tritonserver reads none while its service is off.
+            TlsOptions.from_flags("http", args.http_use_ssl or args.http_use_ssl_mutual, args.http_use_ssl_mutual,
+                                  args.http_server_cert, args.http_server_key, args.http_root_cert)
+            if args.allow_http else None,
+            TlsOptions.from_flags("grpc", args.grpc_use_ssl, args.grpc_use_ssl_mutual, args.grpc_server_cert,
+                                  args.grpc_server_key, args.grpc_root_cert)
+            if args.allow_grpc else None,
         )
-    except OptionError as exc:
+    except (OptionError, TlsError) as exc:
         raise SystemExit(f"transerve serve: {exc}") from None
 
 
@@ -269,13 +304,15 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     if args.allow_grpc:
         restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
         limits = grpc_limits_from_args(args)
-        grpc_frontend = (NativeGrpcFrontend(server, limits, restricted, forwarding)
-                         if args.grpc_transport == "native" else GrpcFrontend(server, restricted, forwarding, limits))
-        listeners.append(("GRPC", grpc_frontend, args.grpc_address, args.grpc_port))
+        grpc_frontend = (NativeGrpcFrontend(server, limits, restricted, forwarding, tls=access.grpc_tls)
+                         if args.grpc_transport == "native"
+                         else GrpcFrontend(server, restricted, forwarding, access.grpc_tls, limits))
+        listeners.append(("GRPC over TLS" if access.grpc_tls else "GRPC", grpc_frontend, args.grpc_address,
+                          args.grpc_port))
     if args.allow_http:
         http_frontend = HttpFrontend(server, args.http_max_input_size, access.http_restrictions,
-                                     access.http_forwarding)
-        listeners.append(("HTTP", http_frontend, args.http_address, args.http_port))
+                                     access.http_forwarding, access.http_tls)
+        listeners.append(("HTTPS" if access.http_tls else "HTTP", http_frontend, args.http_address, args.http_port))
     if args.allow_metrics:
         metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
         listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))

@@ -165,6 +165,9 @@ class _Transport:
     def close(self) -> None:
         pass
 
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default  # a plain socket: no "sslcontext"
+
 
 class _Calls:
     """A handler that starts nothing, so that messages stay queued as if their reader were busy."""

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -59,12 +60,14 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def http_status(port: int, path: str, timeout: float = 2.0) -> int | None:
-    """GET `path` on 127.0.0.1:`port` and return the status code, or None when nothing answers.
+def http_status(port: int, path: str, timeout: float = 2.0, https: ssl.SSLContext | None = None) -> int | None:
+    """GET `path` on 127.0.0.1:`port` (over TLS with `https`) and return the status code, or None when nothing
+    answers.
 
     Uses http.client rather than requests so readiness polling has no dependency and no retry logic of its own.
     """
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=https) if https is not None
+            else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout))
     try:
         conn.request("GET", path)
         response = conn.getresponse()
@@ -94,8 +97,11 @@ class ServerProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        https: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
+        #: The client context for a server whose HTTP port speaks TLS (`--http-use-ssl`); None for plain HTTP.
+        self.https = https
         self.argv = list(argv)
         self.http_port = http_port
         self.grpc_port = grpc_port
@@ -146,7 +152,8 @@ class ServerProcess:
 
     def alive(self) -> bool:
         """The process is running and answers /v2/health/live with 200: what "survived a bad request" means."""
-        return self.running() and http_status(self.http_port, "/v2/health/live", timeout=10.0) == 200
+        return self.running() and http_status(self.http_port, "/v2/health/live", timeout=10.0,
+                                                     https=self.https) == 200
 
     def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT_S) -> None:
         """Poll /v2/health/ready until it answers 200; raise ServerStartError with the log tail otherwise."""
@@ -158,7 +165,7 @@ class ServerProcess:
                     f"{self.name} exited with code {self.process.returncode} before becoming ready\n"
                     f"command: {' '.join(self.argv)}\n--- log tail ---\n{self.log_tail()}"
                 )
-            if http_status(self.http_port, "/v2/health/ready") == 200:
+            if http_status(self.http_port, "/v2/health/ready", https=self.https) == 200:
                 # A 200 could come from a foreign process that grabbed the port first; ours would then be dying.
                 if self.running():
                     return
@@ -203,8 +210,9 @@ def start_server(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+    https: ssl.SSLContext | None = None,
 ) -> ServerProcess:
-    """Start a server on three free ports and wait until it is ready.
+    """Start a server on three free ports and wait until it is ready (polled over TLS with `https`).
 
     `make_argv(http_port, grpc_port, metrics_port)` builds the command line. When the process dies because a
     port was taken in the meantime, new ports are picked and it is started again.
@@ -222,6 +230,7 @@ def start_server(
             log_path=log_dir / f"{name}-{attempt}.log",
             env=env,
             cwd=cwd,
+            https=https,
         )
         try:
             server.wait_ready(ready_timeout)
@@ -263,11 +272,13 @@ def start_transerve(
     *extra_args: str,
     ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
     source: Path = REPO_ROOT / "src",
+    https: ssl.SSLContext | None = None,
 ) -> Iterator[ServerProcess]:
     """Run `python -m transerve serve` on `repository` (served in place) until the block exits.
 
     `extra_args` are appended to the command line, e.g. `start_transerve(repo, "--model-control-mode=explicit")`;
-    `source` is the folder transerve is imported from (benchmarks pass an older commit's to compare).
+    `source` is the folder transerve is imported from (benchmarks pass an older commit's to compare); `https` is
+    the client context readiness is polled with when the flags make the HTTP port speak TLS.
     """
     # The checkout's own source comes first on the path, so the tests exercise this tree even where a different
     # transerve is installed; unbuffered output keeps the log complete when the process is killed.
@@ -281,6 +292,7 @@ def start_transerve(
             env=env,
             cwd=Path(tmp),
             ready_timeout=ready_timeout,
+            https=https,
         )
         try:
             yield server

@@ -43,6 +43,7 @@ from transerve.frontends.grpc.limits import (
 from transerve.frontends.grpc.limits import (
     STREAM_WINDOW as STREAM_WINDOW_BYTES,
 )
+from transerve.frontends.tls import TlsOptions
 
 log = logging.getLogger("transerve.grpc")
 
@@ -756,11 +757,13 @@ class GrpcFrontend:
     """Serves the inference and health services with grpc.aio on one address, on the running event loop."""
 
     def __init__(self, server: Server, restrictions: Restrictions | None = None,
-                 forwarding: HeaderForwarding | None = None, limits: Http2Limits | None = None) -> None:
+                 forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None,
+                 limits: Http2Limits | None = None) -> None:
         self.server = server
         self.limits = limits or Http2Limits()
         self._restrictions = restrictions
         self._forwarding = forwarding
+        self._tls = tls
         self._grpc: grpc.aio.Server | None = None
         self._stopping: asyncio.Future[None] | None = None
 
@@ -779,7 +782,8 @@ class GrpcFrontend:
         self._grpc.add_generic_rpc_handlers((health_handler(self.server, service),))
         address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         try:
-            bound = self._grpc.add_insecure_port(address)
+            bound = (self._grpc.add_secure_port(address, self._tls.grpc_credentials()) if self._tls is not None
+                     else self._grpc.add_insecure_port(address))
         except RuntimeError as exc:  # recent grpcio raises, older ones return 0
             raise OSError(str(exc)) from None
         if not bound:

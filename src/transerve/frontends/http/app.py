@@ -48,6 +48,7 @@ from transerve.frontends.http.protocol import (
     decompress_body,
     response_encoding,
 )
+from transerve.frontends.tls import TlsOptions, listen_kwargs
 
 log = logging.getLogger("transerve.http")
 
@@ -78,9 +79,12 @@ class HttpFrontend:
     """Routes requests to the core and serves them on one listening socket."""
 
     def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024,
-                 restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None) -> None:
+                 restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None,
+                 tls: TlsOptions | None = None) -> None:
         self.server = server
         self.max_input_size = max_input_size
+        #: `--http-use-ssl`: HTTPS instead of HTTP.
+        self.tls = tls
         #: `--http-restricted-api`: groups answered only to requests with their header (403 otherwise, as Triton).
         self.restrictions = restrictions if restrictions is not None and restrictions.required else None
         #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
@@ -94,6 +98,7 @@ class HttpFrontend:
             lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names, self.server.tracing),
             host, port,
             reuse_address=True,
+            **listen_kwargs(self.tls, "http/1.1"),
         )
 
     def stop_accepting(self, grace: float) -> None:

@@ -23,6 +23,7 @@ from transerve.frontends.grpc.service import (
     Rpc,
     health_check,
 )
+from transerve.frontends.tls import TlsOptions, listen_kwargs
 
 log = logging.getLogger("transerve.grpc")
 
@@ -143,9 +144,10 @@ class NativeGrpcFrontend:
     """Serves the inference and health services over the native HTTP/2 transport, on the running event loop."""
 
     def __init__(self, server: Server, limits: Http2Limits | None = None, restrictions: Restrictions | None = None,
-                 forwarding: HeaderForwarding | None = None) -> None:
+                 forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None) -> None:
         self.server = server
         self.limits = limits or Http2Limits()
+        self._tls = tls
         self._restrictions = restrictions
         self._forwarding = forwarding
         self._router: Router | None = None
@@ -160,7 +162,8 @@ class NativeGrpcFrontend:
         routes = {f"/{SERVICE.full_name}/{rpc.name}".encode(): rpc for rpc in service.rpcs()}
         routes[b"/grpc.health.v1.Health/Check"] = Rpc("Check", HealthCheckRequest, health_check(self.server), False)
         self._router = Router(routes, service)
-        self._listener = await loop.create_server(self._connect, host.strip("[]"), port, reuse_address=True)
+        self._listener = await loop.create_server(self._connect, host.strip("[]"), port, reuse_address=True,
+                                                  **listen_kwargs(self._tls, "h2"))
 
     def _connect(self) -> Http2Connection:
         assert self._router is not None
