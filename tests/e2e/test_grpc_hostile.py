@@ -18,18 +18,27 @@ import tritonclient.grpc as grpcclient
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import ConnectionTerminated, DataReceived, Event, StreamEnded, StreamReset, TrailersReceived
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    Event,
+    RemoteSettingsChanged,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+)
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hpack import Encoder
 from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
-from support.h2client import CONTINUATION, GOAWAY, HEADERS, PREFACE, RST_STREAM, frame, settings
+from support.h2client import CONTINUATION, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, settings
 from tritonclient.utils import InferenceServerException
 
-from transerve.frontends.grpc.limits import MAX_CONCURRENT_STREAMS, MAX_CONTINUATIONS, RESETS
+from transerve.frontends.grpc.limits import MAX_CONCURRENT_STREAMS, MAX_CONTINUATIONS, RESETS, STREAM_WINDOW
 
 HEALTH = "/grpc.health.v1.Health/Check"
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 MAX_INPUT = 2 << 20
 FLAGS = ("--grpc-max-input-size", str(MAX_INPUT), "--grpc-idle-timeout-secs", "2", "--grpc-stall-timeout-secs", "1",
          "--grpc-handshake-timeout-secs", "1")
@@ -128,7 +137,7 @@ class Probe:
         events = self.events(lambda event: isinstance(event, StreamEnded) and event.stream_id == stream)
         data = b"".join(event.data for event in events if isinstance(event, DataReceived))
         trailers = [dict(event.headers) for event in events if isinstance(event, TrailersReceived)]
-        return trailers == [{"grpc-status": "0"}] and data == grpc_message(b"\x08\x01")
+        return [end.get("grpc-status") for end in trailers] == ["0"] and data == grpc_message(b"\x08\x01")
 
 
 def assert_bystander_answered(server: ServerProcess) -> None:
@@ -274,17 +283,22 @@ def test_streams_past_the_limit_are_refused_before_settings_are_acknowledged(nat
 # ---- timeouts -------------------------------------------------------------------------------------------------------
 
 
-def test_an_idle_connection_gets_goaway(native: ServerProcess) -> None:
-    with Probe(native.grpc_port) as probe:
+@pytest.mark.parametrize("transport", ["native", "grpcio"])
+def test_an_idle_connection_gets_goaway(transport: str, request: pytest.FixtureRequest) -> None:
+    server: ServerProcess = request.getfixturevalue(transport)
+    with Probe(server.grpc_port) as probe:
         probe.handshake()
         assert probe.health()
         started = time.monotonic()
         end = probe.terminated(timeout=15)
-        assert end.error_code == ErrorCodes.NO_ERROR and 1.5 < time.monotonic() - started < 10
+        assert 1.5 < time.monotonic() - started < 10
+        # grpc-core says INTERNAL_ERROR "connection idle" where the native transport says NO_ERROR
+        assert (end.error_code, end.additional_data) in ((ErrorCodes.NO_ERROR, None), (ErrorCodes.NO_ERROR, b""),
+                                                         (ErrorCodes.INTERNAL_ERROR, b"connection idle"))
 
 
 def test_a_silent_connection_is_closed_after_the_handshake_timeout() -> None:
-    with start_transerve(EXAMPLE_REPOSITORY, *FLAGS) as server:
+    with start_transerve(EXAMPLE_REPOSITORY, *FLAGS) as server:  # a server of its own: no other connection is idle
         silent = socket.create_connection(("127.0.0.1", server.grpc_port), timeout=10)
         unacknowledged = _raw(server.grpc_port)
         started = time.monotonic()
@@ -293,6 +307,23 @@ def test_a_silent_connection_is_closed_after_the_handshake_timeout() -> None:
         assert time.monotonic() - started < 8
         silent.close()
         unacknowledged.close()
+
+
+def test_grpc_core_closes_a_silent_connection_after_the_handshake_timeout(grpcio: ServerProcess) -> None:
+    silent = socket.create_connection(("127.0.0.1", grpcio.grpc_port), timeout=10)
+    started = time.monotonic()
+    _goaway_code(silent)  # grpc-core's GOAWAY says INTERNAL_ERROR; what matters is that the connection ends
+    assert time.monotonic() - started < 8
+    silent.close()
+
+
+@pytest.mark.parametrize("transport", ["native", "grpcio"])
+def test_both_transports_announce_the_stream_limit(transport: str, request: pytest.FixtureRequest) -> None:
+    server: ServerProcess = request.getfixturevalue(transport)
+    with Probe(server.grpc_port) as probe:
+        events = probe.events(lambda event: isinstance(event, RemoteSettingsChanged))
+        changed = next(event for event in events if isinstance(event, RemoteSettingsChanged)).changed_settings
+        assert changed[SettingCodes.MAX_CONCURRENT_STREAMS].new_value == MAX_CONCURRENT_STREAMS
 
 
 def _call_with_1_mib_answer(probe: Probe) -> None:
@@ -365,3 +396,103 @@ def test_flags_refuse_impossible_values() -> None:
     limits = grpc_limits_from_args(build_parser().parse_args(
         ["serve", "--model-repository", "x", "--grpc-http2-min-recv-ping-interval-without-data", "1500"]))
     assert limits.min_ping_interval == 1.5 and limits.max_message == 2**31 - 1
+
+
+# ---- flow control: what a connection holds is what its calls have taken, and what a client that does not read costs
+
+
+def test_a_call_that_takes_nothing_gets_no_window_past_its_next_message(native: ServerProcess) -> None:
+    """A unary call starts once its request has ended: a client that sends a first message and then goes on sending
+    without ending it gets a stream window's worth in, then nothing more; the connection goes on."""
+    with Probe(native.grpc_port) as probe:
+        probe.handshake()
+        stream = probe.h2.get_next_available_stream_id()
+        probe.h2.send_headers(stream, request_headers(INFER))
+        probe.h2.send_data(stream, grpc_message(identity_request(16)))
+        chunk, sent, stuck = bytes(1 << 14), 0, 0
+        while stuck < 3:  # sends what the windows allow until three reads in a row brought no more window
+            room = min(probe.h2.local_flow_control_window(stream), len(chunk))
+            if room:
+                probe.h2.send_data(stream, chunk[:room])
+                sent += room
+                stuck = 0
+                assert probe.send()
+                continue
+            _read_for(probe, 0.3)
+            stuck += probe.h2.local_flow_control_window(stream) == 0
+        assert STREAM_WINDOW // 2 <= sent <= STREAM_WINDOW
+        probe.h2.reset_stream(stream)
+        probe.send()
+        assert probe.health()
+
+
+def _read_for(probe: Probe, seconds: float) -> None:
+    """Take in what the server sends for `seconds` (its WINDOW_UPDATEs, mostly)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        probe.sock.settimeout(left)
+        try:
+            data = probe.sock.recv(1 << 20)
+        except TimeoutError:
+            return
+        assert data, "the server closed the connection"
+        probe.h2.receive_data(data)
+    probe.send()
+
+
+def test_a_stream_of_messages_larger_than_its_window_flows_as_the_call_takes_them(native: ServerProcess) -> None:
+    """ModelStreamInfer with 8 requests of 1.5 MiB (12 MiB, three stream windows): the window comes back as the call
+    takes each request, and every one is answered."""
+    count, size = 8, 3 << 19
+    body = b"".join(grpc_message(identity_request(size)) for _ in range(count))
+    assert len(body) > 2 * STREAM_WINDOW
+    with Probe(native.grpc_port) as probe:
+        probe.handshake()
+        stream = probe.h2.get_next_available_stream_id()
+        probe.h2.send_headers(stream, request_headers(STREAM_INFER))
+        received, ended, offset = bytearray(), False, 0
+        deadline = time.monotonic() + 60
+        while not ended and time.monotonic() < deadline:
+            room = min(probe.h2.local_flow_control_window(stream), probe.h2.max_outbound_frame_size,
+                       len(body) - offset)
+            if room > 0:
+                offset += room
+                probe.h2.send_data(stream, body[offset - room:offset], end_stream=offset == len(body))
+                assert probe.send()
+                continue
+            probe.sock.settimeout(5)
+            data = probe.sock.recv(1 << 20)
+            assert data, "the server closed the connection"
+            for event in probe.h2.receive_data(data):
+                if isinstance(event, DataReceived):
+                    received += event.data
+                    probe.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, StreamEnded | StreamReset) and event.stream_id == stream:
+                    ended = True
+            probe.send()
+        assert ended and offset == len(body)
+        answers, at = 0, 0
+        while at < len(received):
+            at += 5 + int.from_bytes(received[at + 1:at + 5], "big")
+            answers += 1
+        assert answers == count
+
+
+def test_a_client_that_does_not_read_is_not_read_and_is_cut() -> None:
+    """With no ping strikes (any number of PINGs allowed), a client that sends PINGs and never reads their ACKs is
+    read no further once the server's writes back up, and is cut after the stall timeout."""
+    with start_transerve(EXAMPLE_REPOSITORY, *FLAGS, "--grpc-http2-max-ping-strikes", "0") as server:
+        sock = _raw(server.grpc_port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+        pings = frame(PING, 0, 0, bytes(8)) * 4096
+        sock.settimeout(2)
+        sent = 0
+        with contextlib.suppress(OSError):  # TimeoutError: the server stopped reading; or it cut the connection
+            while sent < 1 << 30:
+                sock.sendall(pings)
+                sent += len(pings)
+        assert sent < 64 << 20  # socket buffers, and what the server read before its writes backed up
+        code, _ = _goaway_code(sock, timeout=15)  # the GOAWAY may be stuck behind the unread ACKs: cut all the same
+        assert code in (None, ErrorCodes.ENHANCE_YOUR_CALM)
+        sock.close()
+        assert_bystander_answered(server)
