@@ -297,6 +297,23 @@ def test_an_idle_connection_gets_goaway(transport: str, request: pytest.FixtureR
                                                          (ErrorCodes.INTERNAL_ERROR, b"connection idle"))
 
 
+def test_the_idle_timeout_starts_when_the_last_call_ends(native: ServerProcess) -> None:
+    """A call open across the first timeout check (the handshake's, at 1 s) does not leave the connection without
+    an idle timeout once it ends."""
+    with Probe(native.grpc_port) as probe:
+        probe.handshake()
+        stream = probe.h2.get_next_available_stream_id()
+        probe.h2.send_headers(stream, request_headers())
+        probe.send()
+        time.sleep(1.5)
+        probe.h2.send_data(stream, grpc_message(b""), end_stream=True)
+        probe.send()
+        probe.events(lambda event: isinstance(event, StreamEnded) and event.stream_id == stream)
+        started = time.monotonic()
+        end = probe.terminated(timeout=15)
+        assert end.error_code == ErrorCodes.NO_ERROR and 1.5 < time.monotonic() - started < 5
+
+
 def test_a_silent_connection_is_closed_after_the_handshake_timeout() -> None:
     with start_transerve(EXAMPLE_REPOSITORY, *FLAGS) as server:  # a server of its own: no other connection is idle
         silent = socket.create_connection(("127.0.0.1", server.grpc_port), timeout=10)

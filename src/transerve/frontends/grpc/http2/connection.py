@@ -752,6 +752,8 @@ class Http2Connection(asyncio.Protocol):
             self._idle_since = self.loop.time()
             if self.goaway_sent:
                 self.close()
+            elif self._timer is None:  # the last check found calls open and armed nothing: the idle timeout starts
+                self._arm(self._idle_since + self._limits.idle_timeout)
 
     # ---- timeouts ----------------------------------------------------------------------------------------------
 
