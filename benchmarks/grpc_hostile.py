@@ -425,13 +425,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probes", default=",".join(PROBES))
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each flood may go on (default 10)")
     parser.add_argument("--rr-seconds", type=float, default=20.0, help="how long the rapid reset runs (default 20)")
+    parser.add_argument("--server-flags", default="", help="more `transerve serve` flags, e.g. '--grpc-http2-max-"
+                        "ping-strikes 0 --grpc-stall-timeout-secs 2' (PINGs bounded by the read pause alone)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout, no table)")
     args = parser.parse_args(argv)
     from support import EXAMPLE_REPOSITORY, start_transerve
 
     rows: list[Row] = []
     for transport in args.transports.split(","):
-        with start_transerve(EXAMPLE_REPOSITORY, f"--grpc-transport={transport}") as server:
+        with start_transerve(EXAMPLE_REPOSITORY, f"--grpc-transport={transport}", *args.server_flags.split()) as server:
             for name in args.probes.split(","):
                 seconds = args.rr_seconds if name == "rapid_reset" else (
                     STALL_TIMEOUT + 15 if name == "window_closed" else args.seconds)
