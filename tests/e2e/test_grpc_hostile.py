@@ -238,17 +238,20 @@ def _goaway_code(sock: socket.socket, timeout: float = 10.0) -> tuple[int | None
         buffer += chunk
 
 
-def test_zero_length_continuations_are_cut(native: ServerProcess) -> None:
+@pytest.mark.parametrize("transport", ["native", "grpcio"])
+def test_zero_length_continuations_are_cut(transport: str, request: pytest.FixtureRequest) -> None:
     """h2 will not send a header block in pieces: the frames are spelled out (CVE-2024-27316's flood)."""
-    sock = _raw(native.grpc_port)
+    server: ServerProcess = request.getfixturevalue(transport)
+    sock = _raw(server.grpc_port)
     block = Encoder().encode(request_headers())
     flood = frame(HEADERS, 0, 1, block[:3]) + frame(CONTINUATION, 0, 1, b"") * 100_000
     with contextlib.suppress(OSError):  # cut while still sending
         sock.sendall(flood)
     code, _ = _goaway_code(sock)
     sock.close()
-    assert code == ErrorCodes.ENHANCE_YOUR_CALM
-    assert_bystander_answered(native)
+    if transport == "native":  # grpc-core closes the connection without a GOAWAY: that it ends is the point
+        assert code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert_bystander_answered(server)
 
 
 def test_a_header_block_of_too_many_continuations_is_cut(native: ServerProcess) -> None:
