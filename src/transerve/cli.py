@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import resource
 import signal
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
 from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
+from transerve.frontends.http.protocol import HttpLimits
 from transerve.frontends.tls import TlsError, TlsOptions
 
 log = logging.getLogger("transerve")
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the older name of --disable-auto-complete-config")
     add("--backend-config", type=_backend_config, action="append", default=[], metavar="BACKEND,KEY=VALUE")
     add("--http-max-input-size", type=int, default=64 * 1024 * 1024, metavar="BYTES")
+    _add_http_limits(add)
     add("--cache-config", action="append", default=[], metavar="local,size=BYTES",
         help="a response cache of BYTES for the models whose config enables response_cache")
     add("--cache-directory", metavar="PATH", help="accepted for tritonserver's command lines; transerve's cache "
@@ -157,6 +160,67 @@ def build_parser() -> argparse.ArgumentParser:
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
     return parser
+
+
+def _add_http_limits(add: Any) -> None:
+    """transerve's own flags (Triton has none) for what an HTTP client may hold; docs/security.md explains them."""
+    default = HttpLimits()
+    add("--http-max-url-size", type=int, default=default.max_url, metavar="BYTES",
+        help=f"longest request target, its query included (414 past it; default {default.max_url})")
+    add("--http-max-header-size", type=int, default=default.max_header_size, metavar="BYTES",
+        help=f"most bytes of header names and values in a request (431 past it; default {default.max_header_size})")
+    add("--http-max-headers", type=int, default=default.max_headers, metavar="N",
+        help=f"most header fields in a request (431 past it; default {default.max_headers})")
+    add("--http-header-timeout-secs", type=float, default=default.header_timeout, metavar="SECONDS",
+        help="time for a request's head to arrive from its first byte, and for a new connection's first request "
+             f"to begin (408 past it; 0 for none; default {default.header_timeout:g})")
+    add("--http-body-timeout-secs", type=float, default=default.body_timeout, metavar="SECONDS",
+        help=f"longest wait for the next bytes of a request body (408 past it; 0 for none; default "
+             f"{default.body_timeout:g})")
+    add("--http-keepalive-timeout-secs", type=float, default=default.keepalive_timeout, metavar="SECONDS",
+        help=f"how long an idle connection stays open (0 for ever; default {default.keepalive_timeout:g})")
+    add("--http-send-timeout-secs", type=float, default=default.send_timeout, metavar="SECONDS",
+        help="how long a client may leave its answers unread before its connection is cut (0 for ever; default "
+             f"{default.send_timeout:g})")
+    add("--http-max-connections", type=int, default=default.max_connections, metavar="N",
+        help=f"most open HTTP connections; past it a new one is answered 503 and closed (default "
+             f"{default.max_connections}, at most half the process's open-file limit)")
+
+
+def http_limits_from_args(args: argparse.Namespace, file_limit: int) -> HttpLimits:
+    """The HTTP limits of the command line; the connection cap stays within half of `file_limit` (the other half
+    is for gRPC, model files and worker sockets), so that clients past it get a 503 rather than nothing."""
+    connections = args.http_max_connections
+    if connections > file_limit // 2:
+        log.warning("--http-max-connections lowered from %d to %d: the process may open %d files",
+                    connections, file_limit // 2, file_limit)
+        connections = file_limit // 2
+    for name in ("http_max_url_size", "http_max_header_size", "http_max_headers", "http_max_connections"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"transerve serve: --{name.replace('_', '-')} must be at least 1")
+    for name in ("http_header_timeout_secs", "http_body_timeout_secs", "http_keepalive_timeout_secs",
+                 "http_send_timeout_secs"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"transerve serve: --{name.replace('_', '-')} must not be negative")
+    return HttpLimits(
+        max_url=args.http_max_url_size, max_header_size=args.http_max_header_size, max_headers=args.http_max_headers,
+        header_timeout=args.http_header_timeout_secs, body_timeout=args.http_body_timeout_secs,
+        keepalive_timeout=args.http_keepalive_timeout_secs, send_timeout=args.http_send_timeout_secs,
+        max_connections=connections,
+    )
+
+
+def raise_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one, as Go's runtime does, and return it: every connection is
+    a file, and a soft limit of 1024 (a common default) would leave clients unanswered long before any cap."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == hard:
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        return soft
+    return hard
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -287,6 +351,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
             log.error("model repository '%s' is not a folder", path)
             return 1
     keep_large_buffers()
+    http_limits = http_limits_from_args(args, raise_file_limit())
     server = Server(options_from_args(args))
     server.log.install()
     warn_open_model_control(args, access)
@@ -311,7 +376,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
                           args.grpc_port))
     if args.allow_http:
         http_frontend = HttpFrontend(server, args.http_max_input_size, access.http_restrictions,
-                                     access.http_forwarding, access.http_tls)
+                                     access.http_forwarding, access.http_tls, http_limits)
         listeners.append(("HTTPS" if access.http_tls else "HTTP", http_frontend, args.http_address, args.http_port))
     if args.allow_metrics:
         metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)

@@ -454,6 +454,8 @@ SAME_MISTAKES = [
                                      m.raw_input_contents.insert(0, m.raw_input_contents[0])))),
     ("data_count", "/v2/models/add_sub/infer", {"inputs": [_fp32_json("INPUT0", [1, 4], [1, 2, 3]), _JSON_INPUTS[1]]},
      _with(raw_add_sub(), lambda m: m.raw_input_contents.__setitem__(0, b"\0" * 12))),
+    ("65_dimensions", "/v2/models/add_sub/infer", {"inputs": [_fp32_json("INPUT0", [1] * 65, [1]), _JSON_INPUTS[1]]},
+     _with(raw_add_sub(), lambda m: m.inputs[0].shape.extend([1] * 63))),
     ("classification_negative", "/v2/models/add_sub/infer",
      {"inputs": _JSON_INPUTS, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": -2}}]},
      _with(raw_add_sub(), lambda m: m.outputs.add(name="OUTPUT0").parameters["classification"].CopyFrom(

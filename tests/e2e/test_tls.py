@@ -9,6 +9,7 @@ and, for mutual TLS, one without a certificate or with the stranger's are refuse
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import ssl
@@ -270,3 +271,22 @@ def test_https_speaks_http_1_1_and_tls_1_2(https_server: tuple[ServerProcess, bo
     tls12 = client_context(certs, mutual)
     tls12.maximum_version = ssl.TLSVersion.TLSv1_2
     assert http_status(server.http_port, "/v2/health/ready", https=tls12) == 200
+
+
+def test_https_holds_the_http_limits(https_server: tuple[ServerProcess, bool], certs: Certificates) -> None:
+    """The HTTP/1.1 limits sit above TLS: a long URL, a 1 MiB header line and CONNECT are refused as over plain
+    HTTP, and the refusal reaches the client before the connection closes (no lingering half-close over TLS)."""
+    server, mutual = https_server
+    probes = [(b"GET /v2/" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", b"414"),
+              (b"GET /v2/health/live HTTP/1.1\r\nX-Long: " + b"a" * (1 << 20) + b"\r\n\r\n", b"431"),
+              (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n", b"400")]
+    for request, status in probes:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as raw, \
+                client_context(certs, mutual).wrap_socket(raw, server_hostname="localhost") as tls:
+            with contextlib.suppress(ssl.SSLError, OSError):  # refused before all of it was sent
+                tls.sendall(request)
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert http_status(server.http_port, "/v2/health/ready", https=client_context(certs, mutual)) == 200

@@ -16,7 +16,7 @@ from transerve.frontends.http.codec import (
     encode_infer_response,
     is_raw_body,
 )
-from transerve.frontends.http.protocol import UnsupportedEncoding, decompress_body, response_encoding
+from transerve.frontends.http.encoding import UnsupportedEncoding, decompress_body, response_encoding
 
 
 def binary_body(header: dict, *blobs: bytes) -> tuple[bytes, str]:
@@ -127,6 +127,41 @@ def test_decompression_limits():
         decompress_body(b"abc", "br", 10)
     with pytest.raises(ValueError, match="cannot decompress"):
         decompress_body(b"not gzip", "gzip", 10)
+
+
+def test_every_gzip_member_counts_and_the_limit_covers_them_all():
+    import gzip
+
+    members = gzip.compress(b"ab") + b"\0\0" + gzip.compress(b"cd") + gzip.compress(b"") + b"\0"
+    assert decompress_body(members, "gzip", 10) == b"abcd"
+    with pytest.raises(ValueError, match="exceeds the limit of 3 bytes"):
+        decompress_body(members, "gzip", 3)
+    with pytest.raises(ValueError, match="after its last member"):
+        decompress_body(members + b"junk", "gzip", 10)
+    with pytest.raises(ValueError, match="too many gzip members"):
+        decompress_body(gzip.compress(b"") * 2000, "gzip", 10)
+
+
+def test_large_bodies_finish_inflating_in_a_thread(monkeypatch):
+    import asyncio
+    import gzip
+    import threading
+    import zlib
+
+    from transerve.frontends.http import encoding
+
+    data = np.random.default_rng(0).random(300_000).astype(np.float32).tobytes()
+    threads = set()
+    join = encoding._join
+    monkeypatch.setattr(encoding, "_join", lambda first, rest: threads.add(threading.current_thread()) or
+                        join(first, rest))
+    assert asyncio.run(encoding.decompress_body_async(gzip.compress(data) * 2, "gzip", 10**7)) == data * 2
+    assert threads and threading.main_thread() not in threads
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    assert asyncio.run(encoding.decompress_body_async(raw.compress(data) + raw.flush(), "deflate", 10**7)) == data
+    assert asyncio.run(encoding.decompress_body_async(gzip.compress(b"abc"), "gzip", 10)) == b"abc"
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        asyncio.run(encoding.decompress_body_async(gzip.compress(bytes(10**7)), "gzip", 10**6))
 
 
 def test_scheduling_parameters_land_on_the_request():

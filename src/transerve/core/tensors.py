@@ -24,11 +24,18 @@ def check_datatype(name: str, datatype: Any) -> str:
     return datatype
 
 
+#: The most dimensions a tensor may have: NumPy's own limit (NPY_MAXDIMS, 64 since NumPy 2).
+MAX_DIMS = 64
+
+
 def check_shape(name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or not all(
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape
     ):
         raise invalid_arg(f"invalid shape for input '{name}': {shape!r} (expected a list of non-negative integers)")
+    if len(shape) > MAX_DIMS:
+        raise invalid_arg(f"invalid shape for input '{name}': {len(shape)} dimensions, at most {MAX_DIMS} are "
+                          "supported")
     return tuple(shape)
 
 

@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 
 from transerve.core.server import ModelVersion, Server
 from transerve.core.stats import FAILURE_REASONS
-from transerve.frontends.http.protocol import HttpConnection, HttpRequest, HttpResponse
+from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
 
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -250,11 +250,14 @@ class MetricsFrontend:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(TritonMetricsCollector(server, cpu_metrics, gpu_metrics, interval_ms))
         self._listener: asyncio.base_events.Server | None = None
+        self._connections: Connections | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
+        connections = self._connections = Connections(HttpLimits())  # the HTTP defaults, whatever the flags say
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, 1024 * 1024, _plain_error), host, port, reuse_address=True
+            lambda: HttpConnection(self.handle, 1024 * 1024, _plain_error, connections=connections), host, port,
+            reuse_address=True,
         )
 
     def stop_accepting(self, grace: float) -> None:
@@ -263,7 +266,9 @@ class MetricsFrontend:
             self._listener.close()
 
     async def close(self) -> None:
-        """Nothing to release once the listener is closed: open connections end with the process."""
+        """Stop the connections' timer; open connections end with the process."""
+        if self._connections is not None:
+            self._connections.close()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         if request.path.rstrip("/") != "/metrics":

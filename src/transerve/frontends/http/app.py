@@ -26,6 +26,13 @@ from transerve.frontends.http.codec import (
     encode_infer_response,
     is_raw_body,
 )
+from transerve.frontends.http.encoding import (
+    ENCODINGS,
+    UnsupportedEncoding,
+    compress_body,
+    decompress_body_async,
+    response_encoding,
+)
 from transerve.frontends.http.generate import (
     EXACTLY_ONE,
     SSE_CONTENT_TYPE,
@@ -38,16 +45,7 @@ from transerve.frontends.http.generate import (
     single_response,
     traced_events,
 )
-from transerve.frontends.http.protocol import (
-    ENCODINGS,
-    HttpConnection,
-    HttpRequest,
-    HttpResponse,
-    UnsupportedEncoding,
-    compress_body,
-    decompress_body,
-    response_encoding,
-)
+from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 
 log = logging.getLogger("transerve.http")
@@ -80,11 +78,14 @@ class HttpFrontend:
 
     def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024,
                  restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None,
-                 tls: TlsOptions | None = None) -> None:
+                 tls: TlsOptions | None = None, limits: HttpLimits | None = None) -> None:
         self.server = server
         self.max_input_size = max_input_size
         #: `--http-use-ssl`: HTTPS instead of HTTP.
         self.tls = tls
+        #: The --http-* limits on what a client may hold (sizes, timeouts, connections).
+        self.limits = limits or HttpLimits()
+        self._connections: Connections | None = None
         #: `--http-restricted-api`: groups answered only to requests with their header (403 otherwise, as Triton).
         self.restrictions = restrictions if restrictions is not None and restrictions.required else None
         #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
@@ -94,8 +95,10 @@ class HttpFrontend:
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         keep_names = self.forwarding is not None
+        connections = self._connections = Connections(self.limits)
         self._listener = await loop.create_server(
-            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names, self.server.tracing),
+            lambda: HttpConnection(self.handle, self.max_input_size, error_response, keep_names, self.server.tracing,
+                                   connections=connections),
             host, port,
             reuse_address=True,
             **listen_kwargs(self.tls, "http/1.1"),
@@ -107,7 +110,9 @@ class HttpFrontend:
             self._listener.close()
 
     async def close(self) -> None:
-        """Nothing to release once the listener is closed: open connections end with the process."""
+        """Stop the connections' timer; open connections end with the process."""
+        if self._connections is not None:
+            self._connections.close()
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         try:
@@ -193,7 +198,8 @@ class HttpFrontend:
     async def _infer(self, request: HttpRequest, name: str, version: str) -> HttpResponse:
         encoding = request.headers.get("content-encoding")
         try:
-            body = decompress_body(request.body, encoding, self.max_input_size) if encoding else request.body
+            body = await decompress_body_async(request.body, encoding, self.max_input_size) if encoding else \
+                request.body
         except UnsupportedEncoding as exc:  # Triton's answer: 501, naming the encodings it takes
             return HttpResponse(501, orjson.dumps({"error": str(exc)}), headers=[("Accept-Encoding", ENCODINGS)])
         except ValueError as exc:

@@ -1,20 +1,23 @@
-"""A small HTTP/1.1 server on asyncio and httptools: keep-alive, pipelining, size limits.
+"""A small HTTP/1.1 server on asyncio and httptools: keep-alive, pipelining, and limits on what a client may hold.
 
-It knows nothing of KServe: it parses requests, hands each to an async handler, and writes
-the responses back in request order. Bodies over the size limit are refused as soon as
-their declared length is seen, before they are read. Bodies may come chunked; a request that
-declares both `Transfer-Encoding: chunked` and a `Content-Length` (as `requests` sends a body the
-caller chunked by hand) is read by its chunks, as RFC 9112 section 6.3 says, and its connection is
-closed after the answer so that nothing smuggled after it can be read as another request.
+It knows nothing of KServe: it parses requests, hands each to an async handler, and writes the responses back in
+request order. What a client can make the server hold is bounded (`HttpLimits`, docs/security.md): the request
+target (414), the header section and the number of headers (431), the body (413, refused as soon as its declared
+length is seen, before it is read), the time a request may take to arrive (408), idle keep-alive time, the number
+of connections (503 past it), and the answers waiting for a client that does not read them: while the socket's
+write buffer is above its high-water mark the connection neither reads nor answers its next request.
+
+Bodies may come chunked; a request that declares both `Transfer-Encoding: chunked` and a `Content-Length` (as
+`requests` sends a body the caller chunked by hand) is read by its chunks, as RFC 9112 section 6.3 says, and its
+connection is closed after the answer so that nothing smuggled after it can be read as another request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import logging
+import math
 import time
-import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,8 +29,22 @@ log = logging.getLogger("transerve.http")
 
 _REASONS = {
     200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-    413: "Payload Too Large", 500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+    408: "Request Timeout", 413: "Payload Too Large", 414: "URI Too Long", 431: "Request Header Fields Too Large",
+    500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
 }
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+#: Requests read ahead of the one being answered, and their bytes: past either, the connection stops reading until
+#: its queue is short again. Answers go out one at a time, so reading further ahead gains nothing.
+_PIPELINE_DEPTH = 8
+_PIPELINE_BYTES = 1024 * 1024
+_RESUME_DEPTH = 2
+
+#: How long a refused connection (past --http-max-connections, or a request refused) is still read, and dropped,
+#: after its answer, before it is cut: closing a socket with unread bytes resets it, and the client may then lose
+#: the answer (Apache's "lingering close").
+_LINGER_S = 2.0
 
 
 @dataclass(slots=True)
@@ -72,20 +89,94 @@ class RequestRejected(Exception):
         self.response = response
 
 
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """What one client may make the server hold, and for how long: the --http-* flags (docs/security.md).
+
+    Sizes as Apache and nginx choose them (an 8 KiB request line, 100 header fields); the header section may hold
+    16 KiB, as Node.js allows. Body, keep-alive and send timeouts are nginx's; the header timeout is shorter, as
+    HAProxy setups choose it, because a real client sends its whole head at once. A timeout of 0 means none.
+    """
+
+    max_url: int = 8 * 1024
+    max_header_size: int = 16 * 1024
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    keepalive_timeout: float = 75.0
+    send_timeout: float = 60.0
+    max_connections: int = 8192
+
+
+class Connections:
+    """A listener's open connections: their cap, and one timer that ends those past their deadline.
+
+    A connection only writes its deadline (a float) as its state changes, so the request path pays no timer; the
+    timer here visits every connection a few times a second, which costs about 50 ns a connection.
+    """
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.open: set[HttpConnection] = set()
+        #: Connections past the cap, still being answered 503.
+        self.refused: set[HttpConnection] = set()
+        self.header_timeout = limits.header_timeout or math.inf
+        self.body_timeout = limits.body_timeout or math.inf
+        self.keepalive_timeout = limits.keepalive_timeout or math.inf
+        self.send_timeout = limits.send_timeout or math.inf
+        #: Bytes of a request head on the wire (its request line, header lines and their separators): past this, the
+        #: head is refused even while a line of it is still incomplete.
+        self.max_head = limits.max_url + limits.max_header_size + 4 * limits.max_headers + 1024
+        shortest = min(self.header_timeout, self.body_timeout, self.keepalive_timeout, self.send_timeout)
+        self._tick = min(0.5, max(0.05, shortest / 4))
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def admit(self, connection: HttpConnection) -> bool:
+        """Track a new connection; False when it is past the cap (it is tracked all the same until it is gone)."""
+        admitted = len(self.open) < self.limits.max_connections
+        (self.open if admitted else self.refused).add(connection)
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._tick, self._sweep)
+        return admitted
+
+    def discard(self, connection: HttpConnection) -> None:
+        self.open.discard(connection)
+        self.refused.discard(connection)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        for group in (self.open, self.refused):
+            for connection in [connection for connection in group if connection.deadline <= now]:
+                try:
+                    connection.expire()
+                except Exception:  # one connection's trouble must not stop the timer of all
+                    log.exception("cannot end an HTTP connection past its deadline")
+        self._timer = self._loop.call_later(self._tick, self._sweep) if self.open or self.refused else None
+
+
 class HttpConnection(asyncio.Protocol):
-    """One client connection: parse, dispatch, answer in order."""
+    """One client connection: parse, dispatch, answer in order, within the limits of its `Connections`."""
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_busy", "_closing", "_paused", "_loop", "_task", "_framed_twice", "_raw_headers",
-        "_timing", "_begin_ns",
+        "_body_size", "_queue", "_queued_bytes", "_busy", "_closing", "_ended", "_reading_paused", "_write_paused",
+        "_writable", "_loop", "_task", "_framed_twice", "_raw_headers", "_timing", "_begin_ns", "_connections",
+        "deadline", "_in_message", "_in_body", "_body_seen", "_unparsed", "_header_count", "_header_bytes",
+        "_continue",
     )
 
     def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
-                 keep_header_names: bool = False, timing: Switch | None = None):
+                 keep_header_names: bool = False, timing: Switch | None = None, *, connections: Connections):
         self._handler = handler
         self._max_body = max_body
         self._error_response = error_response
+        self._connections = connections
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._parser.set_dangerous_leniencies(lenient_chunked_length=True)
@@ -94,10 +185,17 @@ class HttpConnection(asyncio.Protocol):
         self._headers: dict[str, str] = {}
         self._body: list[bytes] = []
         self._body_size = 0
-        self._queue: deque[tuple[HttpRequest, bool]] = deque()
+        self._queue: deque[tuple[HttpRequest | HttpResponse, bool]] = deque()
+        self._queued_bytes = 0
         self._busy = False
+        #: The transport is closing or gone: nothing more is written.
         self._closing = False
-        self._paused = False
+        #: No more requests are read: the last answer due closes the connection.
+        self._ended = False
+        self._reading_paused = False
+        self._write_paused = False
+        #: Resolved when the transport's write buffer drains below its low-water mark.
+        self._writable: asyncio.Future[None] | None = None
         # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = asyncio.get_running_loop()
         #: The task answering this connection's requests; cancelled when the client goes away, which drops
@@ -108,66 +206,152 @@ class HttpConnection(asyncio.Protocol):
         #: Whether to note when each request arrives (`HttpRequest.received_ns`); checked once per request.
         self._timing = timing
         self._begin_ns = 0
+        #: When (loop time) `Connections` ends this connection unless its state moves on; infinite for never.
+        self.deadline = math.inf
+        #: A request has begun to arrive and is not complete; and its head is complete (its body is arriving).
+        self._in_message = False
+        self._in_body = False
+        #: Body bytes arrived during the last read; bytes read since the last body bytes or the last request.
+        self._body_seen = False
+        self._unparsed = 0
+        self._header_count = 0
+        self._header_bytes = 0
+        #: A `100 Continue` is owed once the answers before it have been written.
+        self._continue = False
 
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        if self._connections.admit(self):
+            self.deadline = self._loop.time() + self._connections.header_timeout
+            return
+        # Past the cap: answered at once, without reading a request, then closed.
+        limit = self._connections.limits.max_connections
+        self._reject(self._error_response(
+            503, f"the server has {limit} HTTP connections open, its limit (--http-max-connections)"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._closing = self._ended = True
+        self._connections.discard(self)
         self._queue.clear()
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self._ended:  # refused, rejected or closing: what more comes is read and dropped
+            return
+        self._unparsed += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            # httptools wraps what a callback raises; a refusal from on_headers_complete/on_body is ours.
+            # httptools wraps what a callback raises; a refusal from a callback is ours.
             cause = exc.__context__
             if isinstance(cause, RequestRejected):
                 self._reject(cause.response)
             else:
-                log.error("HTTP parser callback failed: %r", cause)
-                self._reject(self._error_response(500, "internal error while reading the request"))
-        except httptools.HttpParserUpgrade:
-            self._reject(self._error_response(400, "protocol upgrades are not supported"))
+                log.warning("cannot read an HTTP request: %r", cause, exc_info=cause)
+                self._reject(self._error_response(400, "cannot read the HTTP request"))
+            return
         except httptools.HttpParserError as exc:
             self._reject(self._error_response(400, f"malformed HTTP request: {exc}"))
+            return
+        if self._in_message:
+            if self._reading_paused:  # by this very read (pipelining): no read timeout until reading resumes
+                if not self._write_paused:
+                    self.deadline = math.inf
+            elif self._in_body:
+                self.deadline = self._loop.time() + self._connections.body_timeout
+            if self._body_seen:
+                self._body_seen = False
+                self._unparsed = 0
+            if self._unparsed > self._connections.max_head:  # a head, trailers or chunk framing without end
+                self._reject(self._error_response(431, self._headers_too_large()))
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is above its high-water mark: a client that does not read gets nothing more
+        until it does, and is cut after --http-send-timeout-secs."""
+        self._write_paused = True
+        self._pause_reading()
+        self.deadline = self._loop.time() + self._connections.send_timeout
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._writable is not None:
+            if not self._writable.done():
+                self._writable.set_result(None)
+            self._writable = None
+        if self._closing:
+            self.deadline = self._loop.time() + self._connections.send_timeout
+        elif len(self._queue) <= _RESUME_DEPTH:
+            self._resume_reading()
+        else:
+            self.deadline = math.inf
 
     # ---- httptools callbacks ----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._in_message = True
+        self.deadline = self._loop.time() + self._connections.header_timeout
         self._begin_ns = time.monotonic_ns() if self._timing is not None and self._timing.active else 0
         self._url = b""
         self._headers = {}
         self._body = []
         self._body_size = 0
+        self._body_seen = False
+        self._header_count = self._header_bytes = 0
         self._framed_twice = False
         if self._raw_headers is not None:
             self._raw_headers = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self._connections.limits.max_url:
+            raise RequestRejected(self._error_response(
+                414, f"the request target is longer than {self._connections.limits.max_url} bytes "
+                     "(--http-max-url-size)"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        self._header_bytes += len(name) + len(value)
+        limits = self._connections.limits
+        if self._header_bytes > limits.max_header_size:
+            raise RequestRejected(self._error_response(431, self._headers_too_large()))
+        if self._header_count > limits.max_headers:
+            raise RequestRejected(self._error_response(
+                431, f"a request may carry at most {limits.max_headers} header fields (--http-max-headers)"))
         key, text = name.decode("latin-1"), value.decode("latin-1")
         self._headers[key.lower()] = text
         if self._raw_headers is not None:
             self._raw_headers.append((key, text))
 
     def on_headers_complete(self) -> None:
-        length = self._headers.get("content-length")
-        if "transfer-encoding" in self._headers:
+        self._in_body = True
+        headers = self._headers
+        if self._parser.should_upgrade():  # CONNECT, or Upgrade with Connection: upgrade
+            method = self._parser.get_method()
+            raise RequestRejected(self._error_response(400, "CONNECT is not supported: this is not a proxy"
+                                                       if method == b"CONNECT" else
+                                                       "protocol upgrades are not supported"))
+        length = headers.get("content-length")
+        if "transfer-encoding" in headers:
             # The chunks frame the body, not the declared length; answer, then close (RFC 9112, 6.3).
             self._framed_twice = length is not None
         elif length is not None and length.isdigit() and int(length) > self._max_body:
             raise RequestRejected(self._error_response(
                 413, f"request body of {length} bytes exceeds the limit of {self._max_body} bytes "
                      "(--http-max-input-size)"))
+        if "expect" in headers and length != "0" and headers["expect"].strip().lower() == "100-continue" \
+                and self._parser.get_http_version() == "1.1":
+            # The client waits for this before it sends the body (curl: up to a second). Written now unless
+            # answers to earlier requests are still due: it must not overtake them.
+            if self._busy:
+                self._continue = True
+            elif self._transport is not None:
+                self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        self._body_seen = True
         self._body_size += len(body)
         if self._body_size > self._max_body:
             raise RequestRejected(self._error_response(
@@ -175,30 +359,50 @@ class HttpConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        parsed = httptools.parse_url(self._url)
+        self._in_message = self._in_body = self._continue = False
+        self._unparsed = 0
+        if not self._write_paused:  # (a 100 Continue written during this read may have paused writing)
+            self.deadline = math.inf
+        try:
+            target = httptools.parse_url(self._url)
+        except httptools.HttpParserInvalidURLError:
+            raise RequestRejected(self._error_response(
+                400, f"invalid request target '{self._url[:200].decode('latin-1')}'")) from None
+        path = target.path.decode("latin-1") if target.path is not None else "/"
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        request = HttpRequest(self._parser.get_method().decode("ascii"), parsed.path.decode("latin-1"),
-                              self._headers, body, self._raw_headers)
+        request = HttpRequest(self._parser.get_method().decode("ascii"), path, self._headers, body,
+                              self._raw_headers)
         if self._begin_ns:
             request.received_ns = (self._begin_ns, time.monotonic_ns())
         self._queue.append((request, self._parser.should_keep_alive() and not self._framed_twice))
-        if len(self._queue) > 64 and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
+        self._queued_bytes += len(body)
         if not self._busy:
             self._busy = True
             self._task = self._loop.create_task(self._serve_queue())
+        elif len(self._queue) >= _PIPELINE_DEPTH or self._queued_bytes >= _PIPELINE_BYTES:
+            self._pause_reading()
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
     async def _serve_queue(self) -> None:
-        while self._queue:
-            request, keep_alive = self._queue.popleft()
-            try:
-                response = await self._handler(request)
-            except Exception:  # a handler bug must not take the connection down silently
-                log.exception("unhandled error serving %s %s", request.method, request.path)
-                response = self._error_response(500, "internal error")
+        queue = self._queue
+        while queue:
+            if self._write_paused:  # the client is not reading: answer nothing more until it does
+                if self._writable is None:
+                    self._writable = self._loop.create_future()
+                await self._writable
+            request, keep_alive = queue.popleft()
+            if self._reading_paused and len(queue) <= _RESUME_DEPTH:
+                self._resume_reading()
+            if isinstance(request, HttpResponse):  # a refusal, due after the answers before it
+                response = request
+            else:
+                self._queued_bytes -= len(request.body)
+                try:
+                    response = await self._handler(request)
+                except Exception:  # a handler bug must not take the connection down silently
+                    log.exception("unhandled error serving %s %s", request.method, request.path)
+                    response = self._error_response(500, "internal error")
             if self._closing or self._transport is None:
                 return
             if response.stream is not None:
@@ -210,13 +414,14 @@ class HttpConnection(asyncio.Protocol):
             if response.on_sent is not None:
                 response.on_sent()
             if not keep_alive:
-                self._transport.close()
-                self._closing = True
+                self._close(linger=isinstance(request, HttpResponse))
                 return
-            if self._paused and len(self._queue) < 16:
-                self._paused = False
-                self._transport.resume_reading()
         self._busy = False
+        if self._continue:
+            self._continue = False
+            self._transport.write(_CONTINUE)  # type: ignore[union-attr]
+        if not self._in_message and not self._reading_paused:
+            self.deadline = self._loop.time() + self._connections.keepalive_timeout
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
         head = [
@@ -233,7 +438,8 @@ class HttpConnection(asyncio.Protocol):
         self._transport.write("".join(head).encode("latin-1") + response.body)
 
     async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> None:
-        """Headers now, then each piece as it is produced, as an HTTP/1.1 chunk."""
+        """Headers now, then each piece as it is produced, as an HTTP/1.1 chunk; the next piece is taken only
+        once the client has read enough of the last ones."""
         assert self._transport is not None and response.stream is not None
         head = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Unknown')}\r\n",
                 f"Content-Type: {response.content_type}\r\n", "Transfer-Encoding: chunked\r\n",
@@ -247,85 +453,79 @@ class HttpConnection(asyncio.Protocol):
                 break
             if piece:
                 self._transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            if self._write_paused:
+                if self._writable is None:
+                    self._writable = self._loop.create_future()
+                await self._writable
         if not self._closing:
             self._transport.write(b"0\r\n\r\n")
 
+    # ---- flow control and endings -----------------------------------------------------------------
+
+    def _pause_reading(self) -> None:
+        """Stop reading; no read timeout runs meanwhile (the client cannot move on), only the send timeout."""
+        if not self._reading_paused and not self._closing and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+        if not self._write_paused:
+            self.deadline = math.inf
+
+    def _resume_reading(self) -> None:
+        """Read again, unless the client is still not reading its answers; the read timeouts start over."""
+        if self._write_paused or self._closing or not self._reading_paused:
+            return
+        self._reading_paused = False
+        self._transport.resume_reading()  # type: ignore[union-attr]
+        now = self._loop.time()
+        if self._in_message:
+            self.deadline = now + (self._connections.body_timeout if self._in_body else
+                                   self._connections.header_timeout)
+        elif not self._busy:
+            self.deadline = now + self._connections.keepalive_timeout
+
+    def expire(self) -> None:
+        """The deadline passed: a request that has not arrived in time is answered 408 (after the answers due
+        before it); an idle connection is closed; one that is closing, or whose client does not read, is cut."""
+        self.deadline = math.inf
+        if self._transport is None:
+            return
+        if self._closing or self._write_paused:
+            self._closing = self._ended = True
+            self._transport.abort()
+        elif self._in_message:
+            phase = "body" if self._in_body else "header"
+            self._reject(self._error_response(408, f"the request did not arrive in time (--http-{phase}-timeout-secs)"))
+        elif not self._busy:
+            self._close()
+
     def _reject(self, response: HttpResponse) -> None:
-        if self._transport is not None and not self._closing:
-            self._closing = True
+        """Answer `response` once the answers due before it are written, then close; nothing more is read."""
+        if self._ended or self._transport is None:
+            return
+        self._ended = True
+        self._in_message = self._in_body = False
+        if self._busy:
+            self._queue.append((response, False))
+            if not self._write_paused:  # the answers before it bound the wait
+                self.deadline = math.inf
+        else:
             self._write(response, keep_alive=False)
-            self._transport.close()
+            self._close(linger=True)
 
+    def _close(self, linger: bool = False) -> None:
+        """Close once the buffered answers are written; cut after the send timeout if they cannot leave. To
+        `linger` is to close the writing side only and cut the connection after _LINGER_S, or when the client
+        closes its side, reading and dropping what it still sends."""
+        self._closing = self._ended = True
+        transport = self._transport
+        assert transport is not None
+        if linger and transport.can_write_eof():
+            transport.write_eof()
+            self.deadline = self._loop.time() + _LINGER_S
+        else:
+            transport.close()
+            self.deadline = self._loop.time() + self._connections.send_timeout
 
-#: The body encodings understood both ways, as Triton names them in its `Accept-Encoding` answer.
-ENCODINGS = "gzip, deflate"
-
-
-class UnsupportedEncoding(ValueError):
-    """A `Content-Encoding` other than gzip, deflate or identity."""
-
-
-def response_encoding(accept_encoding: str) -> str | None:
-    """The encoding to compress a response with, chosen from `Accept-Encoding` as Triton chooses: the highest
-    `q` among identity, gzip and deflate (the first of equals), none when identity wins or nothing is named.
-
-    Entries that name anything else, or whose weight does not parse, are skipped; a weight of 0 never wins.
-    """
-    chosen, weight = "identity", 0.0
-    for entry in accept_encoding.split(","):
-        name, _, parameter = entry.strip().partition(";")
-        name = name.strip()
-        entry_weight = 1.0
-        if parameter:
-            key, _, value = parameter.strip().partition("=")
-            if key.strip() != "q":
-                continue
-            try:
-                entry_weight = float(value)
-            except ValueError:
-                continue
-        if name in ("identity", "gzip", "deflate") and entry_weight > weight:
-            chosen, weight = name, entry_weight
-    return None if chosen == "identity" else chosen
-
-
-def compress_body(body: bytes, encoding: str) -> bytes:
-    """`gzip` or `deflate` (zlib format, which clients inflate with zlib), at the fastest level: a response
-    is compressed for the wire once, and speed matters more than the last bytes."""
-    return gzip.compress(body, compresslevel=1) if encoding == "gzip" else zlib.compress(body, 1)
-
-
-def decompress_body(body: bytes, encoding: str, limit: int) -> bytes:
-    """Undo `Content-Encoding: gzip|deflate`, refusing output past `limit` (a zip bomb stops early)."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == "deflate":
-        wbits = zlib.MAX_WBITS
-    else:
-        raise UnsupportedEncoding(f"Unsupported compression type '{encoding}' (use {ENCODINGS})")
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        data = decompressor.decompress(body, limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"decompressed request body exceeds the limit of {limit} bytes")
-        if encoding == "deflate" and not decompressor.eof and not data:
-            raise zlib.error("incomplete deflate stream")
-    except zlib.error:
-        if encoding == "deflate":  # some clients send raw deflate without the zlib header
-            try:
-                return _raw_inflate(body, limit)
-            except zlib.error as exc:
-                raise ValueError(f"cannot decompress the {encoding} request body: {exc}") from None
-        raise ValueError(f"cannot decompress the {encoding} request body") from None
-    return data
-
-
-def _raw_inflate(body: bytes, limit: int) -> bytes:
-    decompressor = zlib.decompressobj(-zlib.MAX_WBITS)
-    data = decompressor.decompress(body, limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"decompressed request body exceeds the limit of {limit} bytes")
-    return data
+    def _headers_too_large(self) -> str:
+        return (f"the request's header fields exceed {self._connections.limits.max_header_size} bytes "
+                "(--http-max-header-size)")
