@@ -31,7 +31,7 @@ from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hpack import Encoder
 from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
-from support.h2client import CONTINUATION, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, settings
+from support.h2client import CONTINUATION, DATA, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, settings
 from tritonclient.utils import InferenceServerException
 
 from transerve.frontends.grpc.limits import MAX_CONCURRENT_STREAMS, MAX_CONTINUATIONS, RESETS, STREAM_WINDOW
@@ -404,6 +404,24 @@ def test_grpc_core_cuts_a_ping_flood_too(grpcio: ServerProcess) -> None:
             probe.h2.ping(count.to_bytes(8, "big"))
         probe.send()
         assert_calmed(probe.terminated(), b"too_many_pings")
+    assert_bystander_answered(grpcio)
+
+
+def test_grpc_core_closes_a_connection_that_never_acknowledges_settings(grpcio: ServerProcess) -> None:
+    """grpc-core has no reset budget, but it gives a client the handshake timeout to acknowledge SETTINGS
+    (`grpc.http2.settings_timeout`): a rapid-reset flood from a client that never does is cut after it."""
+    sock = _raw(grpcio.grpc_port)
+    encoder = Encoder()
+    started = time.monotonic()
+    with contextlib.suppress(OSError):
+        for batch in range(20):
+            sock.sendall(b"".join(
+                frame(HEADERS, 0x4, stream, encoder.encode(request_headers(INFER))) + frame(DATA, 0x1, stream, b"")
+                + frame(RST_STREAM, 0, stream, b"\x00\x00\x00\x08")
+                for stream in range(200 * batch + 1, 200 * batch + 200, 2)))
+    assert _goaway_code(sock)[0] == ErrorCodes.SETTINGS_TIMEOUT  # not the idle timeout's INTERNAL_ERROR
+    assert time.monotonic() - started < 8
+    sock.close()
     assert_bystander_answered(grpcio)
 
 

@@ -63,8 +63,11 @@ GRPC_STATUS = {
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 #: Calls that may wait for the server to pick them up. grpc.aio takes calls from gRPC core one at a time, and
-#: core's defaults (1000, hard 3000) cancel the rest of a burst that Triton's C++ server would have served.
-MAX_PENDING_CALLS = 1 << 16
+#: core's defaults (1000, hard 3000) cancel the rest of a burst that Triton's C++ server would have served; a full
+#: MAX_CONCURRENT_STREAMS burst fits. Core keeps a call reset while it waits (rapid reset) in this queue, a few KB
+#: each, so the queue is what bounds that flood's memory: past the soft limit core refuses calls at random, past
+#: twice it all of them (RESOURCE_EXHAUSTED).
+MAX_PENDING_CALLS = MAX_CONCURRENT_STREAMS
 
 #: Requests of one stream that may be in flight before the server stops reading from it, so that a client
 #: sending faster than the model answers is slowed by HTTP/2 flow control instead of filling memory.
@@ -739,7 +742,9 @@ def health_handler(server: Server, service: InferenceService) -> grpc.GenericRpc
 def grpc_core_limits(limits: Http2Limits) -> list[tuple[str, int]]:
     """The native transport's limits as grpc-core's channel arguments. grpc-core has its own defences against
     floods (induced-frame limits, its ping policy, overload protection past MAX_CONCURRENT_STREAMS); these set
-    the numbers that the two transports share."""
+    the numbers that the two transports share. grpc-core's SETTINGS-acknowledgment timeout (a minute by default)
+    gets the handshake timeout, as on the native transport: until the ACK, core accepts MAX_CONCURRENT_STREAMS
+    streams, which a client that never acknowledges could otherwise hold, or reset, for that minute."""
     return [
         ("grpc.max_receive_message_length", min(limits.max_message, MAX_MESSAGE_BYTES)),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
@@ -750,6 +755,7 @@ def grpc_core_limits(limits: Http2Limits) -> list[tuple[str, int]]:
         ("grpc.server_handshake_timeout_ms", round(limits.handshake_timeout * 1000)),
         ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ("grpc.max_metadata_size", MAX_HEADER_LIST),
+        ("grpc.http2.settings_timeout", round(limits.handshake_timeout * 1000)),
     ]
 
 
@@ -772,7 +778,7 @@ class GrpcFrontend:
         self._grpc = grpc.aio.server(options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             # gRPC sets SO_REUSEPORT by default, which would let a second server share a busy port silently.
             ("grpc.so_reuseport", 0),
             *grpc_core_limits(self.limits),
