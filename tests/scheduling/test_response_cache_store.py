@@ -1,4 +1,4 @@
-"""The response cache's store and keys (core.response_cache), below what the end-to-end tests reach: what a key
+"""The response cache's store and keys (scheduling.response_cache), below what the end-to-end tests reach: what a key
 depends on, least-recently-used eviction, copies that no later write reaches, `--cache-config` parsing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The system shared memory registry (core.shared_memory) on real POSIX shared memory objects, made as clients make
+"""The system shared memory registry (server.shared_memory) on real POSIX shared memory objects, made as clients make
 them (tritonclient.utils.shared_memory): registration, reads, output writes, and what it refuses."""
 
 from __future__ import annotations
