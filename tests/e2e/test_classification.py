@@ -199,6 +199,7 @@ def test_decoupled_stream_matches_triton(servers: dict[str, ServerProcess]) -> N
     ]
 
 
+@pytest.mark.slow
 def test_missing_label_file_fails_the_load_as_in_triton(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     shutil.copytree(MODELS / "cls_batched", repo / "unlabelled", ignore=shutil.ignore_patterns("__pycache__"))

@@ -114,6 +114,7 @@ def report(server: ServerProcess, model: str) -> tuple[dict, list]:
     return json.loads(outputs["REPORT"][0]), outputs["Y"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["packed", "unpacked", "shared"])
 def test_a_model_runs_on_its_environments_numpy(transerve, model):
     seen, doubled = report(transerve, model)

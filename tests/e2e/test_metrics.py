@@ -207,6 +207,7 @@ SUMMARY_FLAGS = ("--metrics-config=summary_latencies=true", "--metrics-config=co
                  "--metrics-config=summary_quantiles=0.5:0.05,0.75:0.01")
 
 
+@pytest.mark.slow
 def test_metrics_config_summaries_as_in_triton():
     """Summaries replace the latency counters, with the configured quantiles. One deliberate difference: with
     counter_latencies=false Triton 2.51 also stops counting successes, inferences and executions (its reporter

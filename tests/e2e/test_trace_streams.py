@@ -302,6 +302,7 @@ def otel_requests(server: ServerProcess) -> list[str]:
     return contexts
 
 
+@pytest.mark.slow
 def test_opentelemetry_spans_match_triton(repository: Path) -> None:
     """A BLS call's spans sit under its caller's, as Triton's; a stream request continues the client's trace. A
     python model's `request.trace().get_context()` is its request span's context, in both."""

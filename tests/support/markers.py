@@ -6,7 +6,7 @@ is forgotten.
 - `gpu` and `slow` are put by hand (`@pytest.mark.gpu` beside the skip that checks the device; `slow` on tests
   that take over ~15 s on the 2-core machine).
 
-`pytest -m "not e2e"` runs the in-process tests in seconds; `-m "not triton"` needs no reference server.
+`pytest -m "not e2e"` runs the in-process tests (about 90 s); `-m "not triton"` needs no reference server.
 """
 
 from __future__ import annotations
