@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from transerve.backends.python import triton_python_backend_utils as pb_utils
+from transerve.backends.python._pb_utils import link
+from transerve.backends.python._pb_utils.responses import Outcome, _outcome
 from transerve.backends.python.channel import Call, Channel
 from transerve.backends.python.ipc import (
     OP_AUTO_COMPLETE,
@@ -57,7 +59,7 @@ PR_SET_PDEATHSIG = 1
 _SKIPPED = ("CANCELLED", "the request was cancelled before the model started it", None)
 
 
-def _held_result(outcome: pb_utils.Outcome) -> tuple[Any, list[Entry]]:
+def _held_result(outcome: Outcome) -> tuple[Any, list[Entry]]:
     """A response's (result, outputs) for an execute's reply."""
     error, parameters, entries = outcome
     if error is not None:
@@ -104,8 +106,8 @@ class ModelRunner:
         self.instance_name = spec["instance_name"]
         self.model_version = int(spec["model_version"])
         model_file = Path(spec["model_file"])
-        pb_utils._model_dir = str(model_file.parent)
-        pb_utils._instance_name = self.instance_name
+        link._model_dir = str(model_file.parent)
+        link._instance_name = self.instance_name
         sys.path.append(str(model_file.parent))
         sys.path.append(str(model_file.parent.parent))
         try:
@@ -339,7 +341,7 @@ class ModelRunner:
         outputs: list[list[Entry]] = []
         for request, response in zip(requests, responses, strict=True):
             if response is not None:
-                result = _held_result(pb_utils._outcome(response, request._requested_output_names))
+                result = _held_result(_outcome(response, request._requested_output_names))
             elif request._release_flags == pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
                 result = _RESCHEDULED, []
             elif request._sender is None:
@@ -555,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(fileno=args.socket_fd)
     endpoint = Endpoint(outgoing=Region.attach(args.output_fd), incoming=Region.attach(args.input_fd))
     channel = Channel(sock, endpoint)
-    pb_utils._channel = channel
+    link._channel = channel
     if args.log_settings_fd is not None:
         pb_utils.Logger.settings_page = mmap.mmap(args.log_settings_fd, mmap.PAGESIZE, access=mmap.ACCESS_READ)
         os.close(args.log_settings_fd)
