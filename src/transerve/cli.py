@@ -346,8 +346,8 @@ def _loopback(address: str) -> bool:
 
 async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
+    from transerve.frontends.grpc.grpcio import GrpcFrontend
     from transerve.frontends.grpc.http2.server import NativeGrpcFrontend
-    from transerve.frontends.grpc.service import GrpcFrontend
     from transerve.frontends.http.app import HttpFrontend
     from transerve.frontends.metrics import MetricsFrontend
 

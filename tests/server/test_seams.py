@@ -9,8 +9,8 @@ import pytest
 
 from transerve.backends.runtime import Runtime, Submitted
 from transerve.frontends.frontend import Frontend
+from transerve.frontends.grpc.grpcio import GrpcFrontend
 from transerve.frontends.grpc.http2.server import NativeGrpcFrontend
-from transerve.frontends.grpc.service import GrpcFrontend
 from transerve.frontends.http.app import HttpFrontend
 from transerve.frontends.metrics import MetricsFrontend
 from transerve.server import Server, ServerOptions

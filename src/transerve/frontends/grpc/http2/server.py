@@ -10,18 +10,13 @@ from google.protobuf.message import DecodeError, Message
 
 from transerve.core.errors import ServerError, internal
 from transerve.frontends.access import HeaderForwarding, Restrictions
+from transerve.frontends.grpc.health import HealthCheckRequest, health_check
 from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.headers import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
 from transerve.frontends.grpc.http2.stream import Stream
 from transerve.frontends.grpc.limits import Http2Limits
-from transerve.frontends.grpc.service import (
-    GRPC_STATUS,
-    SERVICE,
-    HealthCheckRequest,
-    InferenceService,
-    Rpc,
-    health_check,
-)
+from transerve.frontends.grpc.rpc import GRPC_STATUS, SERVICE, Rpc
+from transerve.frontends.grpc.service import InferenceService
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import Server
 
