@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from transerve.backends.base import BackendModel, ExecutionResult, ModelContext
-from transerve.backends.python import ipc
+from transerve.backends.python import ipc, shm
 from transerve.backends.python import triton_python_backend_utils as pb_utils
 from transerve.backends.python.backend import PythonBackend, PythonInstance
 from transerve.config import model_config
@@ -583,8 +583,8 @@ def test_concurrent_executes_each_get_their_own_answer():
 
 
 def test_endpoint_spills_large_messages_and_frees_every_block():
-    to_worker = ipc.Region.create(1 << 20, "test-a")
-    to_server = ipc.Region.create(1 << 20, "test-b")
+    to_worker = shm.Region.create(1 << 20, "test-a")
+    to_server = shm.Region.create(1 << 20, "test-b")
     server = ipc.Endpoint(outgoing=to_worker, incoming=to_server)
     worker = ipc.Endpoint(outgoing=to_server, incoming=to_worker)
     tensors = [
@@ -612,7 +612,7 @@ def test_endpoint_spills_large_messages_and_frees_every_block():
 
 
 def test_free_list_merges_blocks_released_in_any_order():
-    free = ipc.FreeList(64 * 10)
+    free = shm.FreeList(64 * 10)
     blocks = [free.allocate(64) for _ in range(10)]
     assert blocks == [64 * i for i in range(10)] and free.allocate(1) is None
     for index in (3, 1, 2, 9, 0, 5, 4, 8, 6, 7):

@@ -28,8 +28,9 @@ from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_
 from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
 from transerve.backends.python.environments import ExecutionEnvironments
 from transerve.backends.python.instance import RSS_PARAMETER, PythonInstance, Rescheduling
-from transerve.backends.python.ipc import DEFAULT_ARENA_BYTES, OP_AUTO_COMPLETE
+from transerve.backends.python.ipc import OP_AUTO_COMPLETE
 from transerve.backends.python.process import DEFAULT_HUNG_GRACE_S, WorkerProcess, WorkerSpec
+from transerve.backends.python.shm import DEFAULT_ARENA_BYTES
 from transerve.config import model_config
 from transerve.core.errors import ErrorCode, ServerError
 

@@ -27,10 +27,10 @@ from transerve.backends.python.ipc import (
     OP_CANCEL,
     OP_RESPONSE,
     Endpoint,
-    Entry,
     receive_datagram,
     send_datagram,
 )
+from transerve.backends.python.shm import Entry
 
 #: A server call for the main thread: (op, id, body, tensors per group), or None once the server is gone.
 Call = tuple[int, int, Any, list[list[Entry]]] | None

@@ -20,15 +20,9 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
-from transerve.backends.python.ipc import (
-    OP_EXECUTE,
-    OP_INITIALIZE,
-    OP_IS_READY,
-    PENDING,
-    RESCHEDULED,
-    Entry,
-)
+from transerve.backends.python.ipc import OP_EXECUTE, OP_INITIALIZE, OP_IS_READY, PENDING, RESCHEDULED
 from transerve.backends.python.process import WorkerProcess, WorkerSpec, describe_exit
+from transerve.backends.python.shm import Entry
 from transerve.backends.python.streams import LateResponse, WorkerStreams
 from transerve.backends.runtime import Runtime
 from transerve.config.sequence_batching import sequence_controls

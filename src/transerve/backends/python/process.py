@@ -16,15 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from transerve.backends.python.environments import Interpreter
-from transerve.backends.python.ipc import (
-    OP_FINALIZE,
-    OP_LOAD,
-    AsyncConnection,
-    ConnectionLost,
-    Endpoint,
-    Region,
-    socket_pair,
-)
+from transerve.backends.python.ipc import OP_FINALIZE, OP_LOAD, AsyncConnection, ConnectionLost, Endpoint, socket_pair
+from transerve.backends.python.shm import Region
 from transerve.backends.python.streams import WorkerStreams
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest

@@ -35,8 +35,8 @@ from transerve.backends.python.ipc import (
     OP_MODEL_CONTROL,
     OP_RESPONSE,
     AsyncConnection,
-    Entry,
 )
+from transerve.backends.python.shm import Entry
 from transerve.backends.runtime import Runtime
 from transerve.core.errors import ErrorCode, ServerError, unavailable
 from transerve.core.streams import ResponseStream

@@ -46,9 +46,8 @@ from transerve.backends.python.ipc import (
     PENDING,
     RESCHEDULED,
     Endpoint,
-    Entry,
-    Region,
 )
+from transerve.backends.python.shm import Entry, Region
 
 #: A control reply: (None, value) on success, else ((error code name, one-line message), None).
 Reply = tuple[tuple[str, str] | None, Any]

@@ -12,7 +12,8 @@ from transerve.backends.python._pb_utils.link import _require_channel
 from transerve.backends.python._pb_utils.responses import InferenceResponse
 from transerve.backends.python._pb_utils.tensors import Tensor
 from transerve.backends.python.channel import BlsCall
-from transerve.backends.python.ipc import OP_CANCEL, Entry
+from transerve.backends.python.ipc import OP_CANCEL
+from transerve.backends.python.shm import Entry
 
 
 class ResponseIterator:

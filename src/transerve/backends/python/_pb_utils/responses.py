@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from transerve.backends.python._pb_utils.errors import TritonError, TritonModelException, _check_parameters
 from transerve.backends.python._pb_utils.link import _require_channel
 from transerve.backends.python._pb_utils.tensors import Tensor, _find_tensor, _tensor_list
-from transerve.backends.python.ipc import OP_LATE_RESPONSE, Entry
+from transerve.backends.python.ipc import OP_LATE_RESPONSE
+from transerve.backends.python.shm import Entry
 
 if TYPE_CHECKING:
     from transerve.backends.python._pb_utils.requests import InferenceRequest
