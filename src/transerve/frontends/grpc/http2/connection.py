@@ -10,6 +10,13 @@ answers, PING ACKs included, stops being read), and unary calls wait to start wh
 of answers wait for the client. Writing: DATA goes out only within the peer's connection and stream windows and
 while the socket's buffer is below its high-water mark; what cannot go waits on its stream, for at most the stall
 timeout. Frames written in one turn of the event loop leave in one write.
+
+One module, past the ~600 lines others keep to, because it is one state machine: reading and writing share the
+connection's windows, its streams, the backlog that gates both, the budgets and the one timer, and each frame's
+handler changes several of them at once. Its sections read top to bottom in the order a connection lives:
+asyncio's callbacks, reading frames, answering calls, timeouts, the connection as a whole. The frame codecs
+(`frames.py`), header blocks (`headers.py`), a stream's own state (`stream.py`) and the budgets (`limits.py`) are
+already apart; splitting the rest would spread one state over modules (or add a call per frame between them).
 """
 
 from __future__ import annotations
