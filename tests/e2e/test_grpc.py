@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,8 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from google.protobuf import json_format
-from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
+from support import ServerProcess, start_transerve
+from support.repositories import copy_example
 from support.servers import free_ports, transerve_argv
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -496,14 +496,6 @@ def test_grpc_only_mistakes(stub: service_pb2_grpc.GRPCInferenceServiceStub, mes
 
 
 # --------------------------------------------------------------------------------------- server lifecycle
-
-
-def copy_example(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, repo / name)
-    return repo
 
 
 def test_explicit_model_control_over_grpc(tmp_path: Path) -> None:

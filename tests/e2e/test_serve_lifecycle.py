@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from support import EXAMPLE_REPOSITORY, start_transerve
+from support.repositories import copy_example
 from support.servers import free_ports, http_status, transerve_argv
 
 ADD_SUB_BODY = {
@@ -55,14 +55,6 @@ def write_model(repo: Path, name: str, config: str, code: str, version: str = "1
     (repo / name / "config.pbtxt").write_text(config)
     (repo / name / version / "model.py").write_text(code)
     return repo / name
-
-
-def copy_example(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, repo / name)
-    return repo
 
 
 def test_unknown_flag_exits_2_with_a_clear_error():
