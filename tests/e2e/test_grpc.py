@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from google.protobuf import json_format
 from support import ServerProcess, start_transerve
-from support.repositories import copy_example
+from support.repositories import copy_example, write_model
 from support.servers import free_ports, transerve_argv
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -587,9 +587,7 @@ class TritonPythonModel:
 def test_bf16_raw_only(tmp_path: Path) -> None:
     """BF16 travels as raw bytes both ways; typed contents have no field for it, as in Triton. (Built by hand:
     tritonclient's BF16 numpy conventions changed across its versions.)"""
-    (tmp_path / "repo" / "bf16_echo" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "bf16_echo" / "config.pbtxt").write_text(BF16_ECHO_CONFIG)
-    (tmp_path / "repo" / "bf16_echo" / "1" / "model.py").write_text(BF16_ECHO_MODEL)
+    write_model(tmp_path / "repo", "bf16_echo", BF16_ECHO_CONFIG, BF16_ECHO_MODEL)
     values = np.array([0.0, 1.0, -2.5, 0.0078125, 3.0e38, np.inf], ml_dtypes.bfloat16)
     with start_transerve(tmp_path / "repo") as server, grpc.insecure_channel(server.grpc_url) as channel:
         bf16 = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -628,9 +626,7 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 def test_sigterm_answers_in_flight_grpc_requests_and_does_not_wait_for_idle_streams(tmp_path: Path) -> None:
     """An unary request inside the model when SIGTERM arrives still gets its answer; a stream the client keeps
     open without sending anything does not hold the exit for the whole exit timeout."""
-    (tmp_path / "repo" / "slow" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    write_model(tmp_path / "repo", "slow", SLOW_CONFIG, SLOW_MODEL)
     with start_transerve(tmp_path / "repo", "--exit-timeout-secs=60") as server, \
             grpcclient.InferenceServerClient(server.grpc_url) as slow_client:
         slow_client.start_stream(callback=lambda result, error: None)  # idle: never sends a request

@@ -18,7 +18,7 @@ import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from support import EXAMPLE_REPOSITORY, REPO_ROOT, free_ports, require_triton, start_transerve, start_triton
-from support.repositories import copy_model
+from support.repositories import copy_model, int32_in_out, write_model
 from support.servers import transerve_argv
 from support.triton_reference import triton_argv
 
@@ -99,11 +99,7 @@ def test_counters_move_with_n_requests(transerve_server):
 
 def test_model_errors_count_as_backend_failures(tmp_path: Path):
     repo = tmp_path / "repo"
-    (repo / "failing" / "1").mkdir(parents=True)
-    (repo / "failing" / "config.pbtxt").write_text(
-        'name: "failing" backend: "python" input [{name: "IN" data_type: TYPE_INT32 dims: [1]}] '
-        'output [{name: "OUT" data_type: TYPE_INT32 dims: [1]}]')
-    (repo / "failing" / "1" / "model.py").write_text(FAILING_MODEL)
+    write_model(repo, "failing", int32_in_out("failing"), FAILING_MODEL)
     with start_transerve(repo) as server:
         for value in (1, -1, -2):
             body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [value]}]}

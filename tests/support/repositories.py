@@ -31,3 +31,18 @@ def copy_model(source: Path, destination: Path, code: Path | None = None) -> Pat
         (destination / "1").mkdir(exist_ok=True)
         shutil.copyfile(code, destination / "1" / "model.py")
     return destination
+
+
+def write_model(repo: Path, name: str, config: str, code: str | None = None, version: str = "1") -> Path:
+    """Write the model `name` into `repo`: its config.pbtxt and, for a python model, `version`'s model.py."""
+    (repo / name / version).mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    if code is not None:
+        (repo / name / version / "model.py").write_text(code)
+    return repo / name
+
+
+def int32_in_out(name: str, dims: int = 1) -> str:
+    """A python model's config without batching: INT32 IN to INT32 OUT, both of `dims` elements."""
+    return (f'name: "{name}" backend: "python" input [{{name: "IN" data_type: TYPE_INT32 dims: [{dims}]}}] '
+            f'output [{{name: "OUT" data_type: TYPE_INT32 dims: [{dims}]}}]')
