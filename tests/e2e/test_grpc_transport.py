@@ -28,6 +28,8 @@ from support.h2client import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    HEALTH,
+    INFER,
     INITIAL_WINDOW_SIZE,
     MAX_FRAME_SIZE,
     NO_ERROR,
@@ -46,8 +48,6 @@ from support.repositories import write_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 TIMEOUT_S = 60.0
-INFER = "/inference.GRPCInferenceService/ModelInfer"
-HEALTH = "/grpc.health.v1.Health/Check"
 BIG = 64 * 1024 * 1024
 UNLIMITED = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
