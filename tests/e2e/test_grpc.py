@@ -28,6 +28,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from google.protobuf import json_format
 from support import ServerProcess, start_transerve
+from support.grpc_tensors import TYPED_FIELDS, suffix
 from support.repositories import copy_example, write_model
 from support.servers import free_ports, transerve_argv
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
@@ -55,20 +56,8 @@ VALUES: dict[str, np.ndarray] = {
                       dtype=np.object_),
 }
 
-# The typed `contents` field for each datatype that has one (Triton has none for FP16 and BF16).
-TYPED_FIELDS = {
-    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
-
 ADD_SUB_A = np.array([[1, 2, 3, 4]], np.float32)
 ADD_SUB_B = np.array([[0.5, 0.5, 0.5, 0.5]], np.float32)
-
-
-def suffix(datatype: str) -> str:
-    """identity names its BYTES tensors INPUT_STRING/OUTPUT_STRING (after TYPE_STRING), the others by datatype."""
-    return "STRING" if datatype == "BYTES" else datatype
 
 
 def make_input(name: str, values: np.ndarray, datatype: str) -> grpcclient.InferInput:
