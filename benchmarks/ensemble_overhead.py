@@ -14,56 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.common.load import RunResult, percentile, run_once
+from benchmarks.common.models import STEPS, request_bytes, write_chain_repository
 from benchmarks.common.results import add_json_option, comma_list, write_json
-
-STEPS = 3
-PASSTHROUGH = '''
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(
-            "OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy())]) for r in requests]
-'''
-
-
-def write_repository(root: Path) -> None:
-    """`pass_1..3` (identity on FP32 [4]) and `chain`, an ensemble running them one after another."""
-    for index in range(1, STEPS + 1):
-        model = root / f"pass_{index}"
-        (model / "1").mkdir(parents=True)
-        (model / "1" / "model.py").write_text(PASSTHROUGH)
-        (model / "config.pbtxt").write_text(
-            f'name: "pass_{index}" backend: "python" max_batch_size: 8 '
-            'input [{name: "INPUT" data_type: TYPE_FP32 dims: [4]}] '
-            'output [{name: "OUTPUT" data_type: TYPE_FP32 dims: [4]}]')
-    steps = []
-    for index in range(1, STEPS + 1):
-        source = "INPUT" if index == 1 else f"t{index - 1}"
-        target = "OUTPUT" if index == STEPS else f"t{index}"
-        steps.append(f'{{ model_name: "pass_{index}" model_version: -1 input_map {{ key: "INPUT" value: "{source}" }} '
-                     f'output_map {{ key: "OUTPUT" value: "{target}" }} }}')
-    (root / "chain" / "1").mkdir(parents=True)
-    (root / "chain" / "1" / ".keep").write_text("")
-    (root / "chain" / "config.pbtxt").write_text(
-        'name: "chain" platform: "ensemble" max_batch_size: 8 '
-        'input [{name: "INPUT" data_type: TYPE_FP32 dims: [4]}] '
-        'output [{name: "OUTPUT" data_type: TYPE_FP32 dims: [4]}] '
-        f'ensemble_scheduling {{ step [ {", ".join(steps)} ] }}')
-
-
-def request_bytes(host: str, model: str) -> bytes:
-    body = json.dumps({"inputs": [{"name": "INPUT", "shape": [1, 4], "datatype": "FP32",
-                                   "data": [1, 2, 3, 4]}]}).encode()
-    head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
-    return head.encode() + body
 
 
 @contextlib.contextmanager
@@ -73,7 +31,7 @@ def servers(names: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
 
     with tempfile.TemporaryDirectory(prefix="ensemble-bench-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp) / "repo"
-        write_repository(root)
+        write_chain_repository(root)
         addresses = {}
         for name in names:
             print(f"starting {name} ...", file=sys.stderr)

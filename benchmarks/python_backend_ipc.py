@@ -14,30 +14,11 @@ import argparse
 import asyncio
 import time
 
-import numpy as np
 import psutil
 
-from benchmarks.common.results import REPO_ROOT, add_json_option, write_json
-from transerve.backends.base import ModelContext
+from benchmarks.common.models import add_sub_request, example_context
+from benchmarks.common.results import add_json_option, write_json
 from transerve.backends.python.backend import PythonBackend, PythonInstance
-from transerve.config import model_config
-from transerve.core.types import InferRequest, Tensor
-
-REPOSITORY = REPO_ROOT / "examples" / "model_repository"
-
-
-def context(name: str) -> ModelContext:
-    model_path = REPOSITORY / name
-    config = model_config.load_config_file(model_path)
-    model_config.normalize(config, name)
-    model_config.validate(config, name)
-    return ModelContext(name, "1", model_path, model_path / "1", REPOSITORY, config)
-
-
-def add_sub_request(batch: int = 1) -> InferRequest:
-    in0 = np.arange(4 * batch, dtype=np.float32).reshape(batch, 4)
-    in1 = np.ones((batch, 4), np.float32)
-    return InferRequest("add_sub", [Tensor("INPUT0", "FP32", in0), Tensor("INPUT1", "FP32", in1)], id="bench")
 
 
 async def drive(instance: PythonInstance, callers: int, calls: int, requests_per_call: int) -> None:
@@ -76,7 +57,7 @@ def row(result: dict[str, float]) -> str:
 
 
 async def main(requests: int) -> list[dict[str, float]]:
-    model = await PythonBackend().load(context("add_sub"))
+    model = await PythonBackend().load(example_context("add_sub"))
     instance = model.instances[0]
     assert isinstance(instance, PythonInstance)
     worker = psutil.Process(instance._worker.process.pid)
