@@ -434,6 +434,8 @@ class RunResult:
     client_cpu: float
     server_cpu: float | None = None
     """The server's main process's CPU seconds per answer (warm-up included), when its pid is known."""
+    answered: int = 0
+    """Requests answered, warm-up included (`latencies` holds the measured window's)."""
 
     def summary(self) -> dict[str, object]:
         """The run's numbers for JSON output: rates and percentiles, not every latency."""
@@ -486,7 +488,7 @@ def run_once(server: str, address: tuple[str, int], protocol: str, concurrency: 
     server_cpu = ((sum(server_process.cpu_times()[:2]) - server_cpu_before) / answered
                   if server_process is not None and answered else None)
     return RunResult(server, protocol, concurrency, duration, latencies, sum(r.errors for r in collected),
-                     max(r.cpu_fraction for r in collected), server_cpu)
+                     max(r.cpu_fraction for r in collected), server_cpu, answered)
 
 
 
