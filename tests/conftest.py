@@ -18,6 +18,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import support.fuzzing  # noqa: E402, F401  (registers the hypothesis profiles: ci by default, release)
 from support import EXAMPLE_REPOSITORY, ServerProcess, require_triton, start_transerve, start_triton  # noqa: E402
 
 #: Both servers name a trace file (in their own working folder), so that a test may turn tracing on; it is off.

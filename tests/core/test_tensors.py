@@ -86,3 +86,14 @@ def test_datatype_and_shape_checks():
     for bad in ([1, -4], "3", [1.5], [True]):
         with pytest.raises(ServerError, match="invalid shape"):
             check_shape("x", bad)
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63 - 1], [0, 2**62, 2], [2**40, 0, 2**40]])
+@pytest.mark.parametrize("datatype", ["UINT8", "BF16", "FP64", "BYTES"])
+def test_an_empty_tensor_numpy_cannot_shape_is_invalid_arg(shape: list[int], datatype: str) -> None:
+    """Found by tests/fuzz/test_fuzz_codecs.py: NumPy refused such shapes (ValueError, a 500) though no element
+    is declared, as its size check multiplies the non-zero dimensions."""
+    with pytest.raises(ServerError) as caught:
+        shape_checked = check_shape("x", shape)
+        tensor_from_values("x", datatype, shape_checked, [])
+    assert caught.value.code == ErrorCode.INVALID_ARG and "larger than any tensor" in caught.value.message

@@ -26,6 +26,9 @@ def check_datatype(name: str, datatype: Any) -> str:
 
 #: The most dimensions a tensor may have: NumPy's own limit (NPY_MAXDIMS, 64 since NumPy 2).
 MAX_DIMS = 64
+#: NumPy refuses a shape whose non-zero dimensions multiply, in bytes, past 2^63-1, even when another dimension is 0
+#: and the tensor is empty; 8 bytes is the widest element.
+MAX_EXTENT = (2**63 - 1) // 8
 
 
 def check_shape(name: str, shape: Any) -> tuple[int, ...]:
@@ -36,6 +39,11 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
     if len(shape) > MAX_DIMS:
         raise invalid_arg(f"invalid shape for input '{name}': {len(shape)} dimensions, at most {MAX_DIMS} are "
                           "supported")
+    extent = 1
+    for dim in shape:
+        extent *= dim or 1
+    if extent > MAX_EXTENT:
+        raise invalid_arg(f"invalid shape for input '{name}': {list(shape)} is larger than any tensor can be")
     return tuple(shape)
 
 

@@ -407,6 +407,9 @@ class Http2Connection(asyncio.Protocol):
     def _on_priority(self, stream_id: int, payload: memoryview) -> None:
         if stream_id == 0:
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
+        if len(payload) == 5 and h2.u31(payload) == stream_id:  # section 5.3.1; one not open cannot be reset
+            error = H2StreamError if stream_id in self.streams else H2ConnectionError  # (as nghttp2 does)
+            raise error(h2.PROTOCOL_ERROR, "a stream cannot depend on itself")
         if len(payload) != 5:
             raise H2StreamError(h2.FRAME_SIZE_ERROR, "PRIORITY of a size other than 5")
 
