@@ -5,10 +5,10 @@
     python -m benchmarks.regression --cases grpc,ensemble_step --rounds 5
 
 Each case measures CPU time per request of one hot path (the CPU of every process doing the work, read from /proc,
-which a shared machine disturbs less than wall time) and divides it by a reference measured in the same run: a
-fixed pure-Python workload timed in this process, so that the speed of the machine cancels out of the ratio. The
-ratio is compared with the committed baseline; a case fails when it exceeds the baseline by more than the tolerance.
-Rounds alternate the reference and the cases, and each number is the median of its rounds.
+which a shared machine disturbs less than wall time) and divides it by a reference timed just before and just after
+it: a fixed pure-Python workload in this process, so that the speed of the machine at the time cancels out of the
+ratio. Each case's ratio is the median of its rounds, compared with the committed baseline; a case fails when it
+exceeds the baseline by more than the tolerance.
 
 The cases, each guarding rules named in docs/architecture.md ("Performance rules"):
 - `python_ipc`: the python backend's worker round trip in process (add_sub, 4 callers): shared-memory messages,
@@ -53,7 +53,7 @@ REFERENCE_PAYLOAD = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": 
                                 {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [0.5, 0.5, 0.5, 0.5]}]}
 
 
-def reference_us(repeats: int = 20000) -> float:
+def reference_us(repeats: int = 10000) -> float:
     """CPU microseconds of a fixed pure-Python workload (JSON, dicts, small calls), like a request path's mix."""
 
     def touch(entry: dict) -> tuple:
@@ -133,10 +133,11 @@ def served_us(server: ServerProcess, protocol: str, seconds: float, request: byt
 
 
 def measure(cases: list[str], rounds: int, seconds: float) -> dict[str, dict[str, float | list[float]]]:
-    """Each case's CPU us per request and its ratio to the reference, the medians of `rounds` alternating rounds."""
+    """Each case's CPU us per request and its ratio to the reference timed around it: medians of `rounds` rounds."""
     from benchmarks.common.servers import start_transerve
 
     samples: dict[str, list[float]] = {case: [] for case in ["reference", *cases]}
+    ratios: dict[str, list[float]] = {case: [] for case in cases}
     served = [case for case in cases if case != "python_ipc"]
     with tempfile.TemporaryDirectory(prefix="regression-") as tmp:
         repository = Path(tmp) / "models"
@@ -155,14 +156,22 @@ def measure(cases: list[str], rounds: int, seconds: float) -> dict[str, dict[str
                 / STEPS,
             }
             for round_number in range(rounds):
-                samples["reference"].append(reference_us())
                 for case in cases:
-                    samples[case].append(work[case]())
+                    # The reference just before and just after the case: the machine's state at the time it ran.
+                    before = reference_us()
+                    value = work[case]()
+                    reference = (before + reference_us()) / 2
+                    samples["reference"].append(reference)
+                    samples[case].append(value)
+                    ratios[case].append(value / reference)
                 print(f"round {round_number + 1}/{rounds}: "
-                      + ", ".join(f"{case} {values[-1]:.1f} us" for case, values in samples.items()), file=sys.stderr)
-    reference = statistics.median(samples["reference"])
-    return {case: {"us": statistics.median(values), "ratio": statistics.median(values) / reference,
-                   "samples_us": values} for case, values in samples.items()}
+                      + ", ".join(f"{case} {ratios[case][-1]:.2f}" for case in cases), file=sys.stderr)
+    measured: dict[str, dict[str, float | list[float]]] = {
+        "reference": {"us": statistics.median(samples["reference"]), "ratio": 1.0}}
+    for case in cases:
+        measured[case] = {"us": statistics.median(samples[case]), "ratio": statistics.median(ratios[case]),
+                          "ratios": ratios[case]}
+    return measured
 
 
 def compare(measured: dict, baseline: dict, tolerance: float) -> tuple[str, bool]:
@@ -189,8 +198,8 @@ def compare(measured: dict, baseline: dict, tolerance: float) -> tuple[str, bool
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=comma_list, default=list(CASES), help=",".join(CASES))
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians count (default 3)")
-    parser.add_argument("--seconds", type=float, default=1.5, help="measured seconds per case and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every case; medians count (default 5)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="measured seconds per case and round")
     parser.add_argument("--baseline", type=Path, default=BASELINE, help="the committed baseline (JSON)")
     parser.add_argument("--tolerance", type=float,
                         help=f"allowed rise of a ratio over its baseline (default: the baseline's, else "
