@@ -222,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         cases = {**baseline.get("cases", {}),
                  **{case: {"ratio": round(result["ratio"], 3), "us": round(result["us"], 1)}
                     for case, result in measured.items() if case != "reference"}}
-        args.baseline.write_text(json.dumps({"commit": commit(), "tolerance": tolerance,
-                                             "reference_us": round(measured["reference"]["us"], 2),
-                                             "cases": cases}, indent=1) + "\n")
+        args.baseline.write_text(json.dumps({
+            **baseline, "commit": commit(), "measured": f"--update, {args.rounds} rounds, {time.strftime('%Y-%m-%d')}",
+            "tolerance": tolerance, "reference_us": round(measured["reference"]["us"], 2), "cases": cases,
+        }, indent=1) + "\n")
         print(f"baseline written to {args.baseline}", file=sys.stderr)
         return 0
     if not ok:
