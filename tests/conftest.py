@@ -20,6 +20,7 @@ if _TESTS_DIR not in sys.path:
 
 import support.fuzzing  # noqa: E402, F401  (registers the hypothesis profiles: ci by default, release)
 from support import EXAMPLE_REPOSITORY, ServerProcess, require_triton, start_transerve, start_triton  # noqa: E402
+from support.markers import mark  # noqa: E402
 
 #: Both servers name a trace file (in their own working folder), so that a test may turn tracing on; it is off.
 TRACE_FILE = ("--trace-config", "triton,file=trace.json")
@@ -38,3 +39,7 @@ def triton_server() -> Iterator[ServerProcess]:
     install = require_triton()
     with start_triton(EXAMPLE_REPOSITORY, *TRACE_FILE, install=install) as server:
         yield server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    mark(items)

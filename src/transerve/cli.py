@@ -26,6 +26,7 @@ from transerve.core.server import ControlMode, Server, ServerOptions
 from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
 from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForwarding, OptionError, Restrictions
+from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
 from transerve.frontends.http.protocol import HttpLimits
 from transerve.frontends.tls import TlsError, TlsOptions
 
@@ -74,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grpc-port", type=int, default=8001)
     add("--grpc-transport", choices=["native", "grpcio"], default="native",
         help="gRPC server: transerve's own HTTP/2 (native, cheaper per call) or grpcio's grpc.aio")
+    add("--grpc-max-input-size", type=int, default=MAX_MESSAGE_BYTES, metavar="BYTES",
+        help="largest gRPC request message (default 2147483647, as Triton; RESOURCE_EXHAUSTED past it)")
+    add("--grpc-http2-max-ping-strikes", type=int, default=2, metavar="N",
+        help="PINGs sooner than --grpc-http2-min-recv-ping-interval-without-data tolerated before the connection "
+             "ends with GOAWAY ENHANCE_YOUR_CALM (0: any number; default 2)")
+    add("--grpc-http2-min-recv-ping-interval-without-data", type=int, default=300000, metavar="MS",
+        help="the shortest interval between a client's PINGs while the server sends nothing (default 300000)")
+    add("--grpc-keepalive-permit-without-calls", type=_bool, default=False, metavar="BOOL",
+        help="let clients ping that often with no call open too (default false: every two hours)")
+    add("--grpc-handshake-timeout-secs", type=float, default=10.0, metavar="SECONDS",
+        help="time a gRPC connection has for its preface and SETTINGS (default 10)")
+    add("--grpc-idle-timeout-secs", type=float, default=300.0, metavar="SECONDS",
+        help="close a gRPC connection with no call open for this long (GOAWAY, default 300)")
+    add("--grpc-stall-timeout-secs", type=float, default=30.0, metavar="SECONDS",
+        help="give up an answer that waits this long for a client that does not read it (default 30)")
     add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL", help="serve gRPC over TLS")
     add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL", action=_GrpcSslMutual,
         help="with true, require client certificates signed by --grpc-root-cert; as in tritonserver, any value "
@@ -259,6 +275,25 @@ class AccessOptions:
     grpc_tls: TlsOptions | None = None
 
 
+def grpc_limits_from_args(args: argparse.Namespace) -> Http2Limits:
+    """SystemExit for a value no limit can have."""
+    for flag in ("grpc_max_input_size", "grpc_handshake_timeout_secs", "grpc_idle_timeout_secs",
+                 "grpc_stall_timeout_secs"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"transerve serve: --{flag.replace('_', '-')} must be positive")
+    if args.grpc_http2_max_ping_strikes < 0 or args.grpc_http2_min_recv_ping_interval_without_data < 0:
+        raise SystemExit("transerve serve: the gRPC ping policy takes numbers of 0 or more")
+    return Http2Limits(
+        max_message=args.grpc_max_input_size,
+        handshake_timeout=args.grpc_handshake_timeout_secs,
+        idle_timeout=args.grpc_idle_timeout_secs,
+        stall_timeout=args.grpc_stall_timeout_secs,
+        max_ping_strikes=args.grpc_http2_max_ping_strikes,
+        min_ping_interval=args.grpc_http2_min_recv_ping_interval_without_data / 1000,
+        pings_without_calls=args.grpc_keepalive_permit_without_calls,
+    )
+
+
 def access_from_args(args: argparse.Namespace) -> AccessOptions:
     """SystemExit with tritonserver's message for a flag it would refuse."""
     try:
@@ -337,9 +372,10 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     listeners: list[tuple[str, Any, str, int]] = []
     if args.allow_grpc:
         restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
-        grpc_frontend = (NativeGrpcFrontend(server, restrictions=restricted, forwarding=forwarding, tls=access.grpc_tls)
-                         if args.grpc_transport == "native" else GrpcFrontend(server, restricted, forwarding,
-                                                                               access.grpc_tls))
+        limits = grpc_limits_from_args(args)
+        grpc_frontend = (NativeGrpcFrontend(server, limits, restricted, forwarding, tls=access.grpc_tls)
+                         if args.grpc_transport == "native"
+                         else GrpcFrontend(server, restricted, forwarding, access.grpc_tls, limits))
         listeners.append(("GRPC over TLS" if access.grpc_tls else "GRPC", grpc_frontend, args.grpc_address,
                           args.grpc_port))
     if args.allow_http:
@@ -405,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
     access = access_from_args(args)
+    grpc_limits_from_args(args)  # a bad value is refused before anything starts
     try:
         import uvloop
     except ImportError:

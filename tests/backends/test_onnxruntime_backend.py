@@ -269,6 +269,7 @@ def test_without_onnxruntime_the_model_is_unavailable_naming_the_extra(tmp_path:
     assert "onnxruntime is not installed" in result.stdout and "pip install 'transerve[onnx]'" in result.stdout
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not visible_gpus(), reason="needs an NVIDIA GPU")
 def test_gpu_instances_run_on_the_cuda_provider(tmp_path: Path):
     import onnxruntime

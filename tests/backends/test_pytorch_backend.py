@@ -146,6 +146,7 @@ def test_broken_models_are_unavailable_with_a_reason_while_the_others_serve(tmp_
     with_server(tmp_path, check)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not visible_gpus() or not torch.cuda.is_available(), reason="needs an NVIDIA GPU and CUDA torch")
 def test_gpu_instances_run_on_their_device(tmp_path: Path):
     add_model(tmp_path, "add_sub", config(extra="instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]"))

@@ -40,6 +40,7 @@ def test_a_plan_is_unavailable_with_the_reason_and_the_rest_serves(tmp_path: Pat
     with_server(tmp_path, check)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TENSORRT, reason="needs an NVIDIA GPU and the tensorrt package")
 def test_a_plan_built_here_serves(tmp_path: Path):
     """Builds a plan from the tiny ONNX model with TensorRT's ONNX parser, then serves it with auto-complete."""

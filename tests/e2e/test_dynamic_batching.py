@@ -403,6 +403,7 @@ def test_warmup_runs_before_the_model_is_ready(transerve):
     assert outcome.row("WHERE") == [b"CPU:warm_0:4"]  # three warmup executions came first
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not visible_gpus(), reason="no GPU on this machine")
 def test_kind_gpu_instances_run_on_the_gpus(transerve):
     outcome = run_concurrently(transerve, "on_gpu", unique_requests([1]))[0]

@@ -594,6 +594,7 @@ def gpu_server(built, tmp_path_factory):
         yield running
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or ctranslate2.get_cuda_device_count() < 1, reason="no CUDA GPU")
 @pytest.mark.parametrize("model", ["t5_gpu", "t5_torch_gpu"])
 def test_gpu_instances_decode_as_transformers_does(gpu_server, references, model):

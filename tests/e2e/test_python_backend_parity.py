@@ -381,12 +381,23 @@ def test_model_control_from_model_code_needs_explicit_mode(repository, tmp_path,
     repo = tmp_path / "models"
     for name in ("loader", "probe"):
         shutil.copytree(repository / name, repo / name)
-    start = start_transerve(repo) if server == "transerve" else start_triton(repo, install=require_triton())
-    with start as target:
-        assert loader(target, "unload") == (
-            "TritonModelException: Failed to unload model: Failed to process the request for model 'loader_0', "
-            "message: explicit model load / unload is not allowed if polling is enabled")
-        assert loader(target, "ready") == "True"
+    for attempt in range(3):
+        start = start_transerve(repo) if server == "transerve" else start_triton(repo, install=require_triton())
+        with start as target:
+            try:
+                refused = loader(target, "unload")
+            except requests.ConnectionError:
+                # Triton 2.51 aborts now and then on this call (boost::interprocess::lock_exception in its python
+                # backend, about one start in three on the 2-core machine): its answer is what is compared, so start
+                # it again. transerve gets no second chance.
+                if server == "triton" and attempt < 2 and "lock_exception" in target.log_path.read_text():
+                    continue
+                raise
+            assert refused == (
+                "TritonModelException: Failed to unload model: Failed to process the request for model 'loader_0', "
+                "message: explicit model load / unload is not allowed if polling is enabled")
+            assert loader(target, "ready") == "True"
+            return
 
 
 def test_models_see_the_interpreter_and_argument_checks_of_triton(servers):

@@ -1,6 +1,6 @@
 """The native gRPC transport's parts in process: request heads from HPACK blocks (and their reuse while the dynamic
 table stays the same), grpc-timeout, grpc-message encoding, gRPC message framing across DATA frames, and when a
-connection gives a stream's window back."""
+connection gives window back: as the calls take their messages, the next one as it arrives."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from hpack import Decoder, Encoder
 
-from transerve.frontends.grpc.http2.connection import MAX_FRAME, QUEUED_MESSAGES, STREAM_WINDOW, Http2Connection
+from transerve.frontends.grpc.http2.connection import MAX_FRAME, Http2Connection
 from transerve.frontends.grpc.http2.frames import (
     COMPRESSION_ERROR,
     DATA,
@@ -29,6 +29,7 @@ from transerve.frontends.grpc.http2.headers import (
     percent_encode,
 )
 from transerve.frontends.grpc.http2.stream import CallRefused, Stream
+from transerve.frontends.grpc.limits import CONNECTION_WINDOW, STREAM_WINDOW, Http2Limits
 
 
 def request(path: str = "/s/M", *extra: tuple[str, str], method: str = "POST") -> list[tuple[str, str]]:
@@ -146,6 +147,13 @@ class _Transport:
 
     def __init__(self) -> None:
         self.out = bytearray()
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def writelines(self, parts: list[bytes]) -> None:
         for part in parts:
@@ -174,49 +182,75 @@ class _Calls:
         pass
 
 
-def _stream_window_updates(out: bytes) -> list[int]:
+def _window_updates(out: bytes, stream_id: int) -> list[int]:
     updates, offset = [], 0
     while offset < len(out):
         length, kind = int.from_bytes(out[offset:offset + 3], "big"), out[offset + 3]
-        if kind == WINDOW_UPDATE and int.from_bytes(out[offset + 5:offset + 9], "big"):
+        if kind == WINDOW_UPDATE and int.from_bytes(out[offset + 5:offset + 9], "big") == stream_id:
             updates.append(int.from_bytes(out[offset + 9:offset + 13], "big"))
         offset += 9 + length
     return updates
 
 
-def test_a_streaming_call_whose_reader_is_behind_gets_no_window_until_it_reads() -> None:
+def _open(calls: _Calls) -> tuple[Http2Connection, _Transport]:
+    transport = _Transport()
+    connection = Http2Connection(calls, Http2Limits(), lambda _: None)
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0x4, 1, Encoder().encode(request())))
+    return connection, transport
+
+
+def test_messages_queued_behind_the_next_one_get_window_only_as_the_reader_takes_them() -> None:
     async def run() -> None:
-        calls, transport = _Calls(), _Transport()
-        connection = Http2Connection(calls, 1 << 31, lambda _: None)
-        connection.connection_made(transport)  # type: ignore[arg-type]
+        calls = _Calls()
+        connection, transport = _open(calls)
         message = _framed(b"m" * (128 * 1024 - 5))  # 128 KiB on the wire
-        count = QUEUED_MESSAGES + 6  # more than the queue limit, and more than half a window in bytes
-        assert count * len(message) > STREAM_WINDOW // 2
-        connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0x4, 1, Encoder().encode(request()))
-                                 + b"".join(frame(DATA, 0, 1, message) for _ in range(count)))
+        count = STREAM_WINDOW // len(message)  # the whole stream window
+        connection.data_received(b"".join(frame(DATA, 0, 1, message) for _ in range(count)))
         await asyncio.sleep(0)
         stream = calls.streams[0]
         assert len(stream.messages) == count
-        assert _stream_window_updates(bytes(transport.out)) == []  # the client is held back
-        while len(stream.messages) >= QUEUED_MESSAGES:
-            stream.messages.popleft()
-            connection.consumed(stream)
+        # Only the message the reader takes next was given back: the client is held back.
+        assert sum(_window_updates(bytes(transport.out), 1)) < STREAM_WINDOW // 2
+        for _ in range(count // 2):
+            connection.take(stream)
         await asyncio.sleep(0)
-        assert _stream_window_updates(bytes(transport.out)) == [count * len(message)]
+        assert sum(_window_updates(bytes(transport.out), 1)) >= STREAM_WINDOW // 4  # enough to go on sending
+        while stream.messages:
+            connection.take(stream)
+        connection.data_received(frame(DATA, 0, 1, message))  # the client may send a window's worth again
+        assert len(stream.messages) == 1
 
     asyncio.run(run())
 
 
-def test_a_message_larger_than_half_a_window_gets_window_as_it_arrives() -> None:
+def test_a_message_larger_than_the_windows_gets_window_as_it_arrives() -> None:
     async def run() -> None:
-        calls, transport = _Calls(), _Transport()
-        connection = Http2Connection(calls, 1 << 31, lambda _: None)
-        connection.connection_made(transport)  # type: ignore[arg-type]
-        body = _framed(b"x" * (STREAM_WINDOW - 5))  # needs the whole window: the rest of it must be given back
-        frames = [frame(DATA, 0, 1, body[i:i + MAX_FRAME]) for i in range(0, len(body), MAX_FRAME)]
-        connection.data_received(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, 0x4, 1, Encoder().encode(request()))
-                                 + b"".join(frames))
+        calls = _Calls()
+        connection, transport = _open(calls)
+        body = _framed(b"x" * (CONNECTION_WINDOW + STREAM_WINDOW))
         await asyncio.sleep(0)
-        assert calls.streams[0].messages and sum(_stream_window_updates(bytes(transport.out))) >= STREAM_WINDOW // 2
+        sent = 0
+        for start in range(0, len(body), MAX_FRAME):  # as a client would: only within the windows it was given
+            window = min(STREAM_WINDOW + sum(_window_updates(bytes(transport.out), 1)),
+                         65535 + sum(_window_updates(bytes(transport.out), 0))) - sent
+            chunk = body[start:start + MAX_FRAME]
+            assert len(chunk) <= window, "the server stopped giving window"
+            connection.data_received(frame(DATA, 0, 1, chunk))
+            sent += len(chunk)
+            await asyncio.sleep(0)
+        assert len(calls.streams[0].messages) == 1
+
+    asyncio.run(run())
+
+
+def test_a_connection_is_not_read_while_its_writes_are_paused() -> None:
+    async def run() -> None:
+        calls = _Calls()
+        connection, transport = _open(calls)
+        connection.pause_writing()
+        assert not transport.reading  # a client that does not read gets nothing more read, PINGs included
+        connection.resume_writing()
+        assert transport.reading
 
     asyncio.run(run())

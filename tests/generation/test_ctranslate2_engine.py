@@ -285,6 +285,7 @@ def test_close_fails_pending_sequences(models):
     assert late.result(timeout=5).code is ErrorCode.UNAVAILABLE
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(ctranslate2.get_cuda_device_count() == 0, reason="no CUDA GPU")
 @pytest.mark.parametrize("compute_type", ["float32", "float16", "int8_float16"])
 def test_cuda(models, compute_type):

@@ -142,6 +142,7 @@ def test_engine_describes_its_model(models):
     assert models["bart"].engine.vocab_size == models["bart"].hf.config.vocab_size
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_greedy_and_beam_match_transformers(models):
     model = models["bart"]

@@ -35,6 +35,14 @@ from transerve.frontends.grpc.codec import (
     encode_infer_response_bytes,
     parse_version,
 )
+from transerve.frontends.grpc.limits import (
+    MAX_CONCURRENT_STREAMS,
+    MAX_HEADER_LIST,
+    Http2Limits,
+)
+from transerve.frontends.grpc.limits import (
+    STREAM_WINDOW as STREAM_WINDOW_BYTES,
+)
 from transerve.frontends.tls import TlsOptions
 
 log = logging.getLogger("transerve.grpc")
@@ -51,12 +59,15 @@ GRPC_STATUS = {
     ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
 }
 
-#: Triton accepts messages up to INT32_MAX bytes each way; so do we (the HTTP limit is a separate flag).
+#: Triton sends messages up to INT32_MAX bytes; so do we (what we receive is `Http2Limits.max_message`).
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 #: Calls that may wait for the server to pick them up. grpc.aio takes calls from gRPC core one at a time, and
-#: core's defaults (1000, hard 3000) cancel the rest of a burst that Triton's C++ server would have served.
-MAX_PENDING_CALLS = 1 << 16
+#: core's defaults (1000, hard 3000) cancel the rest of a burst that Triton's C++ server would have served; a full
+#: MAX_CONCURRENT_STREAMS burst fits. Core keeps a call reset while it waits (rapid reset) in this queue, a few KB
+#: each, so the queue is what bounds that flood's memory: past the soft limit core refuses calls at random, past
+#: twice it all of them (RESOURCE_EXHAUSTED).
+MAX_PENDING_CALLS = MAX_CONCURRENT_STREAMS
 
 #: Requests of one stream that may be in flight before the server stops reading from it, so that a client
 #: sending faster than the model answers is slowed by HTTP/2 flow control instead of filling memory.
@@ -728,12 +739,34 @@ def health_handler(server: Server, service: InferenceService) -> grpc.GenericRpc
 # ---- the listening server ------------------------------------------------------------------------
 
 
+def grpc_core_limits(limits: Http2Limits) -> list[tuple[str, int]]:
+    """The native transport's limits as grpc-core's channel arguments. grpc-core has its own defences against
+    floods (induced-frame limits, its ping policy, overload protection past MAX_CONCURRENT_STREAMS); these set
+    the numbers that the two transports share. grpc-core's SETTINGS-acknowledgment timeout (a minute by default)
+    gets the handshake timeout, as on the native transport: until the ACK, core accepts MAX_CONCURRENT_STREAMS
+    streams, which a client that never acknowledges could otherwise hold, or reset, for that minute."""
+    return [
+        ("grpc.max_receive_message_length", min(limits.max_message, MAX_MESSAGE_BYTES)),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ("grpc.http2.max_ping_strikes", limits.max_ping_strikes),
+        ("grpc.http2.min_ping_interval_without_data_ms", round(limits.min_ping_interval * 1000)),
+        ("grpc.keepalive_permit_without_calls", int(limits.pings_without_calls)),
+        ("grpc.max_connection_idle_ms", round(limits.idle_timeout * 1000)),
+        ("grpc.server_handshake_timeout_ms", round(limits.handshake_timeout * 1000)),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.max_metadata_size", MAX_HEADER_LIST),
+        ("grpc.http2.settings_timeout", round(limits.handshake_timeout * 1000)),
+    ]
+
+
 class GrpcFrontend:
     """Serves the inference and health services with grpc.aio on one address, on the running event loop."""
 
     def __init__(self, server: Server, restrictions: Restrictions | None = None,
-                 forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None) -> None:
+                 forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None,
+                 limits: Http2Limits | None = None) -> None:
         self.server = server
+        self.limits = limits or Http2Limits()
         self._restrictions = restrictions
         self._forwarding = forwarding
         self._tls = tls
@@ -743,12 +776,12 @@ class GrpcFrontend:
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port; raises OSError when the address cannot be bound."""
         self._grpc = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-            ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
             # gRPC sets SO_REUSEPORT by default, which would let a second server share a busy port silently.
             ("grpc.so_reuseport", 0),
+            *grpc_core_limits(self.limits),
         ])
         service = InferenceService(self.server, asyncio.get_running_loop(), self._restrictions, self._forwarding)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(service), self._grpc)

@@ -1,17 +1,22 @@
 """One client connection: HTTP/2 framing and flow control (RFC 9113) as an `asyncio.Protocol`, gRPC calls on its
-streams. What a call does is the `CallHandler`'s business; this module only moves frames and messages.
+streams. What a call does is the `CallHandler`'s business; this module only moves frames and messages, and keeps
+what a client can make the connection cost bounded (see `limits.py` and docs/security.md).
 
-Reading: the connection and every stream announce large windows, and bytes received are given back as they arrive
-(in WINDOW_UPDATEs of half a window, so a small call costs none), except while a streaming call holds more than
-`QUEUED_MESSAGES` unread requests: then its window closes and the client waits. Writing: DATA goes out only within
-the peer's connection and stream windows and while the socket's buffer is below its high-water mark; what cannot
-go waits on its stream. Frames written in one turn of the event loop leave in one write.
+Reading: bytes are given back (WINDOW_UPDATE) as the calls take them: the message a stream's reader needs next is
+given window as it arrives, so that a message larger than the windows still flows, and whatever queues behind it
+waits until its reader gets to it. A connection holds at most `held_limit` bytes of such messages; nothing else it
+buffers exceeds its window. Reading stops while the socket's writes are paused (a client that does not read its
+answers, PING ACKs included, stops being read), and unary calls wait to start while more than `BACKLOG_HIGH` bytes
+of answers wait for the client. Writing: DATA goes out only within the peer's connection and stream windows and
+while the socket's buffer is below its high-water mark; what cannot go waits on its stream, for at most the stall
+timeout. Frames written in one turn of the event loop leave in one write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -28,20 +33,36 @@ from transerve.frontends.grpc.http2.headers import (
     trailers,
 )
 from transerve.frontends.grpc.http2.stream import CallRefused, Stream
+from transerve.frontends.grpc.limits import (
+    CONNECTION_WINDOW,
+    EMPTY_FRAMES,
+    MAX_CONCURRENT_STREAMS,
+    MAX_CONTINUATIONS,
+    MAX_HEADER_LIST,
+    MAX_SETTINGS,
+    RESETS,
+    SETTINGS_FRAMES,
+    STREAM_WINDOW,
+    Http2Limits,
+    PingPolicy,
+    TokenBucket,
+)
 
 log = logging.getLogger("transerve.grpc")
 
-#: Our settings. Streams and the connection get large windows so that big tensors flow without waiting on
-#: WINDOW_UPDATE round trips; frames may be up to 1 MiB so that a big message is few frames.
-STREAM_WINDOW = 1 << 24
-CONNECTION_WINDOW = 1 << 30
+#: Frames may be up to 1 MiB so that a big message is few frames (the other settings are in limits.py).
 MAX_FRAME = 1 << 20
-MAX_CONCURRENT_STREAMS = 4096
-MAX_HEADER_LIST = 1 << 16
-#: Unread requests of a streaming call past which its window stops being given back.
-QUEUED_MESSAGES = 64
+#: Bytes of messages given window ahead of their call taking them, per connection, at least (`held_limit`).
+HELD_LIMIT = 1 << 30
 #: Queued response bytes of a stream past which its writer waits (`drained`).
 OUTBOX_HIGH = 1 << 20
+#: Queued response bytes of a connection past which its unary calls wait to start.
+BACKLOG_HIGH = 1 << 23
+#: Seconds a connection that ended in error waits for its GOAWAY to leave before it is cut.
+FAIL_LINGER = 0.5
+#: Frames handled per turn of the event loop before the rest of what was read waits for the next turn, so that a
+#: connection flooding frames cannot hold the loop from everyone else's.
+FRAMES_PER_TURN = 300
 
 _HEADERS_END = h2.END_HEADERS | h2.END_STREAM
 #: Messages shorter than this are copied behind their prefix; longer ones go out as they are.
@@ -59,9 +80,11 @@ class CallHandler(Protocol):
 class Http2Connection(asyncio.Protocol):
     """The server side of one HTTP/2 connection. A bad frame ends it with GOAWAY and the matching error code."""
 
-    def __init__(self, handler: CallHandler, max_message: int, on_lost: Callable[[Http2Connection], None]) -> None:
+    def __init__(self, handler: CallHandler, limits: Http2Limits, on_lost: Callable[[Http2Connection], None]) -> None:
         self._handler = handler
-        self._max_message = max_message
+        self._limits = limits
+        self._max_message = limits.max_message
+        self._held_limit = max(HELD_LIMIT, limits.max_message + 5)
         self._on_lost = on_lost
         # Kept rather than looked up per call: CPython's get_running_loop() costs a getpid() syscall.
         self.loop = asyncio.get_running_loop()
@@ -72,16 +95,22 @@ class Http2Connection(asyncio.Protocol):
         self._settings = False  # ... and its first SETTINGS
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
         self._continuation: tuple[int, int, bytearray] | None = None  # stream, END_STREAM flag, block so far
+        self._continuations = 0  # CONTINUATION frames of the block in `_continuation`
         self.streams: dict[int, Stream] = {}
         self._last_stream = 0
         self._acked = False  # the client acknowledged our SETTINGS
         self._recv_window = h2.DEFAULT_WINDOW
         self._recv_unacked = 0
+        self._held = 0  # bytes given window before their call took them, over all streams
         self._send_window = h2.DEFAULT_WINDOW
         self._peer_window = h2.DEFAULT_WINDOW  # SETTINGS_INITIAL_WINDOW_SIZE of the client
         self._peer_frame = h2.DEFAULT_MAX_FRAME
         self._table_update = False  # the next header block must say our dynamic table is empty
         self._blocked: dict[int, Stream] = {}  # streams with DATA waiting for window or a drained socket
+        self._backlog = 0  # bytes of answers queued on streams
+        self._backlogged = False  # the backlog went past BACKLOG_HIGH: calls wait, and so does their requests' window
+        self._deferred: deque[Stream] = deque()  # unary calls complete but not started while backlogged
+        self._turn_full = False  # FRAMES_PER_TURN frames were handled in this turn
         self._write_paused = False
         self._out: list[bytes | memoryview] = []
         self._flush_scheduled = False
@@ -89,6 +118,17 @@ class Http2Connection(asyncio.Protocol):
         self.goaway_sent = False
         self._closing = False
         self.closed: asyncio.Future[None] = self.loop.create_future()
+        now = self.loop.time()
+        self._resets = TokenBucket(RESETS, now)
+        self._settings_frames = TokenBucket(SETTINGS_FRAMES, now)
+        self._empty_frames = TokenBucket(EMPTY_FRAMES, now)
+        self._pings = PingPolicy(limits)
+        self._answered = False  # HEADERS or DATA sent since the last PING (which forgives the next one)
+        self._born = now
+        self._idle_since = now  # when the last stream closed
+        self._paused_since = 0.0  # when writes were paused
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------------
 
@@ -102,24 +142,37 @@ class Http2Connection(asyncio.Protocol):
             h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
         }) + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW))
         self._recv_window = CONNECTION_WINDOW
+        self._arm(self._born + self._limits.handshake_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         for stream in list(self.streams.values()):
             self._close(stream, cancel=True)
+        self._deferred.clear()
         self._out.clear()
+        if self._timer is not None:
+            self._timer.cancel()
         if not self.closed.done():
             self.closed.set_result(None)
         self._on_lost(self)
 
     def pause_writing(self) -> None:
+        """The client is not reading: read nothing more from it (each PING or SETTINGS it sends asks for an answer)."""
         self._write_paused = True
+        self._paused_since = self.loop.time()
+        self._arm(self._paused_since + self._limits.stall_timeout)
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
         self._pump_blocked()
 
     def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
         buffer = self._buffer
         if buffer:
             buffer += data
@@ -140,7 +193,22 @@ class Http2Connection(asyncio.Protocol):
             return
         if offset < len(data) and not self._closing:
             buffer += memoryview(data)[offset:]
+            if self._turn_full:  # the rest in a later turn; nothing more is read meanwhile
+                self._turn_full = False
+                self._need = 0
+                assert self._transport is not None
+                self._transport.pause_reading()
+                self.loop.call_soon(self._next_turn)
+                return
             self._need = h2.HEAD_SIZE + (HEAD.unpack_from(buffer)[0] >> 8 if len(buffer) >= h2.HEAD_SIZE else 0)
+
+    def _next_turn(self) -> None:
+        if self._closing:
+            return
+        if not self._write_paused:
+            assert self._transport is not None
+            self._transport.resume_reading()
+        self.data_received(b"")
 
     def _read_preface(self, data: bytes) -> bytes:
         size = len(h2.PREFACE)
@@ -154,6 +222,11 @@ class Http2Connection(asyncio.Protocol):
         self._preface = True
         return data[size:]
 
+    def _spend(self, bucket: TokenBucket, what: str) -> None:
+        """One more frame of a budgeted kind; past the budget, the connection ends with ENHANCE_YOUR_CALM."""
+        if not bucket.take(self.loop.time()):
+            raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, f"too many {what}")
+
     # ---- reading frames -------------------------------------------------------------------------------------
 
     def _frames(self, data: bytes) -> int:
@@ -161,7 +234,12 @@ class Http2Connection(asyncio.Protocol):
         view = memoryview(data)
         size = len(data)
         offset = 0
+        turn = FRAMES_PER_TURN
         while size - offset >= h2.HEAD_SIZE and not self._closing:
+            turn -= 1
+            if turn < 0:
+                self._turn_full = True
+                break
             head, flags, stream_id = HEAD.unpack_from(data, offset)
             length = head >> 8
             if length > MAX_FRAME:
@@ -200,9 +278,11 @@ class Http2Connection(asyncio.Protocol):
                     self._on_priority(stream_id, payload)
                 elif kind == h2.PUSH_PROMISE:
                     raise H2ConnectionError(h2.PROTOCOL_ERROR, "a client must not send PUSH_PROMISE")
-                # frames of unknown types are ignored (section 5.5)
+                else:  # frames of unknown types are ignored (section 5.5), within the budget of frames that do nothing
+                    self._spend(self._empty_frames, "frames that do nothing")
             except H2StreamError as exc:
                 self.reset(stream_id, exc.code)
+                self._spend(self._resets, "streams refused or reset")
         return offset
 
     def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
@@ -212,26 +292,24 @@ class Http2Connection(asyncio.Protocol):
         if length > self._recv_window:
             raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self._recv_window -= length
-        self._recv_unacked += length
-        if self._recv_unacked >= CONNECTION_WINDOW // 2:
-            self._write(h2.window_update(0, self._recv_unacked))
-            self._recv_window += self._recv_unacked
-            self._recv_unacked = 0
         stream = self.streams.get(stream_id)
-        if stream is None:
-            if stream_id > self._last_stream:
-                raise H2ConnectionError(h2.PROTOCOL_ERROR, "DATA on an idle stream")
-            return  # a stream we reset or answered already: its window no longer matters
-        if stream.remote_closed:
-            raise H2StreamError(h2.STREAM_CLOSED, "DATA after END_STREAM")
-        if length > stream.recv_window:
+        if stream is None or stream.remote_closed or length > stream.recv_window:
+            self._give_back(length)  # nothing holds these bytes
+            if stream is None:
+                if stream_id > self._last_stream:
+                    raise H2ConnectionError(h2.PROTOCOL_ERROR, "DATA on an idle stream")
+                return  # a stream we reset or answered already: its window no longer matters
+            if stream.remote_closed:
+                raise H2StreamError(h2.STREAM_CLOSED, "DATA after END_STREAM")
             raise H2StreamError(h2.FLOW_CONTROL_ERROR, "DATA beyond the stream window")
         stream.recv_window -= length
         if flags & h2.PADDED:
             if not length or payload[0] >= length:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "padding exceeds the DATA frame")
+            self._credit(stream, payload[0] + 1)  # padding holds no memory
             payload = payload[1:length - payload[0]]
         if payload:
+            stream.received += len(payload)
             try:
                 stream.feed(payload, self._max_message)
             except CallRefused as exc:
@@ -240,23 +318,65 @@ class Http2Connection(asyncio.Protocol):
                     stream.task.cancel()
                 return
             stream.wake()
+        elif not flags & h2.END_STREAM:
+            self._spend(self._empty_frames, "empty DATA frames")
         if flags & h2.END_STREAM:
             self._end_remote(stream)
-        else:
-            stream.recv_unacked += length
-            self._credit(stream)
+        self._advance(stream)
 
-    def _credit(self, stream: Stream) -> None:
-        """Give a stream's window back, unless its reader is behind (see QUEUED_MESSAGES)."""
-        if stream.recv_unacked >= STREAM_WINDOW // 2 and len(stream.messages) < QUEUED_MESSAGES:
-            self._write(h2.window_update(stream.id, stream.recv_unacked))
-            stream.recv_window += stream.recv_unacked
-            stream.recv_unacked = 0
+    def _advance(self, stream: Stream) -> None:
+        """Give window for the message the stream's reader takes next, as far as it has arrived: the client can
+        then finish a message larger than the windows, while what it queues behind waits for the reader."""
+        if stream.closed or (self._backlogged and stream.task is None):
+            return  # a call not started while answers pile up for this client gets no window (see `_relieve`)
+        messages = stream.messages
+        target = min(stream.received, stream.taken + (len(messages[0]) + 5 if messages else stream.need))
+        grant = target - stream.credited
+        if grant <= 0:
+            return
+        if self._held + grant > self._held_limit:
+            self.finish(stream, RESOURCE_EXHAUSTED, f"the connection's request messages in progress exceed "
+                        f"{self._held_limit} bytes", discard=True)
+            if stream.task is not None:
+                stream.task.cancel()
+            return
+        stream.credited = target
+        self._held += grant
+        self._credit(stream, grant)
 
-    def consumed(self, stream: Stream) -> None:
-        """A streaming call's reader took a message: the window may open again."""
-        if stream.recv_unacked and not stream.remote_closed and not stream.closed:
-            self._credit(stream)
+    def _credit(self, stream: Stream, size: int) -> None:
+        """Give `size` bytes of window back to the client, in WINDOW_UPDATEs of at least half a window unless its
+        window is running low."""
+        unacked = self._recv_unacked = self._recv_unacked + size
+        if unacked >= CONNECTION_WINDOW // 2 or self._recv_window < CONNECTION_WINDOW // 4:
+            self._write(h2.window_update(0, unacked))
+            self._recv_window += unacked
+            self._recv_unacked = 0
+        if not stream.remote_closed:
+            unacked = stream.recv_unacked = stream.recv_unacked + size
+            if unacked >= STREAM_WINDOW // 2 or stream.recv_window < STREAM_WINDOW // 4:
+                self._write(h2.window_update(stream.id, unacked))
+                stream.recv_window += unacked
+                stream.recv_unacked = 0
+
+    def _give_back(self, size: int) -> None:
+        """Connection window for bytes that no stream holds (any more)."""
+        if size:
+            unacked = self._recv_unacked = self._recv_unacked + size
+            if unacked >= CONNECTION_WINDOW // 2 or self._recv_window < CONNECTION_WINDOW // 4:
+                self._write(h2.window_update(0, unacked))
+                self._recv_window += unacked
+                self._recv_unacked = 0
+
+    def take(self, stream: Stream) -> bytes | bytearray | memoryview:
+        """The stream's next request message, for its call; its window then goes to the message after it."""
+        message = stream.messages.popleft()
+        if not stream.closed:
+            size = len(message) + 5
+            stream.taken += size
+            self._held -= size
+            self._advance(stream)
+        return message
 
     def _on_headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if stream_id == 0:
@@ -280,11 +400,20 @@ class Http2Connection(asyncio.Protocol):
         if flags & h2.END_HEADERS:
             self._on_block(stream_id, flags & h2.END_STREAM, bytes(fragment), depends_on_itself)
         else:
+            if not fragment:
+                self._spend(self._empty_frames, "empty HEADERS frames")
             self._continuation = (stream_id, flags & h2.END_STREAM, bytearray(fragment))
+            self._continuations = 0
 
     def _on_continuation(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if self._continuation is None or self._continuation[0] != stream_id:
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "CONTINUATION without a header block to continue")
+        self._continuations += 1
+        if self._continuations > MAX_CONTINUATIONS:
+            raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, f"a header block of more than {MAX_CONTINUATIONS} "
+                                                          "CONTINUATION frames")
+        if not payload and not flags & h2.END_HEADERS:
+            self._spend(self._empty_frames, "empty CONTINUATION frames")
         block = self._continuation[2]
         block += payload
         if len(block) > MAX_HEADER_LIST:
@@ -310,20 +439,41 @@ class Http2Connection(asyncio.Protocol):
         head = self._decoder.request_head(block)  # decoded even for a stream refused below
         if depends_on_itself:
             raise H2StreamError(h2.PROTOCOL_ERROR, "a stream cannot depend on itself")
-        if self.goaway_sent or (self._acked and len(self.streams) >= MAX_CONCURRENT_STREAMS):
+        # The limit holds from the first frame: a client that has not yet acknowledged our SETTINGS is refused too
+        # (REFUSED_STREAM, which it may retry), and one that goes on opening streams runs out of its reset budget.
+        if self.goaway_sent or len(self.streams) >= MAX_CONCURRENT_STREAMS:
             raise H2StreamError(h2.REFUSED_STREAM, "stream refused")
         stream = Stream(stream_id, head, STREAM_WINDOW, self._peer_window)
         self.streams[stream_id] = stream
         stream.remote_closed = bool(end_stream)
         self._handler.call_opened(self, stream)
         if end_stream and not stream.closed:
-            self._handler.call_ended(self, stream)
+            self._call_ended(stream)
 
     def _end_remote(self, stream: Stream) -> None:
         stream.remote_closed = True
         stream.wake()
         if not stream.closed:
+            self._call_ended(stream)
+
+    def _call_ended(self, stream: Stream) -> None:
+        """The client sent all of the call: start it, unless answers already wait for this client (then later)."""
+        if self._backlogged:
+            self._deferred.append(stream)
+        else:
             self._handler.call_ended(self, stream)
+
+    def _relieve(self) -> None:
+        """The backlog is below BACKLOG_HIGH again: start the calls that waited, give their requests window."""
+        self._backlogged = False
+        deferred = self._deferred
+        while deferred:
+            stream = deferred.popleft()
+            if not stream.closed:
+                self._handler.call_ended(self, stream)
+        for stream in list(self.streams.values()):
+            if stream.task is None:
+                self._advance(stream)
 
     def _on_window_update(self, stream_id: int, payload: memoryview) -> None:
         if len(payload) != 4:
@@ -354,6 +504,7 @@ class Http2Connection(asyncio.Protocol):
             raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "RST_STREAM of a size other than 4")
         if stream_id == 0 or stream_id > self._last_stream:
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "RST_STREAM on stream 0 or an idle stream")
+        self._spend(self._resets, "streams reset (RST_STREAM)")
         stream = self.streams.get(stream_id)
         if stream is not None:
             self._close(stream, cancel=True)
@@ -364,10 +515,15 @@ class Http2Connection(asyncio.Protocol):
         if flags & h2.ACK:
             if payload:
                 raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "SETTINGS acknowledgment with a payload")
+            if self._acked:  # we sent one SETTINGS: more acknowledgments do nothing
+                self._spend(self._empty_frames, "frames that do nothing")
             self._acked = True
             return
         if len(payload) % 6:
             raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "SETTINGS of a size not a multiple of 6")
+        if len(payload) > 6 * MAX_SETTINGS:
+            raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, f"SETTINGS with more than {MAX_SETTINGS} entries")
+        self._spend(self._settings_frames, "SETTINGS frames")
         for key, value in h2.parse_settings(payload):
             if key == h2.INITIAL_WINDOW_SIZE:
                 if value > h2.MAX_WINDOW:
@@ -394,8 +550,15 @@ class Http2Connection(asyncio.Protocol):
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
             raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "PING of a size other than 8")
-        if not flags & h2.ACK:
-            self._write(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
+        if flags & h2.ACK:  # we send no PING, so this answers nothing
+            self._spend(self._empty_frames, "frames that do nothing")
+            return
+        if self._answered:
+            self._answered = False
+            self._pings.forgive()
+        if self._pings.received(self.loop.time(), bool(self.streams)):
+            raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, "too_many_pings")  # grpc-core's words, which its clients know
+        self._write(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
 
     def _on_goaway(self, stream_id: int, payload: memoryview) -> None:
         if stream_id:
@@ -412,6 +575,7 @@ class Http2Connection(asyncio.Protocol):
             raise error(h2.PROTOCOL_ERROR, "a stream cannot depend on itself")
         if len(payload) != 5:
             raise H2StreamError(h2.FRAME_SIZE_ERROR, "PRIORITY of a size other than 5")
+        self._spend(self._empty_frames, "frames that do nothing")  # priorities are deprecated and ignored
 
     # ---- answering calls ------------------------------------------------------------------------------------
 
@@ -421,13 +585,14 @@ class Http2Connection(asyncio.Protocol):
             return
         size = len(message) + 5
         if (size > self._peer_frame or size > self._send_window or size > stream.send_window or stream.headers_sent
-                or self._write_paused or self._table_update or size - 5 > self._max_message):
+                or self._write_paused or self._table_update):
             self.send_message(stream, message)
             self.finish(stream, OK)
             return
         self._send_window -= size
         stream.send_window -= size
         stream_id = stream.id
+        self._answered = True
         self._write(b"".join((
             HEAD.pack(len(RESPONSE_HEADERS) << 8 | h2.HEADERS, h2.END_HEADERS, stream_id), RESPONSE_HEADERS,
             HEAD.pack(size << 8 | h2.DATA, 0, stream_id), b"\x00", (size - 5).to_bytes(4, "big"), message,
@@ -439,9 +604,9 @@ class Http2Connection(asyncio.Protocol):
         """Queue one message; False when the stream's queue is long and its writer should await `drained`."""
         if stream.closed:
             return True
-        if len(message) > self._max_message:
-            self.finish(stream, RESOURCE_EXHAUSTED,
-                        f"sent message larger than max ({len(message)} vs. {self._max_message})")
+        if len(message) > h2.MAX_WINDOW:  # gRPC's length prefix has 32 bits; Triton sends up to INT32_MAX
+            self.finish(stream, RESOURCE_EXHAUSTED, f"sent message larger than max ({len(message)} vs. "
+                                                    f"{h2.MAX_WINDOW})")
             return True
         if not stream.headers_sent:
             stream.headers_sent = True
@@ -453,6 +618,9 @@ class Http2Connection(asyncio.Protocol):
             stream.outbox.append(memoryview(prefix))
             stream.outbox.append(memoryview(message))
         stream.outbox_bytes += len(message) + 5
+        self._backlog += len(message) + 5
+        if self._backlog > BACKLOG_HIGH:
+            self._backlogged = True
         self._pump(stream)
         return stream.outbox_bytes < OUTBOX_HIGH
 
@@ -468,8 +636,7 @@ class Http2Connection(asyncio.Protocol):
         if stream.closed or stream.trailers is not None:
             return
         if discard:
-            stream.outbox.clear()
-            stream.outbox_bytes = 0
+            self._drop_outbox(stream)
         if not stream.headers_sent:  # Trailers-Only: one HEADERS frame with the status and all
             stream.headers_sent = True
             self._write(self._headers(stream.id, trailers(status, message, trailers_only=True), h2.END_STREAM))
@@ -486,6 +653,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _headers(self, stream_id: int, block: bytes, flags: int) -> bytes:
         """HEADERS (and CONTINUATIONs past the peer's frame size) carrying one block."""
+        self._answered = True
         if self._table_update:
             self._table_update = False
             block = TABLE_SIZE_ZERO + block
@@ -501,11 +669,17 @@ class Http2Connection(asyncio.Protocol):
     def _pump(self, stream: Stream) -> None:
         """Send what the windows allow of a stream's queue, then its trailers once the queue is empty."""
         outbox = stream.outbox
+        sent = 0
         while outbox:
             room = min(self._send_window, stream.send_window, self._peer_frame)
             if room <= 0 or self._write_paused:
-                self._blocked[stream.id] = stream
-                return
+                if stream.id not in self._blocked:
+                    self._blocked[stream.id] = stream
+                    stream.stalled_since = self.loop.time()
+                    self._arm(stream.stalled_since + self._limits.stall_timeout)
+                elif sent:
+                    stream.stalled_since = self.loop.time()
+                break
             chunk = outbox[0]
             if len(chunk) <= room:
                 outbox.popleft()
@@ -514,9 +688,17 @@ class Http2Connection(asyncio.Protocol):
             size = len(chunk)
             self._send_window -= size
             stream.send_window -= size
-            stream.outbox_bytes -= size
+            sent += size
             self._write(HEAD.pack(size << 8 | h2.DATA, 0, stream.id))
             self._write(chunk)
+        if sent:
+            self._answered = True
+            stream.outbox_bytes -= sent
+            self._backlog -= sent
+            if self._backlogged and self._backlog <= BACKLOG_HIGH:
+                self._relieve()
+        if outbox:
+            return
         self._blocked.pop(stream.id, None)
         if stream.drain_waiter is not None and stream.outbox_bytes < OUTBOX_HIGH:
             if not stream.drain_waiter.done():
@@ -531,6 +713,14 @@ class Http2Connection(asyncio.Protocol):
             if self._send_window <= 0 or self._write_paused:
                 return
             self._pump(stream)
+
+    def _drop_outbox(self, stream: Stream) -> None:
+        if stream.outbox_bytes:
+            self._backlog -= stream.outbox_bytes
+            stream.outbox_bytes = 0
+            stream.outbox.clear()
+            if self._backlogged and self._backlog <= BACKLOG_HIGH and not self._closing:
+                self._relieve()
 
     def _ended(self, stream: Stream) -> None:
         """We sent END_STREAM. A client still sending is asked to stop (RST_STREAM NO_ERROR, section 8.1)."""
@@ -549,6 +739,11 @@ class Http2Connection(asyncio.Protocol):
         stream.closed = True
         self.streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
+        # What the stream still holds is freed: its window goes back to the connection.
+        self._held -= stream.credited - stream.taken
+        self._give_back(stream.received - stream.credited)
+        stream.taken = stream.credited = stream.received
+        self._drop_outbox(stream)
         if stream.timer is not None:
             stream.timer.cancel()
         stream.wake()
@@ -556,8 +751,63 @@ class Http2Connection(asyncio.Protocol):
             stream.drain_waiter.set_result(None)
         if cancel and stream.task is not None:
             stream.task.cancel()
-        if self.goaway_sent and not self.streams:
-            self.close()
+        if not self.streams:
+            self._idle_since = self.loop.time()
+            if self.goaway_sent:
+                self.close()
+            elif self._timer is None:  # the last check found calls open and armed nothing: the idle timeout starts
+                self._arm(self._idle_since + self._limits.idle_timeout)
+
+    # ---- timeouts ----------------------------------------------------------------------------------------------
+
+    def _arm(self, when: float) -> None:
+        """Check the connection's timeouts at `when` (or sooner, if a check is already due sooner)."""
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        if not self._closing:
+            self._timer_at = when
+            self._timer = self.loop.call_at(when, self._check)
+
+    def _check(self) -> None:
+        """The handshake, idle and stall timeouts; each check arms the next."""
+        self._timer = None
+        if self._closing:
+            return
+        limits, now = self._limits, self.loop.time()
+        due = float("inf")
+        if not self._acked:
+            if now >= self._born + limits.handshake_timeout:
+                self.fail(h2.SETTINGS_TIMEOUT, "no connection preface or SETTINGS acknowledgment in time")
+                return
+            due = self._born + limits.handshake_timeout
+        if self._write_paused:
+            if now >= self._paused_since + limits.stall_timeout:
+                self.fail(h2.ENHANCE_YOUR_CALM, "the client does not read its answers")
+                return
+            due = min(due, self._paused_since + limits.stall_timeout)
+        else:
+            stalled = 0
+            for stream in list(self._blocked.values()):
+                if now < stream.stalled_since + limits.stall_timeout:
+                    due = min(due, stream.stalled_since + limits.stall_timeout)
+                elif self._send_window <= 0:  # the connection's window, not the stream's, is shut: all are stuck
+                    self.fail(h2.ENHANCE_YOUR_CALM, "the client does not read its answers")
+                    return
+                else:
+                    stalled += 1
+                    self.reset(stream.id, h2.CANCEL)
+            if stalled:
+                log.info("reset %d gRPC stream(s) whose answers waited %.0f s for the client's window", stalled,
+                         limits.stall_timeout)
+        if not self.streams and self._acked:
+            if now >= self._idle_since + limits.idle_timeout:
+                self.goaway()
+                return
+            due = min(due, self._idle_since + limits.idle_timeout)
+        if due != float("inf"):
+            self._arm(due)
 
     # ---- the connection as a whole -------------------------------------------------------------------------------
 
@@ -582,24 +832,32 @@ class Http2Connection(asyncio.Protocol):
         self.close()
 
     def fail(self, code: int, message: str) -> None:
-        """A connection error: GOAWAY with its code, and close."""
+        """A connection error: GOAWAY with its code, and close; a client that does not read is cut soon after."""
         if self._closing:
             return
         log.info("closing a gRPC connection: %s", message)
         self._write(h2.goaway(self._last_stream, code, message.encode()[:256]))
         self.goaway_sent = True
+        self.close(linger=0.0 if self._write_paused else FAIL_LINGER)
         for stream in list(self.streams.values()):
             self._close(stream, cancel=True)
-        self.close()
 
-    def close(self) -> None:
-        """Close after what is written so far has gone out."""
+    def close(self, linger: float | None = None) -> None:
+        """Close after what is written so far has gone out, or after `linger` seconds (default: the stall timeout)
+        whatever has not."""
         if self._closing:
             return
         self._closing = True
         self._flush()
-        if self._transport is not None:
-            self._transport.close()
+        transport = self._transport
+        if transport is not None:
+            transport.close()
+            if transport.get_write_buffer_size():
+                linger = self._limits.stall_timeout if linger is None else linger
+                if linger <= 0:
+                    transport.abort()
+                else:
+                    self.loop.call_later(linger, _cut, transport)
 
     def _write(self, data: bytes | memoryview) -> None:
         self._out.append(data)
@@ -618,3 +876,8 @@ class Http2Connection(asyncio.Protocol):
             else:
                 self._transport.writelines(self._out)
         self._out = []
+
+
+def _cut(transport: asyncio.Transport) -> None:
+    """A closing connection whose last bytes the client has not read in time is cut."""
+    transport.abort()  # nothing, if it has closed since

@@ -14,9 +14,9 @@ from transerve.frontends.access import HeaderForwarding, Restrictions
 from transerve.frontends.grpc.http2.connection import Http2Connection
 from transerve.frontends.grpc.http2.headers import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
 from transerve.frontends.grpc.http2.stream import Stream
+from transerve.frontends.grpc.limits import Http2Limits
 from transerve.frontends.grpc.service import (
     GRPC_STATUS,
-    MAX_MESSAGE_BYTES,
     SERVICE,
     HealthCheckRequest,
     InferenceService,
@@ -83,7 +83,7 @@ async def _run_unary(connection: Http2Connection, stream: Stream, rpc: Rpc) -> N
     try:
         if len(stream.messages) != 1 or stream.inbox:
             raise internal(f"{rpc.name} takes exactly one request message")
-        request = _parse(rpc, stream.messages.popleft())
+        request = _parse(rpc, connection.take(stream))
         extra = (stream.head.metadata,) if rpc.takes_metadata else ()
         if rpc.serialized is not None:
             answer = await rpc.serialized(request, *extra)
@@ -137,18 +137,16 @@ class _Requests:
                 raise StopAsyncIteration
             stream.waiter = self._connection.loop.create_future()
             await stream.waiter
-        message = stream.messages.popleft()
-        self._connection.consumed(stream)
-        return _parse(self._rpc, message)
+        return _parse(self._rpc, self._connection.take(stream))
 
 
 class NativeGrpcFrontend:
     """Serves the inference and health services over the native HTTP/2 transport, on the running event loop."""
 
-    def __init__(self, server: Server, max_message: int = MAX_MESSAGE_BYTES, restrictions: Restrictions | None = None,
+    def __init__(self, server: Server, limits: Http2Limits | None = None, restrictions: Restrictions | None = None,
                  forwarding: HeaderForwarding | None = None, tls: TlsOptions | None = None) -> None:
         self.server = server
-        self.max_message = max_message
+        self.limits = limits or Http2Limits()
         self._tls = tls
         self._restrictions = restrictions
         self._forwarding = forwarding
@@ -169,7 +167,7 @@ class NativeGrpcFrontend:
 
     def _connect(self) -> Http2Connection:
         assert self._router is not None
-        connection = Http2Connection(self._router, self.max_message, self._connections.discard)
+        connection = Http2Connection(self._router, self.limits, self._connections.discard)
         self._connections.add(connection)
         return connection
 

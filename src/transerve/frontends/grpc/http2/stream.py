@@ -26,7 +26,7 @@ class Stream:
     __slots__ = (
         "id", "head", "route", "task", "timer", "remote_closed", "closed", "recv_window", "recv_unacked", "inbox",
         "need", "messages", "waiter", "send_window", "headers_sent", "outbox", "outbox_bytes", "trailers",
-        "drain_waiter",
+        "drain_waiter", "received", "credited", "taken", "stalled_since",
     )
 
     def __init__(self, stream_id: int, head: RequestHead, recv_window: int, send_window: int) -> None:
@@ -49,6 +49,12 @@ class Stream:
         self.outbox_bytes = 0
         self.trailers: bytes | None = None  # to send once `outbox` is empty
         self.drain_waiter: asyncio.Future[None] | None = None
+        # Flow control counts the request's bytes: received, given back to the client as window, taken by the call
+        # (each of them a count from the start of the stream; the connection keeps taken <= credited <= received).
+        self.received = 0
+        self.credited = 0
+        self.taken = 0
+        self.stalled_since = 0.0  # when its answer last had to wait for the client's window
 
     def feed(self, data: memoryview, limit: int) -> None:
         """Split DATA payload into gRPC messages; CallRefused for a compressed or oversized one."""
@@ -67,7 +73,9 @@ class Stream:
             if end > size:
                 self.need = _PREFIX + length
                 break
-            self.messages.append(data[offset + _PREFIX:end])
+            message = data[offset + _PREFIX:end]
+            # One that waits behind another is copied, so as not to keep the whole read it came in alive.
+            self.messages.append(bytes(message) if self.messages else message)
             offset = end
         else:
             self.need = _PREFIX
