@@ -3,17 +3,17 @@ same model as a python-backend model under the real Triton with dynamic batching
 `encode` in one process at its best batch size: the ceiling, with no server at all.
 
     pip install -e '.[bench,export]'
-    python benchmarks/embedding_onnx.py --plot embedding_onnx.png     # concurrency 1,4,16,32,64, 10 s each
+    python -m benchmarks.embedding_onnx --plot embedding_onnx.png     # concurrency 1,4,16,32,64, 10 s each
 
 transerve serves the exported repository as `transerve export ... --task embedding --format onnx --bucketed
 --dynamic-batching` writes it: the `minilm` ensemble (tokenizer python model, the ONNX model in onnxruntime,
-mean-pooling python model). Triton serves `benchmarks/embedding_batching.py`'s python model (tokenizer and
-torch encoder in one `model.py`, dynamic batching), from the venv that script makes. The requests are that
-script's too: one sentence of 5 to 120 tokens each (a seeded mix), JSON in, binary embedding out, from
-closed-loop clients keeping `concurrency` requests in flight; runs alternate between servers after uncounted
-warm-ups, and each server's embeddings are checked against sentence-transformers before anything is timed.
-The ceiling is sentence-transformers encoding all the sentences in one call (it sorts them by length, so it
-pads least), at the batch size that was fastest, best of `--rounds`, measured before the servers start.
+mean-pooling python model). Triton serves the python model of benchmarks.embedding_batching (tokenizer and torch
+encoder in one `model.py`, dynamic batching; benchmarks/common/embedding.py), from the venv that benchmark makes.
+The requests are that benchmark's too: one sentence of 5 to 120 tokens each (a seeded mix), JSON in, binary
+embedding out, from closed-loop clients keeping `concurrency` requests in flight; runs alternate between servers
+after uncounted warm-ups, and each server's embeddings are checked against sentence-transformers before anything
+is timed. The ceiling is sentence-transformers encoding all the sentences in one call (it sorts them by length, so
+it pads least), at the batch size that was fastest, best of `--rounds`, measured before the servers start.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
-
-import embedding_batching as python_bench  # noqa: E402  (the Triton side, its sentences and its load generator)
+from benchmarks.common import embedding as python_bench  # the Triton side, the sentences and the load generator
+from benchmarks.common.machine import OtherWork, wait_for_quiet
+from benchmarks.common.results import add_json_option, write_json
 
 MODEL = "minilm"
 SERVERS = ("transerve", "triton")
@@ -65,8 +63,8 @@ def ceiling(
     best = (0, 0.0)
     for _ in range(rounds):
         for batch_size in batch_sizes:
-            python_bench.wait_for_quiet(quiet, patience)
-            with python_bench.OtherWork([]) as other:
+            wait_for_quiet(quiet, patience)
+            with OtherWork([]) as other:
                 started = time.perf_counter()
                 model.encode(sentences, batch_size=batch_size)
                 rate = len(sentences) / (time.perf_counter() - started)
@@ -173,7 +171,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=512)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, help="save a PNG of throughput and p99 against concurrency here")
-    parser.add_argument("--json", type=Path, help="save every run's numbers here")
+    add_json_option(parser)
     parser.add_argument("--triton-python", type=Path, default=Path("/usr/bin/python3.11"),
                         help="the Python that pytriton's stub links, to make the Triton venv from")
     args = parser.parse_args()
@@ -186,7 +184,7 @@ def main() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     servers = [s for s in args.servers.split(",") if s]
     levels = [int(c) for c in args.concurrency.split(",")]
-    from support import find_triton, start_transerve, start_triton
+    from benchmarks.common.servers import find_triton, start_transerve, start_triton
 
     sentences = python_bench.make_sentences(args.sentences, args.seed)
     print("measuring the ceiling (sentence-transformers encode, no server)...", file=sys.stderr)
@@ -221,10 +219,10 @@ def main() -> None:
                 order = servers if (concurrency + round_number) % 2 else servers[::-1]  # alternate who goes first
                 for name in order:
                     run = python_bench.Run(name, concurrency)
-                    before = python_bench.wait_for_quiet(args.quiet, args.patience)
+                    before = wait_for_quiet(args.quiet, args.patience)
                     print(f"{name} at concurrency {concurrency} (round {round_number + 1}), other work using "
                           f"{before:.2f} cores...", file=sys.stderr)
-                    with python_bench.OtherWork(pids) as other:
+                    with OtherWork(pids) as other:
                         asyncio.run(python_bench.drive(urls[name], bodies[name], concurrency, args.warmup,
                                                        args.duration, run))
                     run.background = other.cores
@@ -245,13 +243,11 @@ def main() -> None:
         plot(merged, ceiling_rate, args.plot, f"all-MiniLM-L6-v2 embeddings, {os.cpu_count()}-core CPU, "
              f"{args.rounds} x {args.duration:.0f} s per point")
         print(f"\nplot saved to {args.plot}", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps({"ceiling": {"batch_size": best_batch, "sentences_per_s": ceiling_rate},
-                                         "runs": [{"server": r.variant, "concurrency": r.concurrency,
-                                                   "sentences_per_s": r.throughput, "p50_ms": r.percentile(50),
-                                                   "p99_ms": r.percentile(99), "errors": r.errors,
-                                                   "other_work_cores": r.background}
-                                                  for r in merged]}, indent=1))
+    write_json(args.json, "embedding_onnx", {
+        "ceiling": {"batch_size": best_batch, "sentences_per_s": ceiling_rate},
+        "runs": [{"server": r.variant, "concurrency": r.concurrency, "sentences_per_s": r.throughput,
+                  "p50_ms": r.percentile(50), "p99_ms": r.percentile(99), "errors": r.errors,
+                  "other_work_cores": r.background} for r in merged]}, args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ transerve and the real Triton serve the same repository; runs alternate between 
 step, (p50 of the ensemble - p50 of the single model) / 3, is what each server charges to move a request
 from one step to the next; the issue's goal is transerve's being at most Triton's.
 
-    python benchmarks/ensemble_overhead.py [--duration 5] [--rounds 2] [--concurrency 1,16] [--baseline REF]
+    python -m benchmarks.ensemble_overhead [--duration 5] [--rounds 2] [--concurrency 1,16] [--baseline REF]
 
 `--baseline REF` also serves the repository with transerve as of git commit REF (`transerve@REF`), so a change
 is measured before and after in one run, under the same load.
@@ -14,83 +14,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
-
-import protocol  # noqa: E402  (the HTTP driver shared with the protocol benchmark)
-
-STEPS = 3
-PASSTHROUGH = '''
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(
-            "OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy())]) for r in requests]
-'''
-
-
-def write_repository(root: Path) -> None:
-    """`pass_1..3` (identity on FP32 [4]) and `chain`, an ensemble running them one after another."""
-    for index in range(1, STEPS + 1):
-        model = root / f"pass_{index}"
-        (model / "1").mkdir(parents=True)
-        (model / "1" / "model.py").write_text(PASSTHROUGH)
-        (model / "config.pbtxt").write_text(
-            f'name: "pass_{index}" backend: "python" max_batch_size: 8 '
-            'input [{name: "INPUT" data_type: TYPE_FP32 dims: [4]}] '
-            'output [{name: "OUTPUT" data_type: TYPE_FP32 dims: [4]}]')
-    steps = []
-    for index in range(1, STEPS + 1):
-        source = "INPUT" if index == 1 else f"t{index - 1}"
-        target = "OUTPUT" if index == STEPS else f"t{index}"
-        steps.append(f'{{ model_name: "pass_{index}" model_version: -1 input_map {{ key: "INPUT" value: "{source}" }} '
-                     f'output_map {{ key: "OUTPUT" value: "{target}" }} }}')
-    (root / "chain" / "1").mkdir(parents=True)
-    (root / "chain" / "1" / ".keep").write_text("")
-    (root / "chain" / "config.pbtxt").write_text(
-        'name: "chain" platform: "ensemble" max_batch_size: 8 '
-        'input [{name: "INPUT" data_type: TYPE_FP32 dims: [4]}] '
-        'output [{name: "OUTPUT" data_type: TYPE_FP32 dims: [4]}] '
-        f'ensemble_scheduling {{ step [ {", ".join(steps)} ] }}')
-
-
-def request_bytes(host: str, model: str) -> bytes:
-    body = json.dumps({"inputs": [{"name": "INPUT", "shape": [1, 4], "datatype": "FP32",
-                                   "data": [1, 2, 3, 4]}]}).encode()
-    head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
-    return head.encode() + body
+from benchmarks.common.load import RunResult, percentile, run_once
+from benchmarks.common.models import STEPS, request_bytes, write_chain_repository
+from benchmarks.common.results import add_json_option, comma_list, write_json
 
 
 @contextlib.contextmanager
 def servers(names: list[str]) -> Iterator[dict[str, tuple[str, int]]]:
     """Start each named server: `transerve`, `triton`, or `transerve@REF` (the source of git commit REF)."""
-    from support import start_transerve, start_triton
+    from benchmarks.common.servers import start_transerve, start_triton, transerve_source_at
 
     with tempfile.TemporaryDirectory(prefix="ensemble-bench-") as tmp, contextlib.ExitStack() as stack:
         root = Path(tmp) / "repo"
-        write_repository(root)
+        write_chain_repository(root)
         addresses = {}
         for name in names:
             print(f"starting {name} ...", file=sys.stderr)
             if name == "triton":
                 server = stack.enter_context(start_triton(root))
             elif name.startswith("transerve@"):
-                source = Path(tmp) / name
-                source.mkdir()
-                commit = name.partition("@")[2]
-                archive = subprocess.run(["git", "-C", str(BENCHMARKS.parent), "archive", commit, "src"],
-                                         check=True, capture_output=True).stdout
-                subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-                server = stack.enter_context(start_transerve(root, source=source / "src"))
+                source = transerve_source_at(name.partition("@")[2], Path(tmp) / name)
+                server = stack.enter_context(start_transerve(root, source=source))
             else:
                 server = stack.enter_context(start_transerve(root))
             addresses[name] = ("127.0.0.1", server.http_port)
@@ -102,28 +51,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--concurrency", type=protocol.comma_list, default=["1", "16"])
-    parser.add_argument("--servers", type=protocol.comma_list, default=["transerve", "triton"])
+    parser.add_argument("--concurrency", type=comma_list, default=["1", "16"])
+    parser.add_argument("--servers", type=comma_list, default=["transerve", "triton"])
     parser.add_argument("--baseline", metavar="REF", help="also run transerve as of this git commit")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     if args.baseline:
         args.servers.insert(0, f"transerve@{args.baseline}")
-    results: dict[tuple[str, str, int], list[protocol.RunResult]] = {}
+    results: dict[tuple[str, str, int], list[RunResult]] = {}
     with servers(args.servers) as addresses:
         for concurrency in (int(c) for c in args.concurrency):
             for round_index in range(args.rounds):
                 for model in ("pass_1", "chain"):
                     for name in args.servers:
                         host, port = addresses[name]
-                        run = protocol.run_once(name, (host, port), "json", concurrency, 1, args.warmup,
+                        run = run_once(name, (host, port), "json", concurrency, 1, args.warmup,
                                                 args.duration, request_bytes(f"{host}:{port}", model))
                         results.setdefault((name, model, concurrency), []).append(run)
                         print(f"round {round_index + 1} {name:9} {model:7} c={concurrency:<3} "
                               f"{len(run.latencies) / run.duration:8.0f} req/s errors {run.errors}", file=sys.stderr)
     print(report(results, args.servers))
+    write_json(args.json, "ensemble_overhead", [{"model": model, **run.summary()}
+                                                for (_, model, _), runs in results.items() for run in runs], args)
 
 
-def report(results: dict[tuple[str, str, int], list[protocol.RunResult]], names: list[str]) -> str:
+def report(results: dict[tuple[str, str, int], list[RunResult]], names: list[str]) -> str:
     lines = ["| server | concurrency | single req/s | single p50 ms | chain req/s | chain p50 ms | chain p99 ms "
              "| added per step ms |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     per_step: dict[tuple[str, int], float] = {}
@@ -133,7 +85,7 @@ def report(results: dict[tuple[str, str, int], list[protocol.RunResult]], names:
             runs = results[(name, kind, concurrency)]
             latencies = sorted(latency for run in runs for latency in run.latencies)
             row[kind] = (len(latencies) / sum(run.duration for run in runs),
-                         protocol.percentile(latencies, 0.5) * 1000, protocol.percentile(latencies, 0.99) * 1000,
+                         percentile(latencies, 0.5) * 1000, percentile(latencies, 0.99) * 1000,
                          sum(run.errors for run in runs))
         added = (row["chain"][1] - row["pass_1"][1]) / STEPS
         per_step[(name, concurrency)] = added

@@ -3,8 +3,8 @@ directly (the ceiling) and against transformers' `generate` called per request f
 on random-weight models of t5-small shape (d_model 512, 6+6 layers, vocab 32128) and GPT-2 small shape.
 
     pip install -e '.[bench,test]'                         # torch, transformers, ctranslate2, aiohttp, matplotlib
-    python benchmarks/generation.py --plot benchmarks/generation.png
-    python benchmarks/generation.py --quick                # tiny models, short runs: checks the script in a minute
+    python -m benchmarks.generation --plot benchmarks/generation.png
+    python -m benchmarks.generation --quick                # tiny models, short runs: checks the script in a minute
 
 Parts (`--parts`, all by default), each for every model (`--models t5,gpt2`), in one run:
 
@@ -40,45 +40,42 @@ import itertools
 import json
 import os
 import platform
-import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-BENCHMARKS = Path(__file__).resolve().parent
-REPO_ROOT = BENCHMARKS.parent
-sys.path.insert(0, str(BENCHMARKS))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-
-import embedding_batching as python_bench  # noqa: E402  (the quiet-machine wait and the other-work measure)
-
-from transerve.backends.generation.ctranslate2_engine import threads_per_call  # noqa: E402
+from benchmarks.common.generation_models import (
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    QUICK_SHAPES,
+    SERVED,
+    SHAPES,
+    STREAMED,
+    FirstToken,
+    Measured,
+    Model,
+    Request,
+    batches,
+    best_of,
+    ceiling_ct2,
+    make_load,
+    prepare_model,
+    set_parameter,
+    ttft_direct_ct2,
+)
+from benchmarks.common.machine import OtherWork, wait_for_quiet
+from benchmarks.common.results import add_json_option, commit, write_json
+from transerve.backends.generation.ctranslate2_engine import threads_per_call
 
 PARTS = ("ceiling", "baseline", "served", "ttft")
-#: Served configurations: (suffix, engine, quantization, torch scheduling).
-SERVED = (
-    ("ct2_float32", "ctranslate2", "float32", None),
-    ("ct2_int8", "ctranslate2", "int8", None),
-    ("torch_inflight", "torch", "float32", "inflight"),
-    ("torch_request", "torch", "float32", "request"),
-    ("torch_static", "torch", "float32", "static"),
-)
-#: Decoupled configurations for time to first token.
-STREAMED = (
-    ("ct2_float32_stream", "ctranslate2", "float32", None),
-    ("ct2_int8_stream", "ctranslate2", "int8", None),
-    ("torch_inflight_stream", "torch", "float32", "inflight"),
-)
 LABELS = {
     "ct2_float32": "served: CTranslate2 float32",
     "ct2_int8": "served: CTranslate2 int8",
@@ -89,251 +86,6 @@ LABELS = {
     "ct2_int8_stream": "CTranslate2 int8",
     "torch_inflight_stream": "torch, in-flight",
 }
-PROMPT_LENGTHS = (8, 64)
-NEW_TOKENS = (8, 128)
-#: Prompt token ids are drawn from the byte-level alphabet, which both tokenizers hold past their specials.
-PROMPT_IDS = (3, 259)
-
-
-@dataclass(frozen=True)
-class Shape:
-    architecture: str
-    title: str
-    sizes: dict[str, int]
-    #: Other transformers config fields of the real model.
-    config: dict[str, int]
-
-
-SHAPES = {
-    "t5": Shape("t5", "T5, t5-small shape (d_model 512, 6+6 layers, vocab 32128)",
-                {"d_model": 512, "layers": 6, "vocab_size": 32128}, {"d_ff": 2048, "num_heads": 8, "d_kv": 64}),
-    "gpt2": Shape("gpt2", "GPT-2 small shape (d_model 768, 12 layers, vocab 50257)",
-                  {"d_model": 768, "layers": 12, "vocab_size": 50257}, {"n_head": 12, "n_positions": 1024}),
-}
-QUICK_SHAPES = {
-    "t5": Shape("t5", "T5, tiny (--quick)", {"d_model": 64, "layers": 2, "vocab_size": 2000}, {}),
-    "gpt2": Shape("gpt2", "GPT-2, tiny (--quick)", {"d_model": 64, "layers": 2, "vocab_size": 2000}, {}),
-}
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: tuple[int, ...]
-    new_tokens: int
-
-
-@dataclass
-class Measured:
-    """One configuration's numbers; rounds of the same configuration merge (tokens and time summed)."""
-
-    model: str
-    key: str
-    label: str
-    tokens: int = 0
-    seconds: float = 0.0
-    latencies_ms: list[float] = field(default_factory=list)
-    #: Per completed request: the new tokens it asked for (pairs with `latencies_ms`).
-    lengths: list[int] = field(default_factory=list)
-    errors: int = 0
-    #: Cores' worth of CPU other processes used during the run (the most of merged rounds).
-    background: float = 0.0
-    note: str = ""
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def merge(self, other: Measured) -> None:
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-        self.latencies_ms += other.latencies_ms
-        self.lengths += other.lengths
-        self.errors += other.errors
-        self.background = max(self.background, other.background)
-        self.note = other.note or self.note
-
-    def percentile(self, q: float) -> float:
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
-
-
-@dataclass
-class FirstToken:
-    """Time to first token of one streaming configuration, and the time per token after the first."""
-
-    model: str
-    key: str
-    label: str
-    ttft_ms: list[float] = field(default_factory=list)
-    per_token_ms: list[float] = field(default_factory=list)
-
-    def percentile(self, q: float) -> float:
-        return float(np.percentile(self.ttft_ms, q)) if self.ttft_ms else float("nan")
-
-
-@dataclass
-class Model:
-    """One benchmarked model: its Hugging Face folder, the repository `transerve convert` wrote, its ids."""
-
-    name: str
-    shape: Shape
-    hf_dir: Path
-    repository: Path
-    encoder_decoder: bool
-    eos_id: int
-    pad_id: int
-    #: The end id every request names: an id whose output row was scaled down so that it is never picked.
-    end_id: int
-
-    def ct2_dir(self, precision: str) -> Path:
-        return self.repository / f"{self.name}_ct2_{precision}" / "1" / "model"
-
-
-# ------------------------------------------------------------------------------------------------ models
-
-
-def prepare_model(name: str, shape: Shape, workdir: Path) -> Model:
-    """Build (once per workdir) the random-weight model, silence its end id, and convert it for every config."""
-    import transformers
-    from support.generation_models import build_generation_model
-
-    from transerve.convert.command import convert
-
-    folder = workdir / f"{name}-{shape.sizes['d_model']}x{shape.sizes['layers']}-{shape.sizes['vocab_size']}"
-    hf_dir, repository = folder / "hf", folder / "repository"
-    done = folder / "complete"
-    config = transformers.AutoConfig.from_pretrained(hf_dir) if done.exists() else None
-    if config is None:
-        shutil.rmtree(folder, ignore_errors=True)
-        print(f"building the {shape.title} model in {folder}...", file=sys.stderr)
-        build_generation_model(shape.architecture, hf_dir, d_model=shape.sizes["d_model"],
-                               layers=shape.sizes["layers"], vocab_size=shape.sizes["vocab_size"], config=shape.config)
-        silence_token(hf_dir, shape.sizes["vocab_size"] - 1)
-        config = transformers.AutoConfig.from_pretrained(hf_dir)
-        done.touch()
-    for suffix, engine, quantization, scheduling in SERVED + STREAMED:  # those a kept workdir lacks too
-        if (repository / f"{name}_{suffix}").is_dir():
-            continue
-        written = convert(hf_dir, repository, engine, quantization, f"{name}_{suffix}", max_batch_size=8,
-                          decoupled=suffix.endswith("_stream"))
-        for extra in written[1:]:  # the tokenizer, detokenizer and text ensemble: not measured here
-            shutil.rmtree(repository / extra)
-        if scheduling:
-            set_parameter(repository / f"{name}_{suffix}" / "config.pbtxt", "scheduling", scheduling)
-    encoder_decoder = bool(config.is_encoder_decoder)
-    return Model(name, shape, hf_dir, repository, encoder_decoder, eos_id=int(config.eos_token_id),
-                 pad_id=int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id),
-                 end_id=shape.sizes["vocab_size"] - 1)
-
-
-def silence_token(hf_dir: Path, token: int) -> None:
-    """Scale `token`'s output-embedding row by 1e-3: its logit stays near 0, far below the best, so greedy
-    decoding never picks it and it can serve as an end id that never ends a sequence early."""
-    import torch
-    import transformers
-
-    auto = transformers.AutoModelForSeq2SeqLM if transformers.AutoConfig.from_pretrained(hf_dir).is_encoder_decoder \
-        else transformers.AutoModelForCausalLM
-    model = auto.from_pretrained(hf_dir)
-    with torch.no_grad():
-        model.get_output_embeddings().weight[token] *= 1e-3
-    model.save_pretrained(hf_dir)
-
-
-def set_parameter(config_path: Path, key: str, value: str) -> None:
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
-    config.parameters[key].string_value = value
-    config_path.write_text(text_format.MessageToString(config))
-
-
-def make_load(count: int, seed: int, model: Model) -> list[Request]:
-    """`count` requests: prompts of PROMPT_LENGTHS ids (T5's end with its end-of-sequence token, as its tokenizer
-    writes them), each asking for NEW_TOKENS new tokens; the same draws for every model."""
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(count):
-        length = rng.randint(*PROMPT_LENGTHS)
-        prompt = [rng.randrange(*PROMPT_IDS) for _ in range(length)]
-        if model.encoder_decoder:
-            prompt[-1] = model.eos_id
-        requests.append(Request(tuple(prompt), rng.randint(*NEW_TOKENS)))
-    return requests
-
-
-def batches(requests: list[Request], size: int) -> list[list[Request]]:
-    """The requests sorted by new tokens, in batches of `size`: the static batching that pads least."""
-    ordered = sorted(requests, key=lambda r: (r.new_tokens, len(r.prompt)))
-    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
-
-
-# ----------------------------------------------------------------------------------------------- ceiling
-
-
-def ct2_vocabulary(model_dir: Path) -> list[str]:
-    for name in ("shared_vocabulary.json", "vocabulary.json", "source_vocabulary.json"):
-        if (model_dir / name).is_file():
-            return json.loads((model_dir / name).read_text())
-    raise SystemExit(f"no vocabulary in {model_dir}")
-
-
-def ceiling_ct2(model: Model, precision: str, requests: list[Request], batch: int, threads: int,
-                rounds: int, quiet: float, patience: float, calls: int = 1) -> Measured:
-    """CTranslate2 called directly on batches of `batch` requests: best of `rounds` passes over the requests.
-    With `calls` > 1, that many threads take the batches in turn, each call on its own replica (`inter_threads`)."""
-    import ctranslate2
-
-    model_dir = model.ct2_dir(precision)
-    vocabulary = ct2_vocabulary(model_dir)
-    end = vocabulary[model.end_id]
-    groups = [([[vocabulary[t] for t in r.prompt] for r in group], max(r.new_tokens for r in group))
-              for group in batches(requests, batch)]
-    kind = ctranslate2.Translator if model.encoder_decoder else ctranslate2.Generator
-    engine = kind(str(model_dir), device="cpu", compute_type="default", intra_threads=threads, inter_threads=calls)
-    if model.encoder_decoder:
-        def decode(tokens: list[list[str]], length: int) -> list[int]:
-            results = engine.translate_batch(tokens, beam_size=1, max_decoding_length=length, end_token=end,
-                                             max_input_length=0)
-            return [len(result.hypotheses[0]) for result in results]
-    else:
-        def decode(tokens: list[list[str]], length: int) -> list[int]:
-            results = engine.generate_batch(tokens, beam_size=1, max_length=length, end_token=end,
-                                            include_prompt_in_result=False)
-            return [len(result.sequences_ids[0]) for result in results]
-
-    def run() -> int:
-        if calls == 1:
-            return sum(sum(decode(tokens, length)) for tokens, length in groups)
-        waiting = list(reversed(groups))
-        produced: list[int] = []
-
-        def caller() -> None:
-            while waiting:
-                try:
-                    tokens, length = waiting.pop()
-                except IndexError:
-                    return
-                produced.append(sum(decode(tokens, length)))
-
-        callers = [threading.Thread(target=caller) for _ in range(calls)]
-        for thread in callers:
-            thread.start()
-        for thread in callers:
-            thread.join()
-        return sum(produced)
-
-    decode(groups[0][0][:2], 4)  # warm-up
-    if calls == 1:
-        key, label = f"ceiling_{precision}_t{threads}", f"CTranslate2 {precision}, direct, batch {batch}, " \
-            f"intra_threads {threads or 'default'}"
-    else:
-        key, label = f"ceiling_{precision}_c{calls}", f"CTranslate2 {precision}, direct, batch {batch}, {calls} " \
-            f"calls at once x intra_threads {threads}"
-    return best_of(rounds, quiet, patience, model, key, label, run,
-                   sum(len(tokens) * length for tokens, length in groups))
-
-
 def ceiling_transformers(model: Model, requests: list[Request], batch: int, rounds: int, quiet: float,
                          patience: float) -> Measured:
     """transformers' generate on the same batches (T5 padded right, GPT-2 left, with attention masks)."""
@@ -361,25 +113,6 @@ def ceiling_transformers(model: Model, requests: list[Request], batch: int, roun
     return best_of(rounds, quiet, patience, model, "ceiling_transformers", f"transformers generate, batch {batch}",
                    lambda: sum(decode(*group) for group in groups),
                    sum(group[0].shape[0] * group[2] for group in groups))
-
-
-def best_of(rounds: int, quiet: float, patience: float, model: Model, key: str, label: str, run: Any,
-            expected: int) -> Measured:
-    best = Measured(model.name, key, label)
-    for round_number in range(rounds):
-        python_bench.wait_for_quiet(quiet, patience)
-        with python_bench.OtherWork([]) as other:
-            started = time.perf_counter()
-            tokens = run()
-            seconds = time.perf_counter() - started
-        this = Measured(model.name, key, label, tokens, seconds, background=other.cores,
-                        errors=int(tokens != expected))
-        print(f"  {model.name} {label} (round {round_number + 1}): {this.rate:.1f} tokens/s, {tokens} tokens "
-              f"(expected {expected}), other work {other.cores:.2f} cores", file=sys.stderr)
-        if this.rate > best.rate:
-            best = this
-    return best
-
 
 def load_transformers(model: Model) -> Any:
     import transformers
@@ -564,36 +297,6 @@ async def time_to_first_token(grpc_url: str, model_name: str, requests: list[Req
     finally:
         await client.close()
 
-
-def ttft_direct_ct2(model: Model, precision: str, requests: list[Request], new: int, threads: int) -> FirstToken:
-    """CTranslate2 called directly, one request at a time, `new` tokens each: the time from the call to its
-    first token (step callback) and per token after that; the engine's own floor under the served numbers. The
-    first request is not counted, as in `time_to_first_token`."""
-    import ctranslate2
-
-    model_dir = model.ct2_dir(precision)
-    vocabulary = ct2_vocabulary(model_dir)
-    end = vocabulary[model.end_id]
-    kind = ctranslate2.Translator if model.encoder_decoder else ctranslate2.Generator
-    engine = kind(str(model_dir), device="cpu", compute_type="default", intra_threads=threads)
-    result = FirstToken(model.name, f"direct_{precision}_t{threads}",
-                        f"CTranslate2 {precision} called directly, intra_threads {threads}")
-    for index, request in enumerate(requests):
-        tokens = [[vocabulary[t] for t in request.prompt]]
-        times: list[float] = []
-        options = {"beam_size": 1, "end_token": end,
-                   "callback": lambda step, stamps=times: stamps.append(time.perf_counter())}
-        sent = time.perf_counter()
-        if model.encoder_decoder:
-            engine.translate_batch(tokens, max_decoding_length=new, max_input_length=0, **options)
-        else:
-            engine.generate_batch(tokens, max_length=new, include_prompt_in_result=False, **options)
-        if index and times:
-            result.ttft_ms.append((times[0] - sent) * 1000)
-            result.per_token_ms.append((times[-1] - times[0]) * 1000 / max(len(times) - 1, 1))
-    return result
-
-
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -765,7 +468,7 @@ def main() -> None:
     parser.add_argument("--patience", type=float, default=60.0, help="...but no longer than this many seconds")
     parser.add_argument("--workdir", type=Path, help="keep the built and converted models here for the next run")
     parser.add_argument("--plot", type=Path, help="save a PNG of throughput and latency against length here")
-    parser.add_argument("--json", type=Path, help="save every run's numbers here")
+    add_json_option(parser)
     if "--quick" in sys.argv[1:]:  # smaller defaults; options given explicitly still win
         parser.set_defaults(duration=4.0, baseline_duration=4.0, warmup=2.0, requests=48, ceiling_requests=16,
                             ceiling_rounds=1, ttft_requests=3, baseline_threads="2", patience=5.0)
@@ -819,10 +522,10 @@ def main() -> None:
                 pools = [int(t) for t in args.baseline_threads.split(",")]
                 intra = [int(t) or torch_default for t in args.baseline_torch_threads.split(",")]
                 for round_number, threads, torch_threads in itertools.product(range(args.rounds), pools, intra):
-                    before = python_bench.wait_for_quiet(args.quiet, args.patience)
+                    before = wait_for_quiet(args.quiet, args.patience)
                     print(f"{model.name}: transformers per request, {threads} threads x {torch_threads} torch "
                           f"threads (round {round_number + 1}), other work {before:.2f} cores...", file=sys.stderr)
-                    with python_bench.OtherWork([]) as other:
+                    with OtherWork([]) as other:
                         measured = baseline(model, loads[model.name], threads, torch_threads, args.warmup,
                                             args.baseline_duration)
                     measured.background = other.cores
@@ -841,7 +544,8 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
                 record: Any, ttft: list[FirstToken], workdir: Path) -> str:
     """Serve every model's configs from one transerve; return what failed ("" when nothing did)."""
     import aiohttp
-    from support import start_transerve
+
+    from benchmarks.common.servers import start_transerve
 
     repository = workdir / "served"
     shutil.rmtree(repository, ignore_errors=True)
@@ -865,11 +569,11 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
             for suffix in served:
                 name = f"{model.name}_{suffix}"
                 measured = Measured(model.name, suffix, LABELS[suffix])
-                before = python_bench.wait_for_quiet(args.quiet, args.patience)
+                before = wait_for_quiet(args.quiet, args.patience)
                 print(f"{name}: {args.concurrency} clients (round {round_number + 1}), other work {before:.2f} "
                       "cores...", file=sys.stderr)
                 try:
-                    with python_bench.OtherWork([process.process.pid]) as other:
+                    with OtherWork([process.process.pid]) as other:
                         asyncio.run(drive(f"{process.base_url}/v2/models/{name}/infer", loads[model.name],
                                           model.end_id, args.concurrency, args.warmup, args.duration, measured))
                 except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
@@ -886,7 +590,7 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
                 for precision in [p for p in ("float32", "int8") if f"ct2_{p}" in configs]:
                     served_threads = args.ct2_threads or threads_per_call(args.ct2_calls)
                     for threads in sorted({served_threads, threads_per_call(1)}):
-                        python_bench.wait_for_quiet(args.quiet, args.patience)
+                        wait_for_quiet(args.quiet, args.patience)
                         measured = ttft_direct_ct2(model, precision, loads[model.name][:args.ttft_requests + 1],
                                                    args.ttft_tokens, threads)
                         print(f"{model.name} {measured.label}: time to first token p50 "
@@ -894,7 +598,7 @@ def serve_parts(args: argparse.Namespace, parts: list[str], models: list[Model],
                         ttft.append(measured)
             for suffix in streamed:
                 name = f"{model.name}_{suffix}"
-                python_bench.wait_for_quiet(args.quiet, args.patience)
+                wait_for_quiet(args.quiet, args.patience)
                 print(f"{name}: time to first token, {args.ttft_requests} requests...", file=sys.stderr)
                 measured = FirstToken(model.name, suffix, LABELS[suffix])
                 asyncio.run(time_to_first_token(process.grpc_url, name, loads[model.name][:args.ttft_requests + 1],
@@ -910,16 +614,14 @@ def report(args: argparse.Namespace, models: list[Model], results: dict[str, dic
            load_before: float) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
-    print(f"\n{started:%Y-%m-%d %H:%M}-{finished:%H:%M} UTC, commit {commit}, {cpu}, {os.cpu_count()} cores, "
+    print(f"\n{started:%Y-%m-%d %H:%M}-{finished:%H:%M} UTC, commit {commit()}, {cpu}, {os.cpu_count()} cores, "
           f"Python {platform.python_version()}; load average {load_before:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end; {args.requests} requests (prompts {PROMPT_LENGTHS[0]}-"
           f"{PROMPT_LENGTHS[1]} tokens, {NEW_TOKENS[0]}-{NEW_TOKENS[1]} new tokens, seed {args.seed}); ceilings: "
           f"{args.ceiling_requests} of them, batch {args.batch}, best of {args.ceiling_rounds}; served: "
           f"{args.concurrency} clients, {args.rounds} x {args.duration:.0f} s after {args.warmup:.0f} s warm-ups, "
           f"intra_op_threads CTranslate2 {args.ct2_threads}, torch {args.torch_threads} (0: the engine's default); "
-          f"ONEDNN_MAX_CPU_ISA {os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')} (benchmarks/onednn_isa.py); "
+          f"ONEDNN_MAX_CPU_ISA {os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')} (benchmarks.onednn_isa); "
           "other work: cores' worth of CPU other processes used during the row's runs")
     for model in models:
         rows = results[model.name]
@@ -942,12 +644,9 @@ def report(args: argparse.Namespace, models: list[Model], results: dict[str, dic
         plot(results, args.plot, f"Text generation, {os.cpu_count()}-core CPU, {started:%Y-%m-%d}: throughput "
              f"({args.concurrency} clients, {args.rounds} x {args.duration:.0f} s) and latency by output length")
         print(f"\nplot saved to {args.plot}", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps({
-            "started": started.isoformat(), "args": {k: str(v) for k, v in vars(args).items()},
-            "results": [asdict(r) for rows in results.values() for r in rows.values()],
-            "ttft": [asdict(r) for r in ttft],
-        }, indent=1))
+    write_json(args.json, "generation", {
+        "started": started.isoformat(), "results": [r for rows in results.values() for r in rows.values()],
+        "ttft": ttft}, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Hostile HTTP/2 clients against transerve's gRPC listener, on both transports: what each flood costs the server.
 
-    unshare -n sh -c 'ip link set lo up; python benchmarks/grpc_hostile.py'      # every probe, both transports
-    python benchmarks/grpc_hostile.py --transports native --probes ping,settings --seconds 5
+    unshare -n sh -c 'ip link set lo up; python -m benchmarks.grpc_hostile'      # every probe, both transports
+    python -m benchmarks.grpc_hostile --transports native --probes ping,settings --seconds 5
 
 Each probe of issue 19's table runs, in turn, against one server per transport while a bystander calls ModelInfer
 (add_sub) every 10 ms on a connection of its own:
@@ -32,9 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-sys.path.insert(0, str(REPO_ROOT / "src"))
+from benchmarks.common.results import write_json
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
@@ -406,17 +404,12 @@ def run_probe(server, transport: str, name: str, seconds: float) -> Row:  # type
                bystander.errors, len(bystander.latencies), cut)
 
 
-def write_json(rows: list[Row], path: str) -> None:
+def records(rows: list[Row]) -> list[dict]:
     """The rows as a list of objects (times in seconds, memory in MB); None where the connection was never cut."""
-    records = [{"transport": row.transport, "probe": row.probe, "rss_growth_peak_mb": round(row.growth_peak, 1),
+    return [{"transport": row.transport, "probe": row.probe, "rss_growth_peak_mb": round(row.growth_peak, 1),
                 "rss_growth_after_mb": round(row.growth_after, 1), "bystander_p99_ms": round(row.p99_ms, 2),
                 "bystander_errors": row.errors, "bystander_calls": row.calls, "cut_after_budget_s": row.cut.delay(),
                 "note": row.cut.note} for row in rows]
-    text = json.dumps(records, indent=2)
-    if path == "-":
-        print(text)
-    else:
-        Path(path).write_text(text + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -429,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                         "ping-strikes 0 --grpc-stall-timeout-secs 2' (PINGs bounded by the read pause alone)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout, no table)")
     args = parser.parse_args(argv)
-    from support import EXAMPLE_REPOSITORY, start_transerve
+    from benchmarks.common.servers import EXAMPLE_REPOSITORY, start_transerve
 
     rows: list[Row] = []
     for transport in args.transports.split(","):
@@ -442,10 +435,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{transport:7} {name:20} done: {row}", file=sys.stderr, flush=True)
                 if server.process.poll() is not None:
                     raise SystemExit(f"the {transport} server died during {name}:\n{server.log_tail()}")
+    if args.json == "-":
+        print(json.dumps(records(rows), indent=2))
+        return
     if args.json:
-        write_json(rows, args.json)
-        if args.json == "-":
-            return
+        write_json(Path(args.json), "grpc_hostile", records(rows), args)
     print("| transport | probe | RSS growth, peak / after (MB) | bystander p99 (ms) | bystander errors / calls "
           "| cut after budget (s) | note |")
     print("|---|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """Hostile HTTP/1.1 clients against a real transerve: what each costs the server, and a bystander meanwhile.
 
-    unshare -n sh -c 'ip link set lo up; python benchmarks/http_hostile.py --json out.json'
-    python benchmarks/http_hostile.py --probes long_url,connect,slowloris --slowloris 2000
+    unshare -n sh -c 'ip link set lo up; python -m benchmarks.http_hostile --json out.json'
+    python -m benchmarks.http_hostile --probes long_url,connect,slowloris --slowloris 2000
 
 Run it in a network namespace of its own (`unshare -n`, as above), so that ten thousand connections disturb no
 one else's servers. The probes are issue 19's for HTTP/1.1, run in turn against one server started with the default
@@ -39,9 +39,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common.results import add_json_option, commit, write_json
+
 ADD_SUB = json.dumps({"inputs": [
     {"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},
     {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]},
@@ -466,12 +466,6 @@ def judge(row: Row, args: argparse.Namespace, alive: bool) -> str:
     return "; ".join(f"{name}: {'met' if ok else 'NOT MET'}" for name, ok in checks)
 
 
-def commit_of(path: Path) -> str:
-    result = subprocess.run(["git", "-C", str(path), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True, check=False)
-    return result.stdout.strip() or "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--probes", default=",".join(PROBES), help="comma-separated, from: " + ", ".join(PROBES))
@@ -479,7 +473,7 @@ def main() -> int:
     parser.add_argument("--pipeline-connections", type=int, default=2)
     parser.add_argument("--pipeline-secs", type=float, default=15.0)
     parser.add_argument("--server-args", default="", help="more `transerve serve` flags, space-separated")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows, the bounds and the setting as JSON")
+    add_json_option(parser)
     args = parser.parse_args()
     probes = [name.strip() for name in args.probes.split(",") if name.strip()]
     unknown = set(probes) - set(PROBES)
@@ -496,8 +490,7 @@ def main() -> int:
     args.body_timeout = defaults["--http-body-timeout-secs"]
     args.send_timeout = defaults["--http-send-timeout-secs"]
     file_limit = raise_file_limit()
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from support import EXAMPLE_REPOSITORY, start_transerve
+    from benchmarks.common.servers import EXAMPLE_REPOSITORY, start_transerve
 
     rows: list[Row] = []
     context = multiprocessing.get_context("spawn")
@@ -530,7 +523,7 @@ def main() -> int:
             row.bystanders[kind] = (p99_ms([latency for latency, ok in window if ok]),
                                     sum(1 for _, ok in window if not ok), len(window))
         row.bound = judge(row, args, alive)
-    setting = (f"commit {commit_of(REPO_ROOT)}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, open-file limit "
+    setting = (f"commit {commit()}, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, open-file limit "
                f"{file_limit}, server flags: {args.server_args or 'the defaults'}")
     print(setting)
     print("| probe | server's answer | probe connection closed | server RSS growth, peak / after (MB) | "
@@ -548,7 +541,7 @@ def main() -> int:
              "rss_after_mb": row.rss_after_mb, "measures": row.measures, "bounds": row.bound,
              "bystanders": {kind: {"p99_ms": p99 if calls else None, "errors": errors, "calls": calls}
                             for kind, (p99, errors, calls) in row.bystanders.items()}} for row in rows]}
-        Path(args.json).write_text(json.dumps(document, indent=2, default=str) + "\n")
+        write_json(args.json, "http_hostile", document, args)
     return 0 if alive and all("NOT MET" not in row.bound for row in rows) else 1
 
 

@@ -12,8 +12,8 @@ with its instance threads living on (`ThreadPoolExecutor`, as before), each in a
 alternating. In-process, because served over HTTP on a 2-core machine the clients' and the event loop's share of
 the cores made 10-second windows differ by up to 25% with nothing else changed.
 
-    python benchmarks/idle_threads.py            # 3 rounds
-    python benchmarks/idle_threads.py --quick    # short windows: checks the script
+    python -m benchmarks.idle_threads            # 3 rounds
+    python -m benchmarks.idle_threads --quick    # short windows: checks the script
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common.results import add_json_option, write_json
 
 SEQUENCE = 32
 CONFIG = """
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-idle-threads")
     parser.add_argument("--quick", action="store_true", help="short windows, one round")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.warmup, args.duration, args.settle = 1, 1.0, 3.0, 1.5
@@ -143,23 +146,27 @@ def main() -> None:
         return
     kinds = {"end": "idle threads end (the backend)", "live": "idle threads live on (before)"}
     results: dict[str, list[float]] = {kind: [] for kind in kinds}
+    runs: list[dict[str, Any]] = []
     print(f"busy: TorchScript BERT (6 layers, hidden 384), 1 x {SEQUENCE} tokens per request, two at once, "
           f"{args.duration:.0f} s windows after {args.warmup:.0f} s; requests/s")
     print("| round | instance threads | busy alone | busy after idle ran | ratio |")
     print("|---:|---|---:|---:|---:|")
     for round_number in range(1, args.rounds + 1):
         for kind, label in kinds.items():
-            command = [sys.executable, __file__, "--worker", kind, "--workdir", str(args.workdir),
+            command = [sys.executable, "-m", "benchmarks.idle_threads", "--worker", kind,
+                       "--workdir", str(args.workdir),
                        "--warmup", str(args.warmup), "--duration", str(args.duration), "--settle", str(args.settle)]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             rates = json.loads(out.strip().splitlines()[-1])
             ratio = rates["after idle ran"] / rates["alone"]
             results[kind].append(ratio)
+            runs.append({"round": round_number, "instance_threads": kind, **rates})
             print(f"| {round_number} | {label} | {rates['alone']:.1f} | {rates['after idle ran']:.1f} | "
                   f"{ratio:.2f}x |", flush=True)
     for kind, label in kinds.items():
         print(f"{label}: busy after idle ran / alone, median of {len(results[kind])}: "
               f"{statistics.median(results[kind]):.2f}x")
+    write_json(args.json, "idle_threads", runs, args)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """The torch engine's in-flight batching against its request-level batching, called directly (no server), on a
 random-weight model of t5-small shape (d_model 512, 6+6 layers, vocab 32128) or, with `--arch gpt2`, GPT-2 small
-shape (d_model 768, 12 layers, vocab 50257), built as benchmarks/generation.py builds them, under a mixed-length
+shape (d_model 768, 12 layers, vocab 50257), built as benchmarks.generation builds them, under a mixed-length
 load; optionally the same for the engine of another git revision, side by side.
 
-    python benchmarks/inflight_vs_request.py                        # this checkout, 2 rounds
-    python benchmarks/inflight_vs_request.py --compare-with HEAD~3  # and the engine as it was at HEAD~3
-    python benchmarks/inflight_vs_request.py --compare-with A --compare-with B --no-checkout   # revisions only
-    python benchmarks/inflight_vs_request.py --quick                # tiny model, short windows: checks the script
-    python benchmarks/inflight_vs_request.py --arch gpt2 --threads 1  # the decoder-only model
+    python -m benchmarks.inflight_vs_request                        # this checkout, 2 rounds
+    python -m benchmarks.inflight_vs_request --compare-with HEAD~3  # and the engine as it was at HEAD~3
+    python -m benchmarks.inflight_vs_request --compare-with A --compare-with B --no-checkout   # revisions only
+    python -m benchmarks.inflight_vs_request --quick                # tiny model, short windows: checks the script
+    python -m benchmarks.inflight_vs_request --arch gpt2 --threads 1  # the decoder-only model
 
 Request-level batching is measured two ways: `request` (finished rows leave the batch at once; new sequences join
 only an empty batch) and `static` (finished rows decode on, their tokens discarded, until the batch's last sequence
@@ -31,41 +31,18 @@ import random
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-REPO_ROOT = BENCHMARKS.parent
-#: t5-small's and GPT-2 small's shapes, as benchmarks/generation.py builds them.
-SIZES = {
-    "t5": {"d_model": 512, "layers": 6, "vocab_size": 32128},
-    "gpt2": {"d_model": 768, "layers": 12, "vocab_size": 50257},
-}
-CONFIG = {"t5": {"d_ff": 2048, "num_heads": 8, "d_kv": 64}, "gpt2": {"n_head": 12, "n_positions": 1024}}
-QUICK_SIZES = {"d_model": 64, "layers": 2, "vocab_size": 2000}
-PROMPT_LENGTHS = (8, 64)
-NEW_TOKENS = (8, 128)
-PROMPT_IDS = (3, 259)
+from benchmarks.common.generation_models import NEW_TOKENS, PROMPT_IDS, PROMPT_LENGTHS, SHAPES, build_model
+from benchmarks.common.results import REPO_ROOT, add_json_option, write_json
+from benchmarks.common.servers import transerve_source_at
+
 #: The engine's schedulings: in-flight, and request-level with finished rows leaving at once (`request`) or decoding
 #: on until the batch ends (`static`, as FasterTransformer's backend and transformers' `generate` do).
 SCHEDULINGS = ("inflight", "request", "static")
-
-
-def build_model(workdir: Path, arch: str, quick: bool) -> Path:
-    """The random-weight model (built once per workdir)."""
-    sizes = QUICK_SIZES if quick else SIZES[arch]
-    path = workdir / f"{arch}-{sizes['d_model']}x{sizes['layers']}-{sizes['vocab_size']}"
-    if not (path / "complete").exists():
-        sys.path.insert(0, str(REPO_ROOT / "tests"))
-        from support.generation_models import build_generation_model
-
-        print(f"building the model in {path}...", file=sys.stderr)
-        build_generation_model(arch, path, **sizes, config={} if quick else CONFIG[arch])
-        (path / "complete").touch()
-    return path
 
 
 def load(count: int, seed: int, eos: int) -> list[tuple[list[int], int]]:
@@ -134,17 +111,9 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)  # the engine thread may be inside torch: do not wait for it
 
 
-def source_tree(revision: str, into: Path) -> Path:
-    """`revision`'s src folder, extracted under `into`."""
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(REPO_ROOT), "archive", "-o", str(archive), revision, "src"], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into / revision.replace("/", "_"), filter="data")
-    return into / revision.replace("/", "_") / "src"
-
-
 def measure(src: Path, scheduling: str, model: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--worker", "--model", str(model), "--scheduling", scheduling,
+    command = [sys.executable, "-m", "benchmarks.inflight_vs_request", "--worker", "--model", str(model),
+               "--scheduling", scheduling,
                "--rows", str(args.rows), "--in-flight", str(args.in_flight), "--threads", str(args.threads),
                "--warmup", str(args.warmup), "--seconds", str(args.seconds), "--seed", str(args.seed)]
     env = {**os.environ, "PYTHONPATH": str(src)}
@@ -168,10 +137,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, short windows")
     parser.add_argument("--schedulings", default=",".join(SCHEDULINGS),
                         help="those to measure; in-flight is always one (revisions before static: inflight,request)")
-    parser.add_argument("--arch", choices=sorted(SIZES), default="t5", help="the model's architecture and shape")
+    parser.add_argument("--arch", choices=sorted(SHAPES), default="t5", help="the model's architecture and shape")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--scheduling", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     schedulings = ["inflight", *(s for s in args.schedulings.split(",") if s != "inflight")]
     if args.worker:
@@ -182,7 +152,8 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = build_model(args.workdir, args.arch, args.quick)
     with tempfile.TemporaryDirectory() as scratch:
-        trees = [(revision, source_tree(revision, Path(scratch))) for revision in args.compare_with]
+        trees = [(revision, transerve_source_at(revision, Path(scratch) / revision.replace("/", "_")))
+                 for revision in args.compare_with]
         if not args.no_checkout:
             trees.append(("this checkout", REPO_ROOT / "src"))
         print(f"{model.name}: in flight {args.in_flight}, max_batch_rows {args.rows}, {args.threads} torch threads, "
@@ -210,6 +181,8 @@ def main() -> None:
                         inflight, request = (pick(r[key] for r in results[(label, s)]) for s in ("inflight", other))
                         cells.append(f"{inflight:.0f} / {request:.0f} = {inflight / request:.2f}x")
                 print(f"| {label} | {other} | {' | '.join(cells)} |")
+        write_json(args.json, "inflight_vs_request", [{"engine": label, "scheduling": scheduling, "runs": runs}
+                                                      for (label, scheduling), runs in results.items()], args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ concurrent callers (the instance queues up to `max_inflight`, 4 by default, in t
 then with several requests per execute call, and prints per request: throughput, wall time, CPU of
 the server process (including this driver's own coroutines) and CPU of the worker process. Run:
 
-    python benchmarks/python_backend_ipc.py [--requests 20000] [--no-uvloop]
+    python -m benchmarks.python_backend_ipc [--requests 20000] [--no-uvloop] [--json PATH]
 """
 
 from __future__ import annotations
@@ -13,31 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from pathlib import Path
 
-import numpy as np
 import psutil
 
-from transerve.backends.base import ModelContext
+from benchmarks.common.models import add_sub_request, example_context
+from benchmarks.common.results import add_json_option, write_json
 from transerve.backends.python.backend import PythonBackend, PythonInstance
-from transerve.config import model_config
-from transerve.core.types import InferRequest, Tensor
-
-REPOSITORY = Path(__file__).resolve().parents[1] / "examples" / "model_repository"
-
-
-def context(name: str) -> ModelContext:
-    model_path = REPOSITORY / name
-    config = model_config.load_config_file(model_path)
-    model_config.normalize(config, name)
-    model_config.validate(config, name)
-    return ModelContext(name, "1", model_path, model_path / "1", REPOSITORY, config)
-
-
-def add_sub_request(batch: int = 1) -> InferRequest:
-    in0 = np.arange(4 * batch, dtype=np.float32).reshape(batch, 4)
-    in1 = np.ones((batch, 4), np.float32)
-    return InferRequest("add_sub", [Tensor("INPUT0", "FP32", in0), Tensor("INPUT1", "FP32", in1)], id="bench")
 
 
 async def drive(instance: PythonInstance, callers: int, calls: int, requests_per_call: int) -> None:
@@ -52,7 +33,8 @@ async def drive(instance: PythonInstance, callers: int, calls: int, requests_per
     await asyncio.gather(*(caller() for _ in range(callers)))
 
 
-async def measure(instance: PythonInstance, worker: psutil.Process, callers: int, requests: int, per_call: int) -> str:
+async def measure(instance: PythonInstance, worker: psutil.Process, callers: int, requests: int,
+                  per_call: int) -> dict[str, float]:
     calls = max(requests // per_call, callers)
     await drive(instance, callers, calls // 10 or 1, per_call)  # warm up
     server = psutil.Process()
@@ -63,32 +45,42 @@ async def measure(instance: PythonInstance, worker: psutil.Process, callers: int
     total = calls // callers * callers * per_call
     server_us = (sum(server.cpu_times()[:2]) - server_cpu) / total * 1e6
     worker_us = (sum(worker.cpu_times()[:2]) - worker_cpu) / total * 1e6
-    return (
-        f"| {callers:>7} | {per_call:>8} | {total / wall:>10,.0f} | {wall / total * 1e6:>11.1f} "
-        f"| {server_us:>17.1f} | {worker_us:>17.1f} |"
-    )
+    return {"callers": callers, "requests_per_call": per_call, "req_per_s": total / wall,
+            "wall_us_per_req": wall / total * 1e6, "server_cpu_us_per_req": server_us,
+            "worker_cpu_us_per_req": worker_us}
 
 
-async def main(requests: int) -> None:
-    model = await PythonBackend().load(context("add_sub"))
+def row(result: dict[str, float]) -> str:
+    return (f"| {result['callers']:>7} | {result['requests_per_call']:>8} | {result['req_per_s']:>10,.0f} "
+            f"| {result['wall_us_per_req']:>11.1f} | {result['server_cpu_us_per_req']:>17.1f} "
+            f"| {result['worker_cpu_us_per_req']:>17.1f} |")
+
+
+async def main(requests: int) -> list[dict[str, float]]:
+    model = await PythonBackend().load(example_context("add_sub"))
     instance = model.instances[0]
     assert isinstance(instance, PythonInstance)
     worker = psutil.Process(instance._worker.process.pid)
     print("| callers | req/call |    req/s   | wall µs/req | server CPU µs/req | worker CPU µs/req |")
     print("|--------:|---------:|-----------:|------------:|------------------:|------------------:|")
+    results = []
     for callers, per_call in ((1, 1), (2, 1), (4, 1), (8, 1), (4, 8), (4, 64)):
-        print(await measure(instance, worker, callers, requests, per_call))
+        results.append(await measure(instance, worker, callers, requests, per_call))
+        print(row(results[-1]), flush=True)
     await model.unload()
+    return results
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--no-uvloop", action="store_true", help="use asyncio's default event loop")
+    add_json_option(parser)
     args = parser.parse_args()
     if args.no_uvloop:
-        asyncio.run(main(args.requests))
+        measured = asyncio.run(main(args.requests))
     else:
         import uvloop
 
-        uvloop.run(main(args.requests))
+        measured = uvloop.run(main(args.requests))
+    write_json(args.json, "python_backend_ipc", measured, args)

@@ -12,8 +12,8 @@ Every request's output is checked against its input. The client's work (serializ
 regions) is inside each timed request, since an application pays it too. Servers and transports alternate within
 each round so that drift on a shared machine spreads over all of them; the median of each cell's requests counts.
 
-    python benchmarks/shared_memory.py                  # starts both servers: about 2 minutes
-    python benchmarks/shared_memory.py --servers transerve --sizes 1048576 --requests 20
+    python -m benchmarks.shared_memory                  # starts both servers: about 2 minutes
+    python -m benchmarks.shared_memory --servers transerve --sizes 1048576 --requests 20
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as client_shm
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common.results import add_json_option, write_json
+
 TRANSPORTS = ("http", "http-shm", "grpc", "grpc-shm")
 SIZES = (16 * 1024, 1024 * 1024, 16 * 1024 * 1024)
 
@@ -91,8 +91,7 @@ def timed(call: Callable[[np.ndarray], np.ndarray], array: np.ndarray, count: in
 @contextlib.contextmanager
 def servers_under_test(names: list[str]) -> Iterator[dict[str, tuple[int, int]]]:
     """Each server's (HTTP, gRPC) ports, started on the examples and stopped on exit."""
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from support import EXAMPLE_REPOSITORY, start_transerve, start_triton
+    from benchmarks.common.servers import EXAMPLE_REPOSITORY, start_transerve, start_triton
 
     with contextlib.ExitStack() as stack:
         ports = {}
@@ -141,6 +140,7 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes of the FP32 tensor")
     parser.add_argument("--requests", type=int, default=15, help="timed requests per cell and round")
     parser.add_argument("--rounds", type=int, default=3)
+    add_json_option(parser)
     args = parser.parse_args()
     names = args.servers.split(",")
     transports = args.transports.split(",")
@@ -162,6 +162,9 @@ def main() -> None:
                             caller.close()
             print(f"round {round_index + 1} of {args.rounds} done", file=sys.stderr)
     print(report(results, names, sizes, transports))
+    write_json(args.json, "shared_memory", [
+        {"server": name, "transport": transport, "bytes": size, "median_ms": statistics.median(times), "ms": times}
+        for (name, transport, size), times in results.items()], args)
 
 
 if __name__ == "__main__":

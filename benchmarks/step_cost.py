@@ -1,6 +1,6 @@
 """What in-flight batching can gain over request-level batching on this machine, from the cost of a decoding step
 alone: the torch engine's step (`decoder_batch.ModelRunner.step`, as the engine calls it) timed at 1 to 16 rows on
-the random-weight t5-small and GPT-2 small shapes that benchmarks/inflight_vs_request.py builds, and the load of
+the random-weight t5-small and GPT-2 small shapes that benchmarks.inflight_vs_request builds, and the load of
 that benchmark (8 to 128 new tokens per sequence, uniform) decoded in batches of 16 under each scheduling with
 those step costs:
 
@@ -19,9 +19,9 @@ With `--joins` it times the joining work instead: one encoder call or prefill (`
 sequences, per input token, the inputs of random lengths or of like length, which is what the engine's
 `join_group` saves by computing several waiting sequences' rows in one call.
 
-    python benchmarks/step_cost.py                  # both shapes, 2 threads
-    python benchmarks/step_cost.py --quick          # tiny models: checks the script
-    python benchmarks/step_cost.py --joins          # joining calls instead: cost per input token by group size
+    python -m benchmarks.step_cost                  # both shapes, 2 threads
+    python -m benchmarks.step_cost --quick          # tiny models: checks the script
+    python -m benchmarks.step_cost --joins          # joining calls instead: cost per input token by group size
 """
 
 from __future__ import annotations
@@ -35,57 +35,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
+from benchmarks.common.decoding_step import BATCH, ROWS, STEPS_BEFORE, load_runner, measure
+from benchmarks.common.generation_models import NEW_TOKENS, PROMPT_IDS, PROMPT_LENGTHS, build_model
+from benchmarks.common.results import add_json_option, write_json
 
-from inflight_vs_request import NEW_TOKENS, PROMPT_IDS, PROMPT_LENGTHS, build_model  # noqa: E402
-
-ROWS = (1, 2, 4, 6, 8, 10, 12, 14, 16)
 #: Sequences per joining call (`--joins`), and how far apart a like-length group's input lengths are at most.
 GROUPS = (1, 2, 4, 8)
 LIKE_SPREAD = 6
-BATCH = 16
-STEPS_BEFORE = 60
-
-
-def load_runner(model_dir: Path, threads: int) -> tuple[Any, Any]:
-    """The model's `ModelRunner` as the engine builds it on CPU float32 (packed oneDNN weights), and its config."""
-    import torch
-    import transformers
-
-    from transerve.backends.generation.decoder_batch import ModelRunner
-    from transerve.backends.generation.onednn_linear import use_onednn_linears
-
-    torch.set_num_threads(threads)
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    loader = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
-    model = loader.from_pretrained(model_dir).eval()
-    use_onednn_linears(model, pack=True)  # the engine's default on CPU float32
-    return ModelRunner(model, model.generation_config.decoder_start_token_id, config.pad_token_id or 0, BATCH), config
-
-
-def measure(model_dir: Path, threads: int, repeats: int, rows_counts: tuple[int, ...] = ROWS) -> dict[int, float]:
-    """This process: the median ms of a step at each row count, with `STEPS_BEFORE` steps in the cache."""
-    import torch
-
-    runner, config = load_runner(model_dir, threads)
-    rng = random.Random(0)
-    costs = {}
-    with torch.inference_mode():
-        for rows in rows_counts:
-            inputs = [[rng.randrange(*PROMPT_IDS) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(rows)]
-            batch, first = runner.new_rows(inputs, [1] * rows)
-            tokens = first if config.is_encoder_decoder else first.argmax(-1)
-            times = []
-            for step in range(STEPS_BEFORE + repeats):
-                started = time.perf_counter()
-                tokens = runner.step(batch, tokens).argmax(-1)
-                if step >= STEPS_BEFORE:
-                    times.append(time.perf_counter() - started)
-            costs[rows] = statistics.median(times) * 1000
-    return costs
 
 
 def measure_joins(model_dir: Path, threads: int, repeats: int) -> dict[str, dict[int, float]]:
@@ -156,6 +113,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models, few repeats")
     parser.add_argument("--joins", action="store_true", help="time joining calls by group size instead of steps")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.worker:
         work = measure_joins if args.joins else measure
@@ -178,12 +136,14 @@ def main() -> None:
         print(f"| model | {header} | in-flight | request-level | static | in-flight / request-level "
               "| in-flight / static |")
         print("|---|" + "---:|" * (len(ROWS) + 5))
+    results: dict[str, dict] = {}
     for arch in args.archs.split(","):
         model = build_model(args.workdir, arch, args.quick)
-        command = [sys.executable, __file__, "--worker", str(model), "--threads", str(args.threads),
+        command = [sys.executable, "-m", "benchmarks.step_cost", "--worker", str(model), "--threads", str(args.threads),
                    "--repeats", str(args.repeats)] + (["--joins"] if args.joins else [])
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         measured = json.loads(out.strip().splitlines()[-1])
+        results[model.name] = measured
         if args.joins:
             for kind, by_group in measured.items():
                 print(f"| {model.name} | {kind} | {' | '.join(f'{by_group[str(g)]:.3f}' for g in GROUPS)} |",
@@ -191,10 +151,12 @@ def main() -> None:
             continue
         costs = {int(rows): ms for rows, ms in measured.items()}
         rates = throughputs(costs, args.batches, args.seed)
+        results[model.name] = {"step_ms": costs, "tokens_per_s": rates}
         steps = " | ".join(f"{costs[rows]:.1f}" for rows in ROWS)
         print(f"| {model.name} | {steps} | {rates['in-flight']:.0f} | {rates['request']:.0f} | {rates['static']:.0f} "
               f"| {rates['in-flight'] / rates['request']:.2f}x | {rates['in-flight'] / rates['static']:.2f}x |",
               flush=True)
+    write_json(args.json, "step_cost", results, args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's on plain
 weights and on weights packed ahead (`onednn_linear`, the default on CPU float32, packs them), on the random-weight
-t5-small and GPT-2 small shapes that benchmarks/inflight_vs_request.py builds, called the way the engine calls
+t5-small and GPT-2 small shapes that benchmarks.inflight_vs_request builds, called the way the engine calls
 them (`decoder_batch.ModelRunner`), and how often greedy decoding with each agrees with transformers' `generate`
 (which uses torch's kernels).
 
-    python benchmarks/torch_linear_kernels.py                  # both shapes, 1 and 2 threads
-    python benchmarks/torch_linear_kernels.py --quick          # tiny models: checks the script
+    python -m benchmarks.torch_linear_kernels                  # both shapes, 1 and 2 threads
+    python -m benchmarks.torch_linear_kernels --quick          # tiny models: checks the script
 
 Rows: a decoding step of 1, 4 and 16 rows (after 60 steps, so the cache holds 60 steps past the prompts), and
 the new rows of one prompt or source of 36 tokens (the prefill with its first logits, or the encoder call with
@@ -26,10 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-
-from inflight_vs_request import build_model  # noqa: E402
+from benchmarks.common.generation_models import build_model
+from benchmarks.common.results import add_json_option, write_json
 
 PROMPT_TOKENS = 36
 STEPS_BEFORE = 60
@@ -105,6 +103,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "transerve-inflight-bench")
     parser.add_argument("--quick", action="store_true", help="tiny models, few repeats")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.worker:
         model_dir, threads = args.worker.split(",")
@@ -118,17 +117,20 @@ def main() -> None:
     steps = " | ".join(f"step {rows} row{'s' if rows > 1 else ''}" for rows in STEP_ROWS)
     print(f"| model | threads | kernels | {steps} | new rows, {PROMPT_TOKENS} tokens | greedy equal to generate |")
     print("|---|---:|---|" + "---:|" * (len(STEP_ROWS) + 2))
+    results: list[dict] = []
     for arch in args.archs.split(","):
         model = build_model(args.workdir, arch, args.quick)
         for threads in args.threads.split(","):
-            command = [sys.executable, __file__, "--worker", f"{model},{threads}",
+            command = [sys.executable, "-m", "benchmarks.torch_linear_kernels", "--worker", f"{model},{threads}",
                        "--repeats", str(args.repeats), "--agreement", str(args.agreement)]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             got = json.loads(out.strip().splitlines()[-1])
+            results.append({"model": model.name, "threads": int(threads), "kernels": got})
             for kernel, label in KERNELS.items():
                 times = " | ".join(f"{got[kernel][f'step {rows} rows']:.1f}" for rows in STEP_ROWS)
                 print(f"| {model.name} | {threads} | {label} | {times} | {got[kernel]['new rows']:.1f} | "
                       f"{got[kernel]['greedy equal to generate']:.0f} / {args.agreement} |", flush=True)
+    write_json(args.json, "torch_linear_kernels", results, args)
 
 
 if __name__ == "__main__":

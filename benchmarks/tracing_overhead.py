@@ -1,23 +1,22 @@
 """What request tracing costs: the server's CPU per add_sub request, this checkout against another transerve source
 (tracing off: the cost of the checks it adds to the request path) or against itself with trace flags.
 
-    python benchmarks/tracing_overhead.py --baseline-src ../main/src                 # tracing off, both
-    python benchmarks/tracing_overhead.py --baseline-src src -- --trace-config triton,file=/tmp/t.json \
+    python -m benchmarks.tracing_overhead --baseline-src ../main/src                 # tracing off, both
+    python -m benchmarks.tracing_overhead --baseline-src src -- --trace-config triton,file=/tmp/t.json \
         --trace-config level=TIMESTAMPS --trace-config rate=1 --trace-config triton,log-frequency=1000
 
 Throughput on a shared 2-core machine moves by a fifth between runs, so the measure is the CPU time of the server's
-main process (the event loop, where tracing lives; not the python-backend worker) per request, read from
-/proc around each run of `protocol.py`'s load generator; the two servers run alternately (A/B/A/B) and the table
-gives each row's median. Two more paths have clients of their own (`--protocols stream,generate`): `stream` sends
-add_sub requests on one gRPC stream, 32 in flight (its rows' concurrency), and `generate` posts add_sub to
-`/generate` one at a time.
+main process (the event loop, where tracing lives; not the python-backend worker) per request, read from /proc
+around each run of the add_sub load generator (benchmarks/common/load.py); the two servers run alternately
+(A/B/A/B) and the table gives each row's median. Two more paths have clients of their own (`--protocols
+stream,generate`): `stream` sends add_sub requests on one gRPC stream, 32 in flight (its rows' concurrency), and
+`generate` posts add_sub to `/generate` one at a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,12 +26,9 @@ import psutil
 import requests
 import tritonclient.grpc as grpcclient
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-
-from protocol import comma_list, run_once  # noqa: E402
-from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve  # noqa: E402
+from benchmarks.common.load import run_once
+from benchmarks.common.results import add_json_option, comma_list, int_list, write_json
+from benchmarks.common.servers import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
 
 #: Requests a stream keeps in flight.
 STREAM_WINDOW = 32
@@ -90,9 +86,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--protocols", type=comma_list, default=["json", "binary", "grpc"],
-                        help="json, binary, grpc (protocol.py's load), stream, generate")
-    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in comma_list(s)], default=[1, 16])
+                        help="json, binary, grpc (the add_sub load of benchmarks.protocol), stream, generate")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 16])
     parser.add_argument("flags", nargs="*", help="transerve flags for this checkout's server (after --)")
+    add_json_option(parser)
     args = parser.parse_args()
     with start_transerve(EXAMPLE_REPOSITORY, source=args.baseline_src.resolve()) as baseline, \
             start_transerve(EXAMPLE_REPOSITORY, *args.flags) as checkout:
@@ -110,6 +107,7 @@ def main() -> None:
                     used = cpu_seconds(process) - before
                     samples.setdefault((protocol, concurrency, name), []).append(
                         (used / count * 1e6, count / seconds))
+    table = []
     print("| protocol | concurrency | baseline µs CPU/request | checkout µs CPU/request | baseline req/s | "
           "checkout req/s |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -117,6 +115,9 @@ def main() -> None:
         cpu = [statistics.median(s[0] for s in samples[(protocol, concurrency, n)]) for n in servers]
         rate = [statistics.median(s[1] for s in samples[(protocol, concurrency, n)]) for n in servers]
         print(f"| {protocol} | {concurrency} | {cpu[0]:.1f} | {cpu[1]:.1f} | {rate[0]:.0f} | {rate[1]:.0f} |")
+        table.append({"protocol": protocol, "concurrency": concurrency, "baseline_cpu_us": cpu[0],
+                      "checkout_cpu_us": cpu[1], "baseline_req_per_s": rate[0], "checkout_req_per_s": rate[1]})
+    write_json(args.json, "tracing_overhead", table, args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.in_process import outputs, request, with_server
+from support.repositories import int32_in_out, write_model
 
 from transerve.backends.ensemble.graph import Step, needed_steps
 from transerve.core.errors import ErrorCode, ServerError
@@ -34,13 +35,9 @@ class TritonPythonModel:
 def chain_repository(root: Path, first_model: str) -> Path:
     """`chain`: X -> first -> second -> Y, on INT32 [2] without batching."""
     for name, code in (("first", first_model), ("second", IDENTITY)):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(code)
-        (root / name / "config.pbtxt").write_text(
-            f'name: "{name}" backend: "python" input [{{name: "IN" data_type: TYPE_INT32 dims: [2]}}] '
-            'output [{name: "OUT" data_type: TYPE_INT32 dims: [2]}]')
-    (root / "chain" / "1").mkdir(parents=True)
-    (root / "chain" / "config.pbtxt").write_text(
+        write_model(root, name, int32_in_out(name, 2), code)
+    write_model(
+        root, "chain",
         'name: "chain" platform: "ensemble" input [{name: "X" data_type: TYPE_INT32 dims: [2]}] '
         'output [{name: "Y" data_type: TYPE_INT32 dims: [2]}] ensemble_scheduling { step [ '
         '{ model_name: "first" model_version: -1 input_map { key: "IN" value: "X" } '

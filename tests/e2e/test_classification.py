@@ -13,7 +13,6 @@ own. Deliberate divergences from Triton 2.51, each tested against transerve alon
 from __future__ import annotations
 
 import queue
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,12 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from support import ServerProcess, require_triton, start_transerve, start_triton
+from support.repositories import copy_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 MODELS = Path(__file__).resolve().parent / "classification_models"
+SHARED_CODE = {"cls_batched": MODELS / "echo_scores.py", "cls_plain": MODELS / "echo_scores.py"}
+"""The models that differ only in their configs and labels, and their one model.py."""
 TIMEOUT_S = 30.0
 
 SCORES = [[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]]
@@ -37,7 +39,9 @@ WIDE = [[1e30, -1e-30, 3.14159265]]
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("classification") / "models"
-    shutil.copytree(MODELS, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    for model in MODELS.iterdir():
+        if model.is_dir():
+            copy_model(model, repo / model.name, SHARED_CODE.get(model.name))
     return repo
 
 
@@ -202,7 +206,7 @@ def test_decoupled_stream_matches_triton(servers: dict[str, ServerProcess]) -> N
 @pytest.mark.slow
 def test_missing_label_file_fails_the_load_as_in_triton(tmp_path: Path) -> None:
     repo = tmp_path / "models"
-    shutil.copytree(MODELS / "cls_batched", repo / "unlabelled", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(MODELS / "cls_batched", repo / "unlabelled", SHARED_CODE["cls_batched"])
     (repo / "unlabelled" / "labels.txt").unlink()
     install = require_triton()
     reasons = {}

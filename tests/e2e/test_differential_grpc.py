@@ -22,13 +22,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from google.protobuf.message import Message
 from support import ServerProcess
+from support.grpc_tensors import TYPED_FIELDS, InputTensor, suffix, typed
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 TIMEOUT_S = 30.0
 """Per request; generous for a loaded 2-core CI machine, yet a hung server fails the test instead of the job."""
 
 Stub = service_pb2_grpc.GRPCInferenceServiceStub
-InputTensor = service_pb2.ModelInferRequest.InferInputTensor
 P = service_pb2.InferParameter
 
 VALUES: dict[str, np.ndarray] = {
@@ -47,16 +47,7 @@ VALUES: dict[str, np.ndarray] = {
     "BYTES": np.array([b"", b"plain", "안녕하세요".encode(), "😀 héllo".encode(), b"\x00\xff\xfe raw", b""],
                       dtype=np.object_),
 }
-TYPED_FIELDS = {
-    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
 F16 = np.arange(4, dtype=np.float32).tobytes()
-
-
-def suffix(datatype: str) -> str:
-    return "STRING" if datatype == "BYTES" else datatype
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -135,14 +126,6 @@ def identity(*inputs: InputTensor, raw: list[bytes] = (), **fields: Any) -> serv
     message = service_pb2.ModelInferRequest(model_name="identity", inputs=list(inputs), **fields)
     message.raw_input_contents.extend(raw)
     return message
-
-
-def typed(name: str, datatype: str, shape: list[int], **contents: list[Any]) -> InputTensor:
-    tensor = InputTensor(name=name, datatype=datatype, shape=shape)
-    tensor.contents.SetInParent()
-    for field, values in contents.items():
-        getattr(tensor.contents, field).extend(values)
-    return tensor
 
 
 def params_request(**parameters: service_pb2.InferParameter) -> service_pb2.ModelInferRequest:

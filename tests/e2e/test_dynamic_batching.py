@@ -21,6 +21,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from support import ServerProcess, ServerStartError, require_triton, start_transerve, start_triton
+from support.repositories import write_model
 from tritonclient.utils import InferenceServerException
 
 from transerve.config.devices import visible_gpus
@@ -149,11 +150,8 @@ def write_repository(root: Path, names: set[str]) -> Path:
     for name in names:
         max_batch_size, rest = MODELS[name]
         code, io = (LENGTHS, "") if name == "bucketed" else (RECORDER, RECORDER_IO)
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(code)
-        (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n{io}{rest}\n'
-        )
+        config = f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n{io}{rest}\n'
+        write_model(root, name, config, code)
     return root
 
 

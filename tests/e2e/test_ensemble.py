@@ -12,6 +12,7 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from support import EXAMPLE_REPOSITORY, start_transerve
+from support.repositories import int32_in_out, write_model
 
 SEED_BODY = {"inputs": [{"name": "input_text", "shape": [2, 1], "datatype": "BYTES",
                          "data": [["안녕하세요 😀"], ["hello"]]}]}
@@ -87,8 +88,7 @@ def pipeline_repo(tmp_path: Path) -> Path:
 
 
 def add_ensemble(repo: Path, name: str, text: str) -> None:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(text)
+    write_model(repo, name, text)
 
 
 def test_broken_ensembles_are_unavailable_with_reasons(tmp_path: Path):
@@ -157,11 +157,7 @@ ensemble_scheduling { step [
 def test_independent_steps_run_concurrently_and_explicit_load_brings_dependencies(tmp_path: Path):
     repo = tmp_path / "repo"
     for name in ("slow_a", "slow_b"):
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(
-            f'name: "{name}" backend: "python" input [{{name: "IN" data_type: TYPE_INT32 dims: [1]}}] '
-            'output [{name: "OUT" data_type: TYPE_INT32 dims: [1]}]')
-        (repo / name / "1" / "model.py").write_text(SLOW_STEP)
+        write_model(repo, name, int32_in_out(name), SLOW_STEP)
     add_ensemble(repo, "parallel", PARALLEL)
     with start_transerve(repo, "--model-control-mode=explicit", "--load-model=parallel") as server:
         client = httpclient.InferenceServerClient(server.http_url)

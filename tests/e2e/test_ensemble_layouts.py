@@ -17,6 +17,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from support import EXAMPLE_REPOSITORY, ServerProcess, require_triton, start_transerve, start_triton
+from support.repositories import write_model
 from tritonclient.utils import InferenceServerException
 
 TIMEOUT_S = 30.0
@@ -133,12 +134,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          f'output [{fp32("OUTPUT0")}, {fp32("OUTPUT1")}]'),
     }
     for name, (code, config) in models.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.py").write_text(code)
-        (repo / name / "config.pbtxt").write_text(config)
+        write_model(repo, name, config, code)
     for name, config in ENSEMBLES.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(config)
+        write_model(repo, name, config)
     return repo
 
 

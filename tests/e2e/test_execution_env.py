@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 from support import ServerProcess, in_ci, require_triton, start_transerve, start_triton
+from support.repositories import write_model
 
 NUMPY_1 = "1.26.4"
 TIMEOUT_S = 60.0
@@ -91,9 +92,7 @@ def repository(environment: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "shared": "$$TRITON_MODEL_DIRECTORY/../packed/numpy1.tar.gz",  # another model's, still in the repository
     }
     for name, path in models.items():
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.py").write_text(MODEL)
-        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, path=path))
+        write_model(repo, name, CONFIG.format(name=name, path=path), MODEL)
     shutil.copy(environment, repo / "packed" / "numpy1.tar.gz")
     with tarfile.open(environment) as tar:
         tar.extractall(repo / "unpacked" / "numpy1", filter="data")
@@ -143,9 +142,7 @@ def test_triton_runs_the_same_environment(repository):
 )
 def test_unusable_environments_fail_the_load(tmp_path, path, message):
     repo = tmp_path / "models"
-    (repo / "bad" / "1").mkdir(parents=True)
-    (repo / "bad" / "1" / "model.py").write_text(MODEL)
-    (repo / "bad" / "config.pbtxt").write_text(CONFIG.format(name="bad", path=path))
+    write_model(repo, "bad", CONFIG.format(name="bad", path=path), MODEL)
     (tmp_path / "outside" / "bin").mkdir(parents=True)
     (tmp_path / "outside" / "bin" / "activate").write_text("")
     with start_transerve(repo, "--model-control-mode=explicit") as server:
@@ -155,9 +152,7 @@ def test_unusable_environments_fail_the_load(tmp_path, path, message):
 
 def test_an_archive_that_escapes_its_folder_is_refused(tmp_path):
     repo = tmp_path / "models"
-    (repo / "bad" / "1").mkdir(parents=True)
-    (repo / "bad" / "1" / "model.py").write_text(MODEL)
-    (repo / "bad" / "config.pbtxt").write_text(CONFIG.format(name="bad", path="$$TRITON_MODEL_DIRECTORY/evil.tgz"))
+    write_model(repo, "bad", CONFIG.format(name="bad", path="$$TRITON_MODEL_DIRECTORY/evil.tgz"), MODEL)
     with tarfile.open(repo / "bad" / "evil.tgz", "w:gz") as tar:
         escaping = tarfile.TarInfo("../../escaped")
         tar.addfile(escaping)

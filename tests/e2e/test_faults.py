@@ -15,6 +15,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from support import start_transerve
+from support.repositories import write_model
 from support.servers import ServerProcess, start_server, transerve_argv
 from tritonclient.utils import InferenceServerException
 
@@ -64,9 +65,7 @@ MARGIN_S = 3.0
 def sleepy_repository(root: Path, *names: str, extra: str = "") -> Path:
     repo = root / "repo"
     for name in names:
-        (repo / name / "1").mkdir(parents=True)
-        (repo / name / "config.pbtxt").write_text(SLEEPY_CONFIG.format(name=name, extra=extra))
-        (repo / name / "1" / "model.py").write_text(SLEEPY_MODEL)
+        write_model(repo, name, SLEEPY_CONFIG.format(name=name, extra=extra), SLEEPY_MODEL)
     return repo
 
 

@@ -11,6 +11,7 @@ import orjson
 import pytest
 import requests
 from support import start_transerve
+from support.repositories import int32_in_out, write_model
 
 CASES = [
     ("strings", {"TEXT": "héllo 😀", "parameters": {"x": 1}}),
@@ -93,11 +94,7 @@ class TritonPythonModel:
 
 def test_queued_requests_of_a_client_that_disconnected_are_dropped(tmp_path: Path):
     repo = tmp_path / "repo"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "config.pbtxt").write_text(
-        'name: "slow" backend: "python" input [{name: "IN" data_type: TYPE_INT32 dims: [1]}] '
-        'output [{name: "OUT" data_type: TYPE_INT32 dims: [1]}]')
-    (repo / "slow" / "1" / "model.py").write_text(SLOW)
+    write_model(repo, "slow", int32_in_out("slow"), SLOW)
     with start_transerve(repo) as server:
         body = orjson.dumps({"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [1]}]})
         raw = (b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))

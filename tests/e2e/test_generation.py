@@ -20,6 +20,7 @@ import pytest
 import requests
 from support import start_transerve
 from support.generation_models import build_generation_model
+from support.repositories import write_model
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 torch = pytest.importorskip("torch")
@@ -182,8 +183,7 @@ def server(built, tmp_path_factory):
     for name, (source, interface, engine, decoupled, *extra) in models.items():
         shutil.copytree(built[source], repo / name / "1" / "model")
         (repo / name / "config.pbtxt").write_text(config(name, interface, engine, decoupled, *extra))
-    (repo / "missing_folder" / "1").mkdir(parents=True)
-    (repo / "missing_folder" / "config.pbtxt").write_text(config("missing_folder", FT_INTERFACE, "ctranslate2"))
+    write_model(repo, "missing_folder", config("missing_folder", FT_INTERFACE, "ctranslate2"))
     broken = {
         "bad_parameter": config("bad_parameter", FT_INTERFACE, "ctranslate2").replace(
             'key: "intra_op_threads" value { string_value: "1" }',
@@ -194,8 +194,7 @@ def server(built, tmp_path_factory):
     for name, text in broken.items():
         shutil.copytree(built["t5_ct2"], repo / name / "1" / "model")
         (repo / name / "config.pbtxt").write_text(text)
-    (repo / "t5_budget_ensemble" / "1").mkdir(parents=True)
-    (repo / "t5_budget_ensemble" / "config.pbtxt").write_text(BUDGET_ENSEMBLE)
+    write_model(repo, "t5_budget_ensemble", BUDGET_ENSEMBLE)
     # Not strictly ready: one model is meant to fail its load.
     with start_transerve(repo, "--strict-readiness=false") as running:
         yield running

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,9 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from google.protobuf import json_format
-from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
+from support import ServerProcess, start_transerve
+from support.grpc_tensors import TYPED_FIELDS, suffix
+from support.repositories import copy_example, write_model
 from support.servers import free_ports, transerve_argv
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -55,20 +56,8 @@ VALUES: dict[str, np.ndarray] = {
                       dtype=np.object_),
 }
 
-# The typed `contents` field for each datatype that has one (Triton has none for FP16 and BF16).
-TYPED_FIELDS = {
-    "BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
-}
-
 ADD_SUB_A = np.array([[1, 2, 3, 4]], np.float32)
 ADD_SUB_B = np.array([[0.5, 0.5, 0.5, 0.5]], np.float32)
-
-
-def suffix(datatype: str) -> str:
-    """identity names its BYTES tensors INPUT_STRING/OUTPUT_STRING (after TYPE_STRING), the others by datatype."""
-    return "STRING" if datatype == "BYTES" else datatype
 
 
 def make_input(name: str, values: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -498,14 +487,6 @@ def test_grpc_only_mistakes(stub: service_pb2_grpc.GRPCInferenceServiceStub, mes
 # --------------------------------------------------------------------------------------- server lifecycle
 
 
-def copy_example(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, repo / name)
-    return repo
-
-
 def test_explicit_model_control_over_grpc(tmp_path: Path) -> None:
     repo = copy_example(tmp_path, "add_sub", "params")
     with start_transerve(repo, "--model-control-mode=explicit") as server, \
@@ -595,9 +576,7 @@ class TritonPythonModel:
 def test_bf16_raw_only(tmp_path: Path) -> None:
     """BF16 travels as raw bytes both ways; typed contents have no field for it, as in Triton. (Built by hand:
     tritonclient's BF16 numpy conventions changed across its versions.)"""
-    (tmp_path / "repo" / "bf16_echo" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "bf16_echo" / "config.pbtxt").write_text(BF16_ECHO_CONFIG)
-    (tmp_path / "repo" / "bf16_echo" / "1" / "model.py").write_text(BF16_ECHO_MODEL)
+    write_model(tmp_path / "repo", "bf16_echo", BF16_ECHO_CONFIG, BF16_ECHO_MODEL)
     values = np.array([0.0, 1.0, -2.5, 0.0078125, 3.0e38, np.inf], ml_dtypes.bfloat16)
     with start_transerve(tmp_path / "repo") as server, grpc.insecure_channel(server.grpc_url) as channel:
         bf16 = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -636,9 +615,7 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 def test_sigterm_answers_in_flight_grpc_requests_and_does_not_wait_for_idle_streams(tmp_path: Path) -> None:
     """An unary request inside the model when SIGTERM arrives still gets its answer; a stream the client keeps
     open without sending anything does not hold the exit for the whole exit timeout."""
-    (tmp_path / "repo" / "slow" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    write_model(tmp_path / "repo", "slow", SLOW_CONFIG, SLOW_MODEL)
     with start_transerve(tmp_path / "repo", "--exit-timeout-secs=60") as server, \
             grpcclient.InferenceServerClient(server.grpc_url) as slow_client:
         slow_client.start_stream(callback=lambda result, error: None)  # idle: never sends a request

@@ -31,13 +31,25 @@ from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hpack import Encoder
 from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
-from support.h2client import CONTINUATION, DATA, GOAWAY, HEADERS, PING, PREFACE, RST_STREAM, frame, settings
+from support.h2client import (
+    CONTINUATION,
+    DATA,
+    GOAWAY,
+    HEADERS,
+    HEALTH,
+    INFER,
+    PING,
+    PREFACE,
+    RST_STREAM,
+    frame,
+    grpc_message,
+    request_headers,
+    settings,
+)
 from tritonclient.utils import InferenceServerException
 
 from transerve.frontends.grpc.limits import MAX_CONCURRENT_STREAMS, MAX_CONTINUATIONS, RESETS, STREAM_WINDOW
 
-HEALTH = "/grpc.health.v1.Health/Check"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 MAX_INPUT = 2 << 20
 FLAGS = ("--grpc-max-input-size", str(MAX_INPUT), "--grpc-idle-timeout-secs", "2", "--grpc-stall-timeout-secs", "1",
@@ -54,15 +66,6 @@ def native() -> Iterator[ServerProcess]:
 def grpcio() -> Iterator[ServerProcess]:
     with start_transerve(EXAMPLE_REPOSITORY, "--grpc-transport=grpcio", *FLAGS) as server:
         yield server
-
-
-def grpc_message(body: bytes) -> bytes:
-    return b"\x00" + len(body).to_bytes(4, "big") + body
-
-
-def request_headers(path: str = HEALTH) -> list[tuple[str, str]]:
-    return [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
-            ("content-type", "application/grpc"), ("te", "trailers")]
 
 
 def identity_request(size: int) -> bytes:

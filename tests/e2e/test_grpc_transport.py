@@ -28,6 +28,8 @@ from support.h2client import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    HEALTH,
+    INFER,
     INITIAL_WINDOW_SIZE,
     MAX_FRAME_SIZE,
     NO_ERROR,
@@ -42,11 +44,10 @@ from support.h2client import (
     frame,
     grpc_message,
 )
+from support.repositories import write_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 TIMEOUT_S = 60.0
-INFER = "/inference.GRPCInferenceService/ModelInfer"
-HEALTH = "/grpc.health.v1.Health/Check"
 BIG = 64 * 1024 * 1024
 UNLIMITED = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
@@ -363,9 +364,7 @@ def slow_request() -> bytes:
 
 @pytest.fixture
 def slow_repo(tmp_path: Path) -> Path:
-    (tmp_path / "repo" / "slow" / "1").mkdir(parents=True)
-    (tmp_path / "repo" / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
-    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    write_model(tmp_path / "repo", "slow", SLOW_CONFIG, SLOW_MODEL)
     shutil.copytree(EXAMPLE_REPOSITORY / "add_sub", tmp_path / "repo" / "add_sub")
     return tmp_path / "repo"
 

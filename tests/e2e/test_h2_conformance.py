@@ -23,9 +23,9 @@ from h2.errors import ErrorCodes
 from hyperframe.frame import DataFrame, Frame, HeadersFrame, PriorityFrame, SettingsFrame
 from support import ServerProcess, start_transerve
 from support.fuzzing import h2_frames
+from support.h2client import HEALTH, request_headers
 
 TIMEOUT_S = 30.0
-HEALTH = "/grpc.health.v1.Health/Check"
 SERVING = b"\x00\x00\x00\x00\x02\x08\x01"  # a HealthCheckResponse of SERVING, framed as a gRPC message
 EMPTY_MESSAGE = b"\x00\x00\x00\x00\x00"
 
@@ -36,11 +36,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     repository: Path = tmp_path_factory.mktemp("empty_repository")
     with start_transerve(repository, "--grpc-transport=native") as process:
         yield process
-
-
-def request_headers(path: str = HEALTH) -> list[tuple[str, str]]:
-    return [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
-            ("content-type", "application/grpc"), ("te", "trailers")]
 
 
 class Client:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import socket
 import threading
 import time
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from support import EXAMPLE_REPOSITORY, ServerProcess, start_transerve
+from support import ServerProcess, start_transerve
+from support.repositories import copy_example
 
 TIMEOUT_S = 1.0
 """The server's header, body, keep-alive and send timeouts in these tests."""
@@ -27,14 +27,6 @@ ADD_SUB = json.dumps({"inputs": [
     {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]},
 ]}).encode()
 INFER = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(ADD_SUB)
-
-
-def copy_example(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, repo / name)
-    return repo
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -19,6 +18,7 @@ import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from support import EXAMPLE_REPOSITORY, REPO_ROOT, free_ports, require_triton, start_transerve, start_triton
+from support.repositories import copy_model, int32_in_out, write_model
 from support.servers import transerve_argv
 from support.triton_reference import triton_argv
 
@@ -99,11 +99,7 @@ def test_counters_move_with_n_requests(transerve_server):
 
 def test_model_errors_count_as_backend_failures(tmp_path: Path):
     repo = tmp_path / "repo"
-    (repo / "failing" / "1").mkdir(parents=True)
-    (repo / "failing" / "config.pbtxt").write_text(
-        'name: "failing" backend: "python" input [{name: "IN" data_type: TYPE_INT32 dims: [1]}] '
-        'output [{name: "OUT" data_type: TYPE_INT32 dims: [1]}]')
-    (repo / "failing" / "1" / "model.py").write_text(FAILING_MODEL)
+    write_model(repo, "failing", int32_in_out("failing"), FAILING_MODEL)
     with start_transerve(repo) as server:
         for value in (1, -1, -2):
             body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [value]}]}
@@ -242,8 +238,8 @@ def test_metrics_config_summaries_as_in_triton():
 def test_summaries_of_a_caching_model_as_in_triton(tmp_path: Path):
     """With the response cache, Triton 2.51 summarises cache hits and misses instead of the request duration."""
     repo = tmp_path / "models"
-    shutil.copytree(Path(__file__).resolve().parent / "response_cache_models" / "counter_cached", repo / "cached",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    models = Path(__file__).resolve().parent / "response_cache_models"
+    copy_model(models / "counter_cached", repo / "cached", models / "counter.py")
     install = require_triton()
     flags = ("--cache-config=local,size=1048576", "--metrics-config=summary_latencies=true")
     body = {"inputs": [{"name": "IN", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]}

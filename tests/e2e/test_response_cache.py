@@ -10,7 +10,6 @@ sequence batching and a response cache is refused at load, as a decoupled one is
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,12 @@ from typing import Any
 import pytest
 import requests
 from support import ServerProcess, require_triton, start_transerve, start_triton
+from support.repositories import copy_model
 
 MODELS = Path(__file__).resolve().parent / "response_cache_models"
 DIFFERENTIAL_MODELS = ("counter_cached", "counter_batched", "counter_uncached")
+COUNTER = MODELS / "counter.py"
+"""The code of every model here but counter_stream: they differ only in their configs."""
 CACHE_BYTES = 1 << 20
 TIMEOUT_S = 30.0
 
@@ -30,7 +32,7 @@ TIMEOUT_S = 30.0
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("response_cache") / "models"
     for name in DIFFERENTIAL_MODELS:
-        shutil.copytree(MODELS / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+        copy_model(MODELS / name, repo / name, COUNTER)
     return repo
 
 
@@ -142,10 +144,9 @@ def test_eviction_and_refusals(tmp_path: Path) -> None:
     """A cache of 40 bytes holds one answer of two floats and a count (16 bytes) at a time, at most two; an
     answer larger than the cache is not kept; decoupled and sequence-batched models cannot cache."""
     repo = tmp_path / "models"
-    shutil.copytree(MODELS / "counter_cached", repo / "counter_cached", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(MODELS / "counter_stream", repo / "counter_stream", ignore=shutil.ignore_patterns("__pycache__"))
-    sequence = repo / "counter_sequence"
-    shutil.copytree(MODELS / "counter_cached", sequence, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_model(MODELS / "counter_cached", repo / "counter_cached", COUNTER)
+    copy_model(MODELS / "counter_stream", repo / "counter_stream")
+    sequence = copy_model(MODELS / "counter_cached", repo / "counter_sequence", COUNTER)
     config = (sequence / "config.pbtxt").read_text()
     (sequence / "config.pbtxt").write_text(config.replace("max_batch_size: 0", "max_batch_size: 0\n"
                                                           "sequence_batching { }"))

@@ -31,6 +31,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 from support import ServerProcess, require_triton, start_transerve, start_triton
+from support.repositories import write_model
 from tritonclient.utils import InferenceServerException
 
 TIMEOUT_S = 30.0
@@ -146,9 +147,7 @@ MODELS = {
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sequence_models")
     for name, config in MODELS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(MODEL))
-        (root / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n{config}')
+        write_model(root, name, f'name: "{name}"\nbackend: "python"\n{config}', textwrap.dedent(MODEL))
     return root
 
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
 from support import EXAMPLE_REPOSITORY, start_transerve
+from support.repositories import copy_example, write_model
 from support.servers import free_ports, http_status, transerve_argv
 
 ADD_SUB_BODY = {
@@ -48,21 +47,6 @@ name: "slow" backend: "python"
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 '''
-
-
-def write_model(repo: Path, name: str, config: str, code: str, version: str = "1") -> Path:
-    (repo / name / version).mkdir(parents=True, exist_ok=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    (repo / name / version / "model.py").write_text(code)
-    return repo / name
-
-
-def copy_example(tmp_path: Path, *names: str) -> Path:
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    for name in names:
-        shutil.copytree(EXAMPLE_REPOSITORY / name, repo / name)
-    return repo
 
 
 def test_unknown_flag_exits_2_with_a_clear_error():

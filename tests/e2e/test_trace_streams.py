@@ -24,6 +24,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from support import EXAMPLE_REPOSITORY, ServerProcess, require_triton, start_transerve, start_triton
+from support.repositories import write_model
 from support.tracing import OtlpReceiver, read_traces, span_tree, summary
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -230,12 +231,11 @@ def test_bls_after_its_request_ended_is_not_traced(tmp_path: Path) -> None:
     thread after `execute` returned), the call runs untraced rather than joining a finished trace."""
     repo = tmp_path / "models"
     shutil.copytree(EXAMPLE_REPOSITORY / "add_sub", repo / "add_sub", ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "late_bls" / "1").mkdir(parents=True)
-    (repo / "late_bls" / "config.pbtxt").write_text(
+    write_model(
+        repo, "late_bls",
         'name: "late_bls" backend: "python" max_batch_size: 0 model_transaction_policy { decoupled: true }\n'
         'input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
-    (repo / "late_bls" / "1" / "model.py").write_text(LATE_BLS)
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]\n', LATE_BLS)
     with start_transerve(repo, *FLAGS) as server:
         answer = requests.post(f"{server.base_url}/v2/models/late_bls/generate", json={"X": [1, 2, 3, 4]},
                                timeout=TIMEOUT_S)

@@ -8,6 +8,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from support.grpc_tensors import InputTensor, typed
 from tritonclient.grpc import service_pb2
 
 from transerve.core.errors import ErrorCode, ServerError
@@ -19,21 +20,11 @@ from transerve.frontends.grpc.codec import (
     parse_version,
 )
 
-InputTensor = service_pb2.ModelInferRequest.InferInputTensor
-
 
 def request(*inputs: InputTensor, raw: list[bytes] | None = None, **fields: Any) -> service_pb2.ModelInferRequest:
     message = service_pb2.ModelInferRequest(model_name="m", inputs=list(inputs), **fields)
     message.raw_input_contents.extend(raw or [])
     return message
-
-
-def typed(name: str, datatype: str, shape: list[int], **contents: list[Any]) -> InputTensor:
-    tensor = InputTensor(name=name, datatype=datatype, shape=shape)
-    tensor.contents.SetInParent()
-    for field, values in contents.items():
-        getattr(tensor.contents, field).extend(values)
-    return tensor
 
 
 def error_of(message: service_pb2.ModelInferRequest) -> ServerError:

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 from hpack import Decoder, Encoder
+from support.h2client import request_headers
 
 from transerve.frontends.grpc.http2.connection import MAX_FRAME, Http2Connection
 from transerve.frontends.grpc.http2.frames import (
@@ -33,8 +34,7 @@ from transerve.frontends.grpc.limits import CONNECTION_WINDOW, STREAM_WINDOW, Ht
 
 
 def request(path: str = "/s/M", *extra: tuple[str, str], method: str = "POST") -> list[tuple[str, str]]:
-    return [(":method", method), (":scheme", "http"), (":path", path), (":authority", "h"),
-            ("content-type", "application/grpc"), ("te", "trailers"), *extra]
+    return request_headers(path, *extra, method=method, authority="h")
 
 
 def test_a_block_that_reads_the_table_is_reused_only_while_the_table_is_unchanged(

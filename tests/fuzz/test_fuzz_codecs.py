@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
+from support.grpc_tensors import TYPED_FIELDS
 from tritonclient.grpc import service_pb2
 
 from transerve.core.datatypes import ELEMENT_SIZE, NUMPY_DTYPES
@@ -181,10 +182,7 @@ def test_hostile_http_bodies_are_invalid_arg(inputs: list[dict[str, Any]], outpu
 
 def _contents(message: service_pb2.ModelInferRequest.InferInputTensor, tensor: Tensor) -> bool:
     """Put the tensor into typed `contents`; False for FP16 and BF16, which have no field there."""
-    field = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
-             "FP64": "fp64_contents", "BYTES": "bytes_contents"}.get(tensor.datatype)
+    field = TYPED_FIELDS.get(tensor.datatype)
     if field is None:
         return False
     getattr(message.contents, field).extend(tensor.data.reshape(-1).tolist())

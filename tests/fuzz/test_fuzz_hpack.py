@@ -13,6 +13,7 @@ from hpack import Decoder, Encoder, HPACKError
 from hypothesis import given
 from hypothesis import strategies as st
 from support.fuzzing import FakeTransport, Loop, h2_connection, h2_frames, settle
+from support.h2client import request_headers
 
 from transerve.frontends.grpc.http2 import frames as h2
 from transerve.frontends.grpc.http2.frames import H2ConnectionError, H2StreamError
@@ -84,8 +85,7 @@ _NAMES = st.one_of(st.sampled_from([":method", ":scheme", ":path", ":authority",
 _VALUES = st.one_of(st.sampled_from(["POST", "GET", "http", "/s/M", "/s/N", "application/grpc", "trailers", "1S",
                                      "100m", "99999999n", "gzip", "identity", ""]),
                     st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20))
-_REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/s/M"), (":authority", "h"),
-            ("content-type", "application/grpc"), ("te", "trailers")]
+_REQUEST = request_headers("/s/M", authority="h")
 _HEADER_LISTS = st.one_of(
     st.lists(st.tuples(_NAMES, _VALUES), max_size=8),
     st.lists(st.tuples(_NAMES, _VALUES), max_size=3).map(lambda extra: _REQUEST + extra),

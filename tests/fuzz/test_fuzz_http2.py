@@ -13,6 +13,7 @@ from hpack import Encoder
 from hypothesis import given
 from hypothesis import strategies as st
 from support.fuzzing import FakeTransport, Loop, cut, h2_connection, h2_frames, settle
+from support.h2client import request_headers
 
 from transerve.frontends.grpc.http2 import frames as h2
 from transerve.frontends.grpc.http2.connection import MAX_FRAME, MAX_HEADER_LIST, Http2Connection
@@ -86,8 +87,7 @@ def _check_answer(transport: FakeTransport) -> list[tuple[int, int, int, bytes]]
 # ---- inputs -----------------------------------------------------------------------------------------------------
 
 _ENCODER = Encoder()
-_REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/s/M"), (":authority", "h"),
-            ("content-type", "application/grpc"), ("te", "trailers")]
+_REQUEST = request_headers("/s/M", authority="h")
 #: Blocks that decode on a fresh connection: they never add to the dynamic table.
 _BLOCKS = [Encoder().encode(_REQUEST), Encoder().encode(_REQUEST[:2]), Encoder().encode([(":method", "GET")] +
                                                                                           _REQUEST[1:])]

@@ -4,38 +4,33 @@ request is counted by how it ended. Also how the sequence batcher counts the run
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from support.scheduling import HeldInstance, model_config, run, settle
 
-from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
-from transerve.config.model_config import normalize, parse_config_text, validate
+from transerve.backends.base import ExecutionResult, Rerun
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
 from transerve.scheduling import create_scheduler
 
 
-class Cancellable(BackendInstance):
+class Cancellable(HeldInstance):
     """Answers each execution when the test says so (with `outcome` per request) and records what it was told."""
 
     cancellable = True
     max_inflight = 1
 
     def __init__(self) -> None:
-        self.name = "m_0"
+        super().__init__("m_0")
         self.executed: list[list[int]] = []
         self.cancelled: list[int] = []
-        self._open: list[tuple[asyncio.Future[ExecutionResult], list[InferRequest]]] = []
 
-    def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+    def record(self, requests: list[InferRequest]) -> None:
         self.executed.append([value(request) for request in requests])
-        future = asyncio.get_running_loop().create_future()
-        self._open.append((future, requests))
-        return future
 
     def cancel(self, request: InferRequest) -> None:
         self.cancelled.append(value(request))
@@ -45,9 +40,6 @@ class Cancellable(BackendInstance):
         future, requests = self._open.pop(0)
         answer = outcome or (lambda request: InferResponse("m", "1", [Tensor("OUT", "INT32", request.inputs[0].data)]))
         future.set_result(ExecutionResult([answer(request) for request in requests], 10, 20, 30, reruns))
-
-    async def close(self) -> None:
-        pass
 
 
 def value(request: InferRequest) -> int:
@@ -61,24 +53,12 @@ def config(scheduling: str) -> object:
     output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
     {scheduling}
     """
-    parsed = parse_config_text(text)
-    normalize(parsed, "m")
-    validate(parsed, "m")
-    return parsed
+    return model_config(text)
 
 
 def request(number: int) -> InferRequest:
     return InferRequest("m", [Tensor("IN", "INT32", np.full((1, 1), number, np.int32))],
                         arrival_ns=time.monotonic_ns())
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(test(), 10))
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 SCHEDULERS = {"direct": "", "dynamic": "dynamic_batching { }"}

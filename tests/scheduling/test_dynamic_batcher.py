@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
+from support.scheduling import HeldInstance, model_config, run, settle
 
-from transerve.backends.base import BackendInstance, ExecutionResult
-from transerve.config.model_config import normalize, parse_config_text, validate
+from transerve.backends.base import ExecutionResult
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
@@ -19,39 +18,27 @@ from transerve.scheduling import create_scheduler
 from transerve.scheduling.dynamic_batcher import DynamicBatcher
 
 
-class FakeInstance(BackendInstance):
+class FakeInstance(HeldInstance):
     """Records each batch (the VALUE of every request) and answers when the test says so, or at once."""
 
     def __init__(self, name: str, auto: bool = False) -> None:
-        self.name = name
-        self.auto = auto
+        super().__init__(name, auto)
         self.batches: list[list[int]] = []
         self.sizes: list[list[int]] = []
         self.inputs: list[list[dict[str, np.ndarray]]] = []
-        self._open: list[tuple[asyncio.Future[ExecutionResult], list[InferRequest]]] = []
 
-    def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+    def record(self, requests: list[InferRequest]) -> None:
         self.batches.append([int(_value(r)[0]) for r in requests])
         self.sizes.append([r.inputs[0].data.shape[0] for r in requests])
         self.inputs.append([{t.name: t.data for t in r.inputs} for r in requests])
-        future = asyncio.get_running_loop().create_future()
-        self._open.append((future, requests))
-        if self.auto:
-            self.release()
-        return future
 
-    def release(self) -> None:
-        """Answer the oldest open execution: each request gets back its own VALUE."""
-        future, requests = self._open.pop(0)
-        responses = [InferResponse("m", "1", [Tensor("OUT", "INT64", _value(r))]) for r in requests]
-        future.set_result(ExecutionResult(responses))
+    def answer(self, requests: list[InferRequest]) -> ExecutionResult:
+        """Each request gets back its own VALUE."""
+        return ExecutionResult([InferResponse("m", "1", [Tensor("OUT", "INT64", _value(r))]) for r in requests])
 
     @property
     def busy(self) -> bool:
         return bool(self._open)
-
-    async def close(self) -> None:
-        pass
 
 
 def _value(request: InferRequest) -> np.ndarray:
@@ -66,26 +53,13 @@ def config(batching: str = "", max_batch_size: int = 8, extra: str = "", dims: s
     dynamic_batching {{ {batching} }}
     {extra}
     """
-    parsed = parse_config_text(text)
-    normalize(parsed, "m")
-    validate(parsed, "m")
-    return parsed
+    return model_config(text)
 
 
 def request(value: int, batch: int = 1, length: int = 1, priority: int = 0, timeout_us: int = 0) -> InferRequest:
     data = np.full((batch, length), value, np.int64)
     return InferRequest("m", [Tensor("VALUE", "INT64", data)], priority=priority, timeout_us=timeout_us,
                         arrival_ns=time.monotonic_ns())
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(test(), 10))
-
-
-async def settle() -> None:
-    """Let callbacks scheduled by completed executions run."""
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 def make(cfg: object, *instances: FakeInstance) -> tuple[DynamicBatcher, ModelStats]:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from support.scheduling import HeldInstance, model_config, run, settle
 
-from transerve.backends.base import BackendInstance, ExecutionResult
-from transerve.config.model_config import ConfigError, normalize, parse_config_text, to_json_dict, validate
+from transerve.backends.base import ExecutionResult
+from transerve.config.model_config import ConfigError, to_json_dict
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
@@ -31,30 +31,22 @@ control_input [
 """
 
 
-class Accumulator(BackendInstance):
+class Accumulator(HeldInstance):
     """A stateful model as a test double: sums INPUT per CORRID, restarting at START, reading the control
     inputs the batcher added. Executions are answered at once (`auto`) or when the test calls `release`."""
 
     def __init__(self, name: str = "m_0", auto: bool = True) -> None:
-        self.name = name
-        self.auto = auto
+        super().__init__(name, auto)
         #: Per execution, per request: every input as a plain value (the first element), by name.
         self.batches: list[list[dict[str, Any]]] = []
         self.requests: list[list[InferRequest]] = []
         self.sums: dict[Any, int] = {}
-        self._open: list[tuple[asyncio.Future[ExecutionResult], list[InferRequest]]] = []
 
-    def execute(self, requests: list[InferRequest]) -> asyncio.Future[ExecutionResult]:
+    def record(self, requests: list[InferRequest]) -> None:
         self.batches.append([_seen(request) for request in requests])
         self.requests.append(requests)
-        future = asyncio.get_running_loop().create_future()
-        self._open.append((future, requests))
-        if self.auto:
-            self.release()
-        return future
 
-    def release(self) -> None:
-        future, requests = self._open.pop(0)
+    def answer(self, requests: list[InferRequest]) -> ExecutionResult:
         responses = []
         for request in requests:
             seen = _seen(request)
@@ -66,10 +58,7 @@ class Accumulator(BackendInstance):
                 self.sums[key] = 0
             self.sums[key] = self.sums.get(key, 0) + seen["INPUT"]
             responses.append(InferResponse("m", "1", [Tensor("OUTPUT", "INT32", np.array([[self.sums[key]]]))]))
-        future.set_result(ExecutionResult(responses))
-
-    async def close(self) -> None:
-        pass
+        return ExecutionResult(responses)
 
 
 def _seen(request: InferRequest) -> dict[str, Any]:
@@ -89,10 +78,7 @@ def config(body: str = "direct { }", corrid: str = "TYPE_UINT64", max_batch_size
     sequence_batching {{ {body} {CONTROLS % corrid if corrid else ""} }}
     {extra}
     """
-    parsed = parse_config_text(text)
-    normalize(parsed, "m")
-    validate(parsed, "m")
-    return parsed
+    return model_config(text)
 
 
 def request(sequence: int | str, value: int, flags: int = 0, batching: bool = True, batch: int = 1) -> InferRequest:
@@ -109,17 +95,8 @@ def make(cfg: Any, *instances: Accumulator) -> tuple[SequenceBatcher, ModelStats
     return batcher, stats
 
 
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(test(), 10))
-
-
 async def output(future: asyncio.Future[InferResponse]) -> int:
     return int((await future).outputs[0].data.reshape(-1)[0])
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
 
 
 # --- control inputs ---------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ END_STREAM = ACK = 0x1
 END_HEADERS = 0x4
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0, 1, 3, 6, 7, 9
 INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x4, 0x5
+HEALTH = "/grpc.health.v1.Health/Check"
+INFER = "/inference.GRPCInferenceService/ModelInfer"
 _HEAD = struct.Struct(">IBI")
 
 
@@ -37,6 +39,13 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 def settings(values: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", key, value) for key, value in values.items()))
+
+
+def request_headers(path: str = HEALTH, *extra: tuple[str, str], method: str = "POST",
+                    authority: str = "localhost") -> list[tuple[str, str]]:
+    """A gRPC call's header list, before HPACK."""
+    return [(":method", method), (":scheme", "http"), (":path", path), (":authority", authority),
+            ("content-type", "application/grpc"), ("te", "trailers"), *extra]
 
 
 def grpc_message(body: bytes, compressed: bool = False) -> bytes:
@@ -79,8 +88,7 @@ class H2Client:
 
     def headers(self, stream: int, path: str, *, end_stream: bool = False,
                 extra: list[tuple[str, str]] | None = None, method: str = "POST") -> bytes:
-        fields = [(":method", method), (":scheme", "http"), (":path", path), (":authority", "localhost"),
-                  ("content-type", "application/grpc"), ("te", "trailers"), *(extra or [])]
+        fields = request_headers(path, *(extra or []), method=method)
         return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream, self.encoder.encode(fields))
 
     def read_frame(self) -> Frame | None:
