@@ -83,7 +83,8 @@ class OtlpReceiver:
                     found += [(resource, scope_spans.scope.name, span) for span in scope_spans.spans]
         return found
 
-    def wait_for(self, count: int, timeout: float = 20.0) -> None:
+    def wait_for(self, count: int, timeout: float = 60.0) -> None:
+        """Until `count` spans arrived (at once when they have: the timeout is for a loaded machine)."""
         deadline = time.monotonic() + timeout
         while len(self.spans()) < count and time.monotonic() < deadline:
             time.sleep(0.05)
