@@ -24,9 +24,10 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult, Placement
 from transerve.backends.idle_ending_executor import IdleEndingExecutor
+from transerve.config.model_config import ConfigError
 from transerve.core.batching import merge_inputs, split_outputs
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
-from transerve.core.errors import ServerError, internal, unavailable
+from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 
@@ -210,6 +211,17 @@ async def open_engines(
         release(executors)
         raise
     return list(zip(executors, engines, strict=True))
+
+
+def load_failure(exc: Exception, where: str, library: str, filename: str) -> ServerError:
+    """What a failed engine load answers, prefixed with the model it is: a ServerError keeps its code, a config the
+    model does not match is INVALID_ARG, and so is the library's own error (a corrupt file, an unsupported
+    operator, a plan for another GPU), on one line and at most 500 characters of it."""
+    if isinstance(exc, ServerError):
+        return ServerError(exc.code, f"{where}: {exc.message}")
+    if isinstance(exc, ConfigError):
+        return invalid_arg(f"{where}: {exc}")
+    return invalid_arg(f"{where}: {library} cannot load {filename}: {' '.join(str(exc).split())[:500]}")
 
 
 def release(executors: Sequence[Executor]) -> None:

@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends import autocomplete
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines, release
+from transerve.backends.threaded import ThreadedInstance, import_engine, load_failure, open_engines, release
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 from transerve.repository.paths import inside
@@ -111,15 +111,9 @@ class OnnxRuntimeBackend(Backend):
                 default = context.backend_config.get("default-max-batch-size", str(autocomplete.DEFAULT_MAX_BATCH_SIZE))
                 autocomplete.auto_complete(config, inputs, outputs, _int(default, "default-max-batch-size"))
             autocomplete.check(config, inputs, outputs)
-        except ConfigError as exc:
+        except Exception as exc:  # a config the model does not match, or onnxruntime's own errors
             release([executor for executor, _ in opened])
-            raise invalid_arg(f"{where}: {exc}") from None
-        except ServerError as exc:
-            release([executor for executor, _ in opened])
-            raise ServerError(exc.code, f"{where}: {exc.message}") from None
-        except Exception as exc:  # onnxruntime's own errors: a corrupt file, an unsupported operator...
-            release([executor for executor, _ in opened])
-            raise invalid_arg(f"{where}: onnxruntime cannot load {path.name}: {_one_line(exc)}") from None
+            raise load_failure(exc, where, "onnxruntime", path.name) from None
         strings = {t.name for t in config.input if t.data_type == model_config_pb2.TYPE_STRING}
         for _, engine in opened:
             engine.string_inputs = strings
@@ -196,7 +190,3 @@ def _int(text: str, key: str) -> int:
         return int(text)
     except ValueError:
         raise invalid_arg(f"parameter {key} must be an integer, got '{text}'") from None
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())

@@ -23,7 +23,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines
+from transerve.backends.threaded import ThreadedInstance, import_engine, load_failure, open_engines
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
@@ -155,12 +155,8 @@ class PyTorchBackend(Backend):
                 loop, placements, lambda placement: _open(torch, path, placement, config, settings), "torch",
                 idle_seconds=IDLE_SECONDS, thread_setup=lambda placement: _set_threads(torch, settings),
             )
-        except ServerError as exc:
-            raise ServerError(exc.code, f"{where}: {exc.message}") from None
-        except ConfigError as exc:
-            raise invalid_arg(f"{where}: {exc}") from None
-        except Exception as exc:  # torch's own errors: not TorchScript, a corrupt archive...
-            raise invalid_arg(f"{where}: torch cannot load {path.name}: {' '.join(str(exc).split())[:500]}") from None
+        except Exception as exc:  # a config the model does not match, or torch's own errors (not TorchScript, ...)
+            raise load_failure(exc, where, "torch", path.name) from None
         instances = [
             ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
             for placement, (executor, engine) in zip(placements, opened, strict=True)

@@ -19,9 +19,8 @@ import numpy as np
 
 from transerve.backends import autocomplete
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
-from transerve.backends.threaded import ThreadedInstance, open_engines, release
+from transerve.backends.threaded import ThreadedInstance, load_failure, open_engines, release
 from transerve.config.devices import visible_gpus
-from transerve.config.model_config import ConfigError
 from transerve.core.datatypes import numpy_to_protocol, protocol_to_config
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 
@@ -114,15 +113,9 @@ class TensorRTBackend(Backend):
             if context.auto_complete:
                 autocomplete.auto_complete(config, inputs, outputs, engine.max_batch())
             autocomplete.check(config, inputs, outputs)
-        except ConfigError as exc:
+        except Exception as exc:  # a config the model does not match, or TensorRT's own errors
             release([executor for executor, _ in opened])
-            raise invalid_arg(f"{where}: {exc}") from None
-        except ServerError as exc:
-            release([executor for executor, _ in opened])
-            raise ServerError(exc.code, f"{where}: {exc.message}") from None
-        except Exception as exc:  # TensorRT's own errors: a plan built for another GPU or version...
-            release([executor for executor, _ in opened])
-            raise invalid_arg(f"{where}: TensorRT cannot load {path.name}: {' '.join(str(exc).split())}") from None
+            raise load_failure(exc, where, "TensorRT", path.name) from None
         instances = [
             ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
             for placement, (executor, engine) in zip(placements, opened, strict=True)
