@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common.machine import rss_bytes
 from benchmarks.common.results import write_json
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -90,16 +91,12 @@ class RssSampler(threading.Thread):
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
-        self._path = f"/proc/{pid}/status"
+        self._pid = pid
         self.peak = self.now()
         self._done = threading.Event()
 
     def now(self) -> int:
-        with open(self._path) as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return rss_bytes(self._pid)
 
     def run(self) -> None:
         while not self._done.wait(0.02):

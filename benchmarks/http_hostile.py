@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from benchmarks.common.machine import rss_bytes
 from benchmarks.common.results import add_json_option, commit, write_json
 
 ADD_SUB = json.dumps({"inputs": [
@@ -74,18 +75,14 @@ class RssSampler:
     """The server process's resident memory, sampled every 50 ms in a thread: a probe's peak above its baseline."""
 
     def __init__(self, pid: int) -> None:
-        self._path = f"/proc/{pid}/status"
+        self._pid = pid
         self._peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def now(self) -> int:
-        with open(self._path) as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        return 0
+        return rss_bytes(self._pid)
 
     @contextlib.contextmanager
     def probe(self, row: Row) -> Iterator[None]:

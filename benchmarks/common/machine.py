@@ -66,3 +66,12 @@ class OtherWork:
         cores = os.cpu_count() or 1
         machine_seconds = cores * wall * (busy1 - self._machine[0]) / max(total1 - self._machine[1], 1)
         self.cores = max(0.0, machine_seconds - (self._ours() - self._ours0)) / wall
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (0 if /proc does not say)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
