@@ -177,14 +177,16 @@ def test_rapid_reset_is_cut(native: ServerProcess) -> None:
     assert_bystander_answered(native)
 
 
-def test_a_ping_flood_is_cut_as_grpc_core_does(native: ServerProcess) -> None:
-    with Probe(native.grpc_port) as probe:
+@pytest.mark.parametrize("transport", ["native", "grpcio"])
+def test_a_ping_flood_is_cut_as_grpc_core_does(transport: str, request: pytest.FixtureRequest) -> None:
+    server: ServerProcess = request.getfixturevalue(transport)
+    with Probe(server.grpc_port) as probe:
         probe.handshake()
         for count in range(10):
             probe.h2.ping(count.to_bytes(8, "big"))
         probe.send()
         assert_calmed(probe.terminated(), b"too_many_pings")
-    assert_bystander_answered(native)
+    assert_bystander_answered(server)
 
 
 def test_pings_between_answered_calls_are_welcome(native: ServerProcess) -> None:
@@ -398,16 +400,6 @@ def test_a_message_over_the_limit_is_resource_exhausted(transport: str, request:
             assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
     client.close()
     assert_bystander_answered(server)
-
-
-def test_grpc_core_cuts_a_ping_flood_too(grpcio: ServerProcess) -> None:
-    with Probe(grpcio.grpc_port) as probe:
-        probe.handshake()
-        for count in range(10):
-            probe.h2.ping(count.to_bytes(8, "big"))
-        probe.send()
-        assert_calmed(probe.terminated(), b"too_many_pings")
-    assert_bystander_answered(grpcio)
 
 
 def test_grpc_core_closes_a_connection_that_never_acknowledges_settings(grpcio: ServerProcess) -> None:
