@@ -46,6 +46,10 @@ class DecodingOptions:
     #: `MAX_TOP_LOGPROBS`, beam width 1 only), from the distribution `log_probs` reports; implies `return_log_probs`.
     top_logprobs: int = 0
 
+    def __post_init__(self) -> None:
+        if self.top_logprobs:  # a top list without the chosen token's own log-probability would be half an answer
+            self.return_log_probs = True
+
 
 @dataclass(slots=True)
 class GenerationRequest:
