@@ -309,3 +309,29 @@ def test_served_refusals_are_clear_400s(server, references, model, parameters, m
         # The model without top outputs serves everything else.
         answer = client.infer(model, inputs(httpclient, ids), parameters={"max_tokens": 4, "return_log_probs": True})
     assert answer.as_numpy("output_log_probs").shape == (1, 1, 4)
+
+
+def test_top_outputs_are_stacked_zero_padded_and_sent_only_when_asked():
+    from transerve.backends.generation.interface import RowResult, TensorInterface
+    from transerve.core.types import InferRequest, RequestedOutput
+
+    interface = TensorInterface(generator_config(Options("gpt2", "torch", "float32", 4, False, decoder_only=True)))
+    results = [
+        RowResult([[5, 6, 7]], [1], [-1.0], [[-0.5, -0.5]], [[[(6, -0.5), (9, -1.5)], [(7, -0.5), (8, -2.0)]]]),
+        RowResult([[5, 6]], [1], [-0.25], [[-0.25]], [[[(6, -0.25), (3, -3.0)]]]),
+    ]
+    wanted = interface.wanted(InferRequest("gpt2", []), log_probs=True, top=True)
+    tensors = {t.name: t for t in interface.response_tensors(results, wanted)}
+    assert tensors["output_top_ids"].data.tolist() == [[[[6, 9], [7, 8]]], [[[6, 3], [0, 0]]]]
+    assert tensors["output_top_log_probs"].data.tolist() == [[[[-0.5, -1.5], [-0.5, -2.0]]], [[[-0.25, -3.0],
+                                                                                               [0.0, 0.0]]]]
+    assert tensors["output_top_ids"].datatype == "UINT32" and tensors["output_top_log_probs"].datatype == "FP32"
+    assert "output_top_ids" not in interface.wanted(InferRequest("gpt2", []), log_probs=True)
+    named = InferRequest("gpt2", [], outputs=[RequestedOutput("output_ids"), RequestedOutput("output_top_ids")])
+    assert interface.asks_log_probs(named)
+    assert interface.wanted(named, log_probs=False) == ["output_ids", "output_top_ids"]
+    first = TensorInterface(generator_config(Options("fastertransformer", "torch", "float32", 4, False, True)))
+    with pytest.raises(ServerError, match="output_top_ids") as raised:
+        first.check_top_outputs()
+    assert raised.value.code is ErrorCode.INVALID_ARG
+    interface.check_top_outputs()  # declared: nothing to refuse
