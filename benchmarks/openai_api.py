@@ -14,8 +14,11 @@ flags and is what this script starts. Without the interpreter, the vLLM row is s
 
 One run measures, one server at a time (never two at once: they would share the cores):
 
-- `vllm`: vLLM's OpenAI server (`--dtype float32`, the CPU backend; `--vllm-args` and `--vllm-env` say how it
-  is started here), `/v1/completions`;
+- `vllm`: vLLM's OpenAI server (`--dtype float32`, the CPU backend), `/v1/completions`. It starts with
+  `--gpu-memory-utilization 0.2` (on CPU, the share of the machine's memory it reserves; its default 0.92 fails to
+  start beside other work) and otherwise its defaults, which on 2 cores bind its one compute thread to core 0 and
+  leave core 1 to its API server: with `--vllm-env VLLM_CPU_OMP_THREADS_BIND=0-1,VLLM_CPU_NUM_OF_RESERVED_CPU=0`
+  (two compute threads) it measured 120.5 tokens/s against the default's 166.1 here (2026-11-26);
 - `v1`: transerve serving the folder converted with `transerve convert --engine torch --decoupled --name gpt2s`,
   `/v1/completions`;
 - `generate`: the same server, `/v2/models/gpt2s/generate_stream` with the same ids (`input_ids`,
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -47,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -120,13 +125,28 @@ def measure(args: argparse.Namespace, key: str, label: str, url: str, requests: 
     print(f"{label}: {args.concurrency} clients, {args.warmup:.0f} s warm-up + {args.duration:.0f} s, other work "
           f"{before:.2f} cores...", file=sys.stderr)
     run = Run(key, label)
+    server_before, wall_before = cpu_seconds(server_pid), time.perf_counter()
     with OtherWork([server_pid]) as other:
         asyncio.run(closed_loop(url, bodies, reader, args.concurrency, args.warmup, args.duration, run))
     run.background = other.cores
+    run.server_cores = (cpu_seconds(server_pid) - server_before) / (time.perf_counter() - wall_before)
     print(f"  {run.rate:.1f} tokens/s, TTFT p50 {run.ttft_ms(50):.0f} ms p90 {run.ttft_ms(90):.0f} ms, "
-          f"{len(run.finished)} requests, {len(run.errors)} errors, client CPU {run.client_cpu:.2f}",
+          f"{len(run.finished)} requests, {len(run.errors)} errors, server {run.server_cores:.2f} cores, client CPU "
+          f"{run.client_cpu:.2f}",
           file=sys.stderr)
     return run
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its children, living and reaped."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = sum(root.cpu_times()[2:4])
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += sum(process.cpu_times()[:2])
+    return total
 
 
 def vllm_version(python: str) -> str:
@@ -168,14 +188,14 @@ def run_transerve(args: argparse.Namespace, repository: Path, runs: list[tuple[s
 
 def table(runs: list[Run]) -> str:
     lines = ["| server, endpoint | tokens/s | TTFT p50 ms | TTFT p90 ms | latency p50 ms | requests | errors | "
-             "client CPU | other work |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "server cores | client CPU | other work |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
         if run.note and not run.finished:
-            lines.append(f"| {run.label} | {run.note} | | | | | | | |")
+            lines.append(f"| {run.label} | {run.note} | | | | | | | | |")
             continue
         lines.append(f"| {run.label} | {run.rate:.1f} | {run.ttft_ms(50):.0f} | {run.ttft_ms(90):.0f} | "
-                     f"{run.latency_ms(50):.0f} | {len(run.finished)} | {len(run.errors)} | {run.client_cpu:.2f} | "
-                     f"{run.background:.2f} cores |")
+                     f"{run.latency_ms(50):.0f} | {len(run.finished)} | {len(run.errors)} | {run.server_cores:.2f} | "
+                     f"{run.client_cpu:.2f} | {run.background:.2f} cores |")
     return "\n".join(lines)
 
 

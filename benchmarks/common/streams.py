@@ -122,6 +122,8 @@ class Run:
     client_cpu: float = 0.0
     #: Cores' worth of CPU other processes used during the run.
     background: float = 0.0
+    #: Cores' worth of CPU the server (its children included) used over the run, warm-up included.
+    server_cores: float = 0.0
     note: str = ""
 
     @property
@@ -149,7 +151,8 @@ class Run:
         return {"key": self.key, "label": self.label, "seconds": self.seconds, "requests": len(self.finished),
                 "tokens": self.tokens, "tokens_per_s": self.rate, "ttft_p50_ms": self.ttft_ms(50),
                 "ttft_p90_ms": self.ttft_ms(90), "latency_p50_ms": self.latency_ms(50),
-                "errors": len(self.errors), "client_cpu": self.client_cpu, "other_work_cores": self.background,
+                "errors": len(self.errors), "client_cpu": self.client_cpu, "server_cores": self.server_cores,
+                "other_work_cores": self.background,
                 "note": self.note}
 
 
