@@ -148,6 +148,9 @@ def _ensemble(
     texts = {"QUESTION": "question", "CONTEXT": "context"} if task.name == "qa" else {"TEXT": "input_text"}
     for text in texts.values():
         _tensor(config.input, text, "TYPE_STRING", [1])
+    if task.name == "embedding":  # what the OpenAI layer serves as /v1/embeddings
+        _parameters(config, openai_api="embeddings", openai_text_input=texts["TEXT"],
+                    openai_embedding_output="embedding")
     if postprocess is not None:
         config.output.extend(postprocess.output)
     else:  # encode: the token states, and the mask that says which are padding
