@@ -8,6 +8,7 @@ stream) and a torch one that is not decoupled; and the real all-MiniLM-L6-v2 exp
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from functools import cache, cached_property
@@ -40,6 +41,9 @@ def build_chat_gpt2(path: Path) -> Path:
     from support.generation_models import build_generation_model
 
     build_generation_model("gpt2", path, config={"n_positions": N_POSITIONS})
+    tokenizer_config = path / "tokenizer_config.json"  # the tokenizer's limit is the model's, as GPT-2's own is
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()),
+                                            "model_max_length": N_POSITIONS}, indent=1))
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     return path
 
