@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transerve.core.errors import ErrorCode
 from transerve.core.summary import LatencySummary
+from transerve.core.token_timing import TokenTimings
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 #: Validation failures never reach the statistics (as in Triton), so what fails here was either refused by
@@ -64,6 +65,8 @@ class ModelStats:
     #: Failed requests by Triton's metric reason (REJECTED, CANCELED, BACKEND, OTHER).
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     load_duration_secs: float = 0.0
+    #: Time to first token and per output token, recorded by frontends that stream tokens (the OpenAI API).
+    tokens: TokenTimings = field(default_factory=TokenTimings)
 
     def add_summaries(self, quantiles: Sequence[tuple[float, float]], cached: bool) -> None:
         """Observe the latencies Triton summarises: request (not for a model with the response cache, whose

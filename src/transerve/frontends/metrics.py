@@ -113,6 +113,7 @@ class TritonMetricsCollector:
             yield from self._gpu.families()
         # Triton's registry lists counters, then gauges, then summaries, then what backends add.
         yield from _summary_families(models)
+        yield from _token_families(models)
         yield _restarts(models)
         for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
             family = _family(name, description, kind)
@@ -145,6 +146,28 @@ def _summary_families(models: list[ModelVersion]) -> Iterator[Metric]:
             family.add_sample(f"{name}_sum", labels, summary.sum)
             for quantile, value in summary.values():
                 family.add_sample(name, {**labels, "quantile": _number(quantile)}, value)
+        yield family
+
+
+def _token_families(models: list[ModelVersion]) -> Iterator[Metric]:
+    """transerve's own histograms (Triton has none): time to first token and per output token, for the models whose
+    tokens a frontend timed (the OpenAI API); left out for the others."""
+    for name, text, attribute in (
+        ("transerve_time_to_first_token_seconds", "Histogram of time to first token in seconds", "first_token"),
+        ("transerve_time_per_output_token_seconds",
+         "Histogram of time per output token after the first, in seconds", "per_output_token"),
+    ):
+        family = _family(name, text, "histogram")
+        for model in models:
+            histogram = getattr(model.stats.tokens, attribute)
+            count = histogram.count
+            if count == 0:
+                continue
+            labels = {"model": model.name, "version": model.version}
+            for bound, number in histogram.cumulative():
+                family.add_sample(f"{name}_bucket", {**labels, "le": bound}, number)
+            family.add_sample(f"{name}_count", labels, count)
+            family.add_sample(f"{name}_sum", labels, histogram.total)
         yield family
 
 

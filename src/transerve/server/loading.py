@@ -177,6 +177,7 @@ class ModelLoader:
             stats=stats,
             decoupled=config.model_transaction_policy.decoupled,
             labels=labels,
+            path=context.version_path,
         )
 
     def _backend(self, kind: str, model_name: str) -> Backend:

@@ -42,6 +42,8 @@ class ModelVersion:
     decoupled: bool = False
     #: Each output's labels from its `label_filename`, for the classification extension.
     labels: dict[str, list[str]] = field(default_factory=dict)
+    #: The version's folder (`<model>/<version>`), where frontends find files beside the model (a tokenizer).
+    path: Path | None = None
 
 
 @dataclass(slots=True)

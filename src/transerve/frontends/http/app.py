@@ -43,6 +43,7 @@ from transerve.frontends.http.generate import (
     single_response,
     traced_events,
 )
+from transerve.frontends.http.openai.api import OpenAIApi
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import ControlMode, Server
@@ -91,6 +92,8 @@ class HttpFrontend:
         #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
         self.forwarding = forwarding
         self._listener: asyncio.base_events.Server | None = None
+        #: The OpenAI-compatible routes under /v1.
+        self._openai = OpenAIApi(server)
         #: Requests being handled, for `close` to let their answers out.
         self._handling = 0
 
@@ -134,6 +137,8 @@ class HttpFrontend:
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
         parts = request.path.strip("/").split("/")
+        if parts and parts[0] == "v1":
+            return await self._openai.handle(request, [unquote(part) for part in parts[1:]])
         if not parts or parts[0] != "v2":
             return error_response(404, "Not Found")
         if self.restrictions is not None:  # before anything else, the method included, as Triton checks it

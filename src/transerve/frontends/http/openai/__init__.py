@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API on the HTTP port (docs/openai.md)."""

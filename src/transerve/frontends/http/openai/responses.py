@@ -1,0 +1,130 @@
+"""OpenAI's response documents for completions and chat completions, whole and as stream chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from transerve.frontends.http.openai.generation import Choice, Delta, Prompt, TokenLogProb
+from transerve.frontends.http.openai.params import Sampling
+from transerve.frontends.http.openai.text import TextTokenizer
+
+
+class Formatter:
+    """One request's documents: its id and creation time are shared by every chunk of a stream."""
+
+    def __init__(self, model: str, chat: bool, sampling: Sampling, tokenizer: TextTokenizer | None,
+                 prompts: list[Prompt]) -> None:
+        self.model = model
+        self.chat = chat
+        self.sampling = sampling
+        self._tokenizer = tokenizer
+        self._prompts = prompts
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        #: Completions' `text_offset`: where each choice's next token starts in its text.
+        self._offsets: dict[int, int] = {}
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # ---- whole answers ---------------------------------------------------------------------------------------
+
+    def answer(self, choices: list[Choice], results: list[list[Delta]]) -> dict[str, Any]:
+        documents = []
+        for choice, deltas in zip(choices, results, strict=True):
+            text = "".join(delta.text for delta in deltas)
+            finish = deltas[-1].finish_reason if deltas else "stop"
+            tokens = [token for delta in deltas for token in delta.logprobs]
+            if self.chat:
+                documents.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                                  "logprobs": self._chat_logprobs(tokens), "finish_reason": finish})
+            else:
+                prefix = choice.prompt.text if self.sampling.echo else ""
+                documents.append({"index": choice.index, "text": prefix + text,
+                                  "logprobs": self._completion_logprobs(choice.index, tokens, len(prefix)),
+                                  "finish_reason": finish})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": documents,
+                "usage": self._usage(choices)}
+
+    def _usage(self, choices: list[Choice]) -> dict[str, int]:
+        prompt = sum(len(prompt.ids) for prompt in self._prompts)
+        if self._tokenizer is not None and any(not prompt.ids for prompt in self._prompts):  # text models
+            prompt = sum(len(self._tokenizer.encode(prompt.text)) for prompt in self._prompts)
+        completion = sum(choice.completion_tokens for choice in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- stream chunks ---------------------------------------------------------------------------------------
+
+    def opening_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """Chat: each choice's role first, as OpenAI streams it. Completions with `echo`: each prompt."""
+        if self.chat:
+            return [self._chat_chunk(choice.index, {"role": "assistant", "content": ""}, None, None)
+                    for choice in choices]
+        if self.sampling.echo:
+            return [self._completion_chunk(choice.index, choice.prompt.text, None, None) for choice in choices]
+        return []
+
+    def chunk(self, delta: Delta) -> dict[str, Any]:
+        if self.chat:
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            return self._chat_chunk(delta.index, content, self._chat_logprobs(delta.logprobs), delta.finish_reason)
+        offset = len(self._prompts[delta.index // self.sampling.n].text) if self.sampling.echo else 0
+        return self._completion_chunk(delta.index, delta.text,
+                                      self._completion_logprobs(delta.index, delta.logprobs, offset),
+                                      delta.finish_reason)
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self._usage(choices)}
+
+    def _chat_chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
+        document = {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.sampling.include_usage:
+            document["usage"] = None
+        return document
+
+    def _completion_chunk(self, index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+        document = {**self._head("text_completion"),
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.sampling.include_usage:
+            document["usage"] = None
+        return document
+
+    # ---- log-probabilities -----------------------------------------------------------------------------------
+
+    def _chat_logprobs(self, tokens: list[TokenLogProb]) -> dict[str, Any] | None:
+        if self.sampling.logprobs is None or self._tokenizer is None:
+            return None
+        tokenizer = self._tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": tokenizer.token_text(token_id), "logprob": logprob,
+                    "bytes": tokenizer.token_bytes(token_id)}
+
+        return {"content": [{**entry(token.token_id, token.logprob),
+                             "top_logprobs": [entry(i, v) for i, v in token.top[:self.sampling.logprobs]]}
+                            for token in tokens], "refusal": None}
+
+    def _completion_logprobs(self, index: int, tokens: list[TokenLogProb], start: int) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists, `top_logprobs` a {token: logprob} map per token (the chosen token's
+        own when `logprobs` is 0), `text_offset` each token's start in the choice's text."""
+        if self.sampling.logprobs is None or self._tokenizer is None:
+            return None
+        tokenizer = self._tokenizer
+        texts = [tokenizer.token_text(token.token_id) for token in tokens]
+        offset = self._offsets.get(index, start)
+        offsets = []
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
+        tops = []
+        for token, text in zip(tokens, texts, strict=True):
+            top = {tokenizer.token_text(i): v for i, v in token.top[:self.sampling.logprobs]}
+            top.setdefault(text, token.logprob)
+            tops.append(top)
+        return {"tokens": texts, "token_logprobs": [token.logprob for token in tokens], "top_logprobs": tops,
+                "text_offset": offsets}

@@ -1,0 +1,209 @@
+"""A model's tokenizer as the OpenAI layer uses it: prompts to ids, ids to text as they stream, chat templates.
+
+Built on the `tokenizers` library (the Rust tokenizer transformers' fast tokenizers wrap) from the folder's
+`tokenizer.json`, with `tokenizer_config.json` for the special tokens and the chat template. transformers itself
+is not imported: it takes seconds to import and is not needed to serve. The chat template is rendered as
+transformers' `apply_chat_template` renders it (a sandboxed Jinja environment with `trim_blocks` and
+`lstrip_blocks`, loop controls, `raise_exception`, `strftime_now` and its `tojson`, the special tokens as
+variables), and its text is encoded without adding special tokens again, as transformers encodes it; the tests
+compare both against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from transerve.frontends.http.openai.errors import bad_request
+
+TOKENIZER_FILE = "tokenizer.json"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: The generated text's boundary may fall inside a character; a decoder shows the partial one as this.
+_REPLACEMENT = "\ufffd"
+#: transformers' `clean_up_tokenization`, applied when tokenizer_config.json asks for it.
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / TOKENIZER_FILE).is_file()
+
+
+class TextTokenizer:
+    """Encode, decode and chat-format for one model; built once per loaded model version, off the event loop."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        config = _read_json(folder / "tokenizer_config.json")
+        specials = {**_read_json(folder / "special_tokens_map.json"), **config}
+        #: The special tokens' text, the variables a chat template sees (`bos_token`, `eos_token`, ...).
+        self.special_tokens = {key: text for key in _SPECIAL_TOKEN_KEYS
+                               if (text := _token_text(specials.get(key))) is not None}
+        self.chat_template = _chat_template(folder, config)
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False))
+        limit = config.get("model_max_length")
+        #: tokenizer_config.json's `model_max_length` when it is a real bound (transformers writes 1e30 for none).
+        self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
+        self._byte_level = _is_byte_level(self._tokenizer)
+
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        if self._clean_up:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def vocabulary_size(self) -> int:
+        return self._tokenizer.get_vocab_size()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (special tokens included); a partial character shows as U+FFFD."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's bytes: exact for byte-level vocabularies (GPT-2's), the UTF-8 of its text otherwise."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if self._byte_level and piece is not None:
+            table = _unicode_to_byte()
+            if all(char in table for char in piece):
+                return [table[char] for char in piece]
+        return list(self.token_text(token_id).encode("utf-8", "replace"))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    arguments: dict[str, Any] | None = None) -> str:
+        if self.chat_template is None:
+            raise bad_request("this model has no chat template (its tokenizer_config.json or chat_template.jinja "
+                              "names none): use /v1/completions", param="messages")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            template = _compiled(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens, **(arguments or {}))
+        except TemplateError as exc:
+            raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
+
+
+class TextStream:
+    """Generated ids to text as they arrive, never splitting a character: text is released only when the decoded
+    window does not end in a partial character. Each step decodes a short window (the previous step's ids and the
+    new ones), so a long completion costs linear time, and the window's first ids give the new ones the context
+    that decides a leading space (SentencePiece vocabularies)."""
+
+    __slots__ = ("_tokenizer", "ids", "_start", "_read")
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._start = 0
+        self._read = 0
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self._tokenizer.decode(self.ids[self._start:self._read])
+        window = self._tokenizer.decode(self.ids[self._start:])
+        if len(window) <= len(before) or window.endswith(_REPLACEMENT):
+            return ""
+        self._start, self._read = self._read, len(self.ids)
+        return window[len(before):]
+
+    def finish(self) -> str:
+        """What is left at the end, a partial character included (the model produced it)."""
+        before = self._tokenizer.decode(self.ids[self._start:self._read])
+        window = self._tokenizer.decode(self.ids[self._start:])
+        self._start = self._read = len(self.ids)
+        return window[len(before):] if len(window) > len(before) else ""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's `content`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """Where transformers finds it: `chat_template.jinja` (transformers 5), `chat_template.json`, or the
+    tokenizer config's `chat_template` (a string, or named templates of which `default` is used)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template", config.get("chat_template"))
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+@lru_cache(maxsize=32)
+def _compiled(source: str) -> Any:
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    def raise_exception(message: str) -> None:
+        from jinja2.exceptions import TemplateError
+
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[_Generation, loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment.from_string(source)
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    try:
+        return json.loads(tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+    except (ValueError, AttributeError):
+        return False
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable bytes stand for themselves, the others for code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(byte): byte for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
