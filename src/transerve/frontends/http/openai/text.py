@@ -39,6 +39,10 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: both fixed at 128), which would pad
+        # prompts and miscount usage; transformers applies them only when a call asks. Limits are checked, not cut.
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         specials = {**_read_json(folder / "special_tokens_map.json"), **config}
         #: The special tokens' text, the variables a chat template sees (`bos_token`, `eos_token`, ...).
