@@ -48,7 +48,7 @@ STREAMING = ["gpt", "gpt_ct2"]
 #: Korean and emoji prompts: one whose greedy answer is clean text with a character split across tokens is used.
 MULTIBYTE_PROMPTS = ["세계 안녕", "안녕하세요 안녕하세요", "세계 🚀", "emoji 반갑습니다", "하세요 🙂 emoji", "안녕 🙂",
                      "반갑습니다 🚀", "🙂 세계"]
-EMBEDDING_TEXTS = ["A man is eating food.", "안녕하세요 😀 naïve café", "serving " * 300]
+EMBEDDING_TEXTS = ["A man is eating food.", "안녕하세요 😀 naïve café", "serving " * 200]
 
 
 @pytest.fixture(scope="module")
@@ -412,11 +412,13 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def minilm_tokens(built: tuple[Path, Path], texts: list[str]) -> int:
-    """What sentence-transformers feeds MiniLM: [CLS] text [SEP], cut at the export's 256 tokens."""
+    """What sentence-transformers feeds MiniLM: [CLS] text [SEP]."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(built[0] / f"{EMBEDDING}_tokenizer" / "1" / "tokenizer.json"))
-    return sum(min(len(tokenizer.encode(text).ids), 256) for text in texts)
+    tokenizer.no_padding()  # its tokenizer.json pads and truncates to 128: the tokenizer model turns both off
+    tokenizer.no_truncation()
+    return sum(len(tokenizer.encode(text).ids) for text in texts)
 
 
 def test_embeddings_equal_sentence_transformers_as_floats_and_base64(server, client, built):
@@ -441,10 +443,13 @@ def test_embeddings_equal_sentence_transformers_as_floats_and_base64(server, cli
         model=EMBEDDING, input=EMBEDDING_TEXTS, encoding_format="float").data]), expected).min() >= 0.9999
 
 
-def test_embedding_dimensions_are_refused_and_models_serve_only_their_own_api(client):
+def test_embedding_dimensions_and_too_long_inputs_are_refused_and_models_serve_only_their_own_api(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model=EMBEDDING, input="hello", dimensions=64)
     check_error(caught.value.body, caught.value.status_code, 400, "dimensions", param="dimensions")
+    with pytest.raises(openai.BadRequestError) as caught:  # MiniLM reads 256 tokens: OpenAI refuses, never cuts
+        client.embeddings.create(model=EMBEDDING, input=["hello", "serving " * 300])
+    check_error(caught.value.body, caught.value.status_code, 400, "256", param="input")
     for call in (lambda: client.embeddings.create(model="gpt", input="hello"),
                  lambda: client.completions.create(model=EMBEDDING, prompt="hello", max_tokens=2),
                  lambda: client.chat.completions.create(model=EMBEDDING, messages=MESSAGES, max_tokens=2)):
@@ -543,30 +548,35 @@ def test_a_model_without_a_chat_template_refuses_chat_and_completes(tmp_path):
 # Cancellation, metrics, statistics
 
 
-@pytest.mark.parametrize("model", STREAMING)
-def test_a_client_that_goes_away_mid_stream_cancels_its_sequence(server, model):
-    """A stream asked for ~2000 tokens (min_tokens: no early end) is dropped after its first chunks: the request
-    ends cancelled in the model's statistics (`nv_inference_request_failure{reason="CANCELED"}`) long before
-    those tokens could have been decoded."""
-    long, probe = N_POSITIONS - 48, 200
+def ended_requests(server: ServerProcess, model: str) -> int:
+    """The model's requests that have ended, as its statistics count them (succeeded or failed)."""
+    answer = requests.get(f"{server.base_url}/v2/models/{model}/stats", timeout=10)
+    assert answer.status_code == 200
+    stats = answer.json()["model_stats"][0]["inference_stats"]
+    return stats["success"]["count"] + stats["fail"]["count"]
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_sequence(server):
+    """A stream asked for ~2000 tokens (min_tokens: no early end) is dropped after its first chunks: the model's
+    statistics count the request as ended long before those tokens could have been decoded. The torch engine
+    only: CTranslate2 decodes this tiny model's 2000 tokens in well under a second, too fast to tell."""
+    long, probe = N_POSITIONS - 48, 100
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
         started = time.monotonic()
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=probe, temperature=0,
+        client.completions.create(model="gpt", prompt=PROMPT, max_tokens=probe, temperature=0,
                                   extra_body={"min_tokens": probe})
-        per_token = (time.monotonic() - started) / probe
-        labels = {"model": model, "reason": "CANCELED"}
-        before = metric(scrape(server), "nv_inference_request_failure", **labels)
-        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=long, temperature=0, stream=True,
+        per_token = (time.monotonic() - started) / probe  # an underestimate: later tokens attend to more
+        before = ended_requests(server, "gpt")
+        stream = client.completions.create(model="gpt", prompt=PROMPT, max_tokens=long, temperature=0, stream=True,
                                            extra_body={"min_tokens": long})
         received = [chunk for _, chunk in zip(range(3), stream, strict=False)]
         assert len(received) == 3
         dropped = time.monotonic()
         stream.close()
-    deadline = dropped + max(0.25 * long * per_token, 0.0)
-    while metric(scrape(server), "nv_inference_request_failure", **labels) <= before:
-        assert time.monotonic() < deadline + 5.0, "the dropped stream was not cancelled"
+    budget = 0.25 * long * per_token
+    while ended_requests(server, "gpt") == before:
+        assert time.monotonic() - dropped < budget, f"not ended {budget:.1f} s after the client went away"
         time.sleep(0.02)
-    assert time.monotonic() - dropped < 0.25 * long * per_token + 0.5, (per_token, time.monotonic() - dropped)
     assert server.alive()
 
 
