@@ -72,6 +72,16 @@ class TextTokenizer:
         """One token as text (special tokens included); a partial character shows as U+FFFD."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_label(self, token_id: int) -> str:
+        """One token as the legacy completions log-probabilities name it: its text, or, for a token that holds
+        only part of a character, `bytes:` and its bytes (`bytes:\\xe2\\x80`), as OpenAI names such tokens; U+FFFD
+        would give several tokens one name, and `top_logprobs` is a map keyed by the name."""
+        data = bytes(self.token_bytes(token_id))
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+
     def token_bytes(self, token_id: int) -> list[int]:
         """One token's bytes: exact for byte-level vocabularies (GPT-2's), the UTF-8 of its text otherwise."""
         piece = self._tokenizer.id_to_token(token_id)
