@@ -110,7 +110,8 @@ def test_every_model_is_written_with_a_config_that_parses(repository):
     assert [t.name for t in first.output] == ["OUTPUT0", "OUTPUT1"]
     later = load_config_file(repository / "gpt2")
     assert [t.name for t in later.output] == [
-        "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "prefix_length"
+        "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
+        "output_top_log_probs",
     ]
     assert {t.name for t in later.input if t.optional} >= {"beam_width", "runtime_top_k", "random_seed", "stream"}
 

@@ -17,6 +17,12 @@ own `max_new_tokens` (so requests asking for different lengths share a call), at
 cancelled. Beam search has no callback there: its rows run to the end of the call, so `max_new_tokens` is part of
 the call's options and single-token stop sequences are added to the end tokens (longer ones are refused).
 
+Log-probabilities are CTranslate2's own: each step's distribution after the repetition penalty, suppressed words and
+`min_new_tokens`, before temperature, top-k and top-p (the torch engine reports them after those). `top_logprobs`
+(beam width 1) asks CTranslate2 for each step's logits (`return_logits_vocab`, per call: such sequences decode in
+calls of their own) and takes the likeliest of their log-softmax in the step callback; the chosen token's entry is
+CTranslate2's log-probability of it, and where it ties with the first entry, it comes first.
+
 Seeds: CTranslate2 samples from one random generator per worker thread, seeded from the global seed
 (`ctranslate2.set_random_seed`) when that thread first samples and never again. A seeded sampling request
 therefore runs alone, in its own call, on a replica of the model (a worker thread) that has never sampled, with
@@ -36,13 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from transerve.backends.generation.ctranslate2_model import Ct2ModelInfo, read_model_info
 from transerve.backends.generation.engine import (
+    MAX_TOP_LOGPROBS,
     DoneCallback,
     GenerationRequest,
     GenerationResult,
     Hypothesis,
     TokenCallback,
+    TopLogProbs,
 )
 from transerve.backends.threaded import import_engine
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
@@ -71,6 +81,8 @@ class _CallKey:
     max_new_tokens: int | None
     #: Seeded sampling: the seed; such a sequence runs alone.
     seed: int | None
+    #: Whether the call returns each step's logits (`top_logprobs`): only calls whose sequences need them pay.
+    logits: bool = False
 
 
 @dataclass(eq=False)
@@ -85,6 +97,7 @@ class _Sequence:
     #: What the callback saw this call (beam width 1).
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    top: list[TopLogProbs] = field(default_factory=list)
     stopped: bool = False
 
     def cancel(self) -> None:
@@ -236,6 +249,11 @@ class CTranslate2Engine:
             raise invalid_arg("beam_width must be at least 1")
         if options.num_return_sequences < 1:
             raise invalid_arg("num_return_sequences must be at least 1")
+        if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_arg(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {options.top_logprobs}")
+        if options.top_logprobs and options.beam_width > 1:
+            raise invalid_arg("top_logprobs needs beam_width 1 with the CTranslate2 engine: beam search has no step "
+                              "callback there")
         for name, words in (("bad_words", options.bad_words), ("stop_sequences", options.stop_sequences)):
             if any(not word or any(not 0 <= t < self.vocab_size for t in word) for word in words):
                 raise invalid_arg(f"{name} must be non-empty token sequences with ids in [0, {self.vocab_size})")
@@ -261,6 +279,7 @@ class CTranslate2Engine:
             bad_words=tuple(tuple(word) for word in options.bad_words),
             max_new_tokens=options.max_new_tokens if beam > 1 else None,
             seed=seed,
+            logits=options.top_logprobs > 0,
         )
 
     # -- the caller threads -------------------------------------------------------------------------------------
@@ -373,12 +392,13 @@ class CTranslate2Engine:
             "end_token": list(key.end_ids),
             "return_end_token": True,
             "return_scores": True,
+            "return_logits_vocab": key.logits,
         }
         if key.bad_words:
             options["suppress_sequences"] = [[target[t] for t in word] for word in key.bad_words]
         if key.beam_width == 1:
             for sequence in batch:
-                sequence.tokens, sequence.log_probs, sequence.stopped = [], [], False
+                sequence.tokens, sequence.log_probs, sequence.top, sequence.stopped = [], [], [], False
             options["callback"] = self._step_callback(batch)
         max_new = key.max_new_tokens or max(s.request.options.max_new_tokens for s in batch)
         if self.is_encoder_decoder:
@@ -397,14 +417,20 @@ class CTranslate2Engine:
             sequence = batch[step.batch_id]
             if sequence.stopped:
                 return True
+            options = sequence.request.options
             sequence.tokens.append(step.token_id)
             sequence.log_probs.append(step.log_prob)
+            if options.top_logprobs:
+                sequence.top.append(self._top(step, options.top_logprobs))
             if sequence.on_tokens is not None and sequence.request.stream:
                 try:
-                    sequence.on_tokens([step.token_id])
+                    if options.return_log_probs:
+                        top = sequence.top[-1:] if options.top_logprobs else None
+                        sequence.on_tokens([step.token_id], [step.log_prob], top)
+                    else:
+                        sequence.on_tokens([step.token_id])
                 except Exception:  # noqa: BLE001
                     logger.exception("generation token callback failed")
-            options = sequence.request.options
             tokens = sequence.tokens
             sequence.stopped = (
                 self._closed
@@ -415,6 +441,29 @@ class CTranslate2Engine:
             return sequence.stopped
 
         return on_step
+
+    def _top(self, step: Any, k: int) -> TopLogProbs:
+        """The `k` likeliest tokens of the step's log-softmaxed logits ([1, vocab]), the chosen one at its own
+        log-probability."""
+        logits = step.logits
+        if logits.device != "cpu":
+            logits = logits.to_device(self._ct2.Device.cpu)
+        if logits.dtype != self._ct2.DataType.float32:
+            logits = logits.to(self._ct2.DataType.float32)
+        scores = np.asarray(logits).reshape(-1)
+        peak = scores.max()
+        log_probs = scores - (peak + np.log(np.exp(scores - peak).sum()))
+        k = min(k, log_probs.size)
+        best = np.argpartition(-log_probs, k - 1)[:k]
+        best = best[np.argsort(-log_probs[best], kind="stable")]
+        top = [(int(token), float(log_probs[token])) for token in best]
+        place = next((i for i, (token, _) in enumerate(top) if token == step.token_id), None)
+        if place is not None:
+            if top[place][1] == top[0][1]:
+                top.insert(0, top.pop(place))
+                place = 0
+            top[place] = (step.token_id, step.log_prob)
+        return top
 
     def _result(self, sequence: _Sequence, result: Any, key: _CallKey) -> GenerationResult:
         if self.is_encoder_decoder:
@@ -435,8 +484,10 @@ class CTranslate2Engine:
             reason = "end"
         else:
             reason = "length" if len(best) >= options.max_new_tokens else "end"
+        top = [sequence.top[: len(ids)] if options.top_logprobs else None for ids in hypotheses]
         return GenerationResult(
-            [Hypothesis(ids, score, lp) for ids, score, lp in zip(hypotheses, scores, log_probs, strict=True)],
+            [Hypothesis(ids, score, lp, tp) for ids, score, lp, tp in zip(hypotheses, scores, log_probs, top,
+                                                                          strict=True)],
             finish_reason=reason,
         )
 

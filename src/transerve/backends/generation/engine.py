@@ -42,6 +42,13 @@ class DecodingOptions:
     #: Token sequences never produced.
     bad_words: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
+    #: Per generated token, this many likeliest tokens with their log-probabilities (0: none; at most
+    #: `MAX_TOP_LOGPROBS`, beam width 1 only), from the distribution `log_probs` reports; implies `return_log_probs`.
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs:  # a top list without the chosen token's own log-probability would be half an answer
+            self.return_log_probs = True
 
 
 @dataclass(slots=True)
@@ -54,6 +61,13 @@ class GenerationRequest:
     stream: bool = False
 
 
+#: The largest `top_logprobs` a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+#: One generated token's `top_logprobs` likeliest tokens: (token id, log-probability), likeliest first.
+TopLogProbs = list[tuple[int, float]]
+
+
 @dataclass(slots=True)
 class Hypothesis:
     #: The new tokens only (no prompt, no decoder start token); ends with the end token when one was produced.
@@ -62,6 +76,8 @@ class Hypothesis:
     score: float = 0.0
     #: Log-probability of each token of `token_ids`, when `return_log_probs` was asked for.
     log_probs: list[float] | None = None
+    #: Per token of `token_ids`, its step's likeliest tokens, when `top_logprobs` was asked for.
+    top_log_probs: list[TopLogProbs] | None = None
 
 
 @dataclass(slots=True)
@@ -72,8 +88,14 @@ class GenerationResult:
     finish_reason: str = "end"
 
 
-#: Called from the engine thread with the token(s) a streaming sequence produced since the last call.
-TokenCallback = Callable[[list[int]], None]
+class TokenCallback(Protocol):
+    """Called from the engine thread with the token(s) a streaming sequence produced since the last call; when the
+    request asked for log-probabilities, with theirs too (and, for `top_logprobs`, their top lists), so that a
+    request that did not ask pays nothing for them."""
+
+    def __call__(self, tokens: list[int], log_probs: list[float] | None = None,
+                 top: list[TopLogProbs] | None = None) -> None: ...
+
 #: Called exactly once from the engine thread: the result, or the error that ended the sequence.
 DoneCallback = Callable[[GenerationResult | Exception], None]
 

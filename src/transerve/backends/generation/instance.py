@@ -6,7 +6,8 @@ The engine calls back from its own thread; each call is moved onto the event loo
 `call_soon_threadsafe`, and everything else happens on the loop.
 
 Streaming (a decoupled model, `stream` true): each response carries every row's output ids so far and
-`prefix_length`, the ids the client already has; tokens that arrive within one loop iteration go out in one
+`prefix_length`, the ids the client already has, and when the request asked for log-probabilities, those of every
+generated token so far (and their top lists); tokens that arrive within one loop iteration go out in one
 response. The last response carries the final flag. A cancelled stream cancels its sequences in the engine,
 which stops decoding them at its next step; so does the scheduler's `cancel` when the client of a one-response
 request goes away.
@@ -20,7 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from transerve.backends.base import BackendInstance, ExecutionResult
-from transerve.backends.generation.engine import GenerationEngine, GenerationRequest, GenerationResult, SequenceHandle
+from transerve.backends.generation.engine import (
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    SequenceHandle,
+    TopLogProbs,
+)
 from transerve.backends.generation.interface import RowResult, TensorInterface
 from transerve.backends.generation.options import Limits, decoding_options, parameter_values, tensor_values
 from transerve.core.errors import ServerError, internal, invalid_arg
@@ -81,7 +88,8 @@ class _RequestRun:
     """One request: its rows' sequences in the engine, what they produced so far, and its answer."""
 
     __slots__ = ("_instance", "_request", "_finish", "_prompts", "_handles", "_results", "_generated",
-                 "_sent", "_stream", "_streaming", "_flush_due", "_over", "_cancelled", "_log_probs")
+                 "_generated_log_probs", "_generated_top", "_sent", "_stream", "_streaming", "_flush_due", "_over",
+                 "_cancelled", "_log_probs", "_top")
 
     def __init__(self, instance: GenerationInstance, request: InferRequest, finish: Callable[[Outcome], None]):
         self._instance = instance
@@ -103,6 +111,8 @@ class _RequestRun:
         count = len(sequences)
         self._results: list[GenerationResult | None] = [None] * count
         self._generated: list[list[int]] = [[] for _ in range(count)]
+        self._generated_log_probs: list[list[float]] = [[] for _ in range(count)]
+        self._generated_top: list[list[TopLogProbs]] = [[] for _ in range(count)]
         self._sent = [0] * count
         if not sequences:  # a batch of zero rows
             self._complete()
@@ -110,8 +120,9 @@ class _RequestRun:
         for row, sequence in enumerate(sequences):
             on_tokens = None
             if sequence.stream:
-                def on_tokens(tokens: list[int], row: int = row) -> None:
-                    loop.call_soon_threadsafe(self._tokens, row, tokens)
+                def on_tokens(tokens: list[int], log_probs: list[float] | None = None,
+                              top: list[TopLogProbs] | None = None, row: int = row) -> None:
+                    loop.call_soon_threadsafe(self._tokens, row, tokens, log_probs, top)
 
             def done(outcome: GenerationResult | Exception, row: int = row) -> None:
                 loop.call_soon_threadsafe(self._done, row, outcome)
@@ -133,6 +144,7 @@ class _RequestRun:
         longest = instance.engine.max_input_length
         sequences = []
         self._log_probs = asks_log_probs
+        self._top = False
         for row in rows:
             values: dict[str, Any] = {**parameters, **tensor_values(tensors, row.index)}
             if asks_log_probs:
@@ -145,6 +157,9 @@ class _RequestRun:
             if len(row.input_ids) > longest:
                 raise invalid_arg(f"{where}the input has {len(row.input_ids)} tokens, more than the {longest} this "
                                   "model takes")
+            if options.top_logprobs:
+                instance.interface.check_top_outputs()
+                self._top = True
             self._log_probs = self._log_probs or options.return_log_probs
             sequences.append(GenerationRequest(row.input_ids, options, stream=stream))
         self._streaming = any(sequence.stream for sequence in sequences)
@@ -154,10 +169,15 @@ class _RequestRun:
 
     # ---- engine reports, on the loop ------------------------------------------------------------------------
 
-    def _tokens(self, row: int, tokens: list[int]) -> None:
+    def _tokens(self, row: int, tokens: list[int], log_probs: list[float] | None,
+                top: list[TopLogProbs] | None) -> None:
         if self._over:
             return
         self._generated[row].extend(tokens)
+        if log_probs is not None:
+            self._generated_log_probs[row].extend(log_probs)
+        if top is not None:
+            self._generated_top[row].extend(top)
         if not self._flush_due:
             self._flush_due = True
             self._instance.loop.call_soon(self._flush)
@@ -171,8 +191,11 @@ class _RequestRun:
             RowResult([prompt + generated], [len(prompt) + sent])
             for prompt, generated, sent in zip(self._prompts, self._generated, self._sent, strict=True)
         ]
+        if self._log_probs:  # every generated token's so far, as the ids are
+            for result, log_probs, top in zip(results, self._generated_log_probs, self._generated_top, strict=True):
+                result.scores, result.log_probs, result.top = [sum(log_probs)], [log_probs], [top]
         self._sent = [len(generated) for generated in self._generated]
-        self._stream.send(self._response(results, log_probs=False))
+        self._stream.send(self._response(results, self._log_probs, self._top))
 
     def _done(self, row: int, outcome: GenerationResult | Exception) -> None:
         if self._over:
@@ -202,20 +225,21 @@ class _RequestRun:
                 prefix=[len(prompt) + sent] * len(hypotheses),
                 scores=[hypothesis.score for hypothesis in hypotheses],
                 log_probs=[hypothesis.log_probs or [] for hypothesis in hypotheses],
+                top=[hypothesis.top_log_probs or [] for hypothesis in hypotheses],
             ))
         if self._stream is None:
-            self._end(self._response(results, self._log_probs))
+            self._end(self._response(results, self._log_probs, self._top))
             return
         unsent = any(len(s) > p for result in results for s, p in zip(result.sequences, result.prefix, strict=True))
         if not self._streaming or unsent or self._log_probs:
-            self._stream.send(self._response(results, self._log_probs), final=True)
+            self._stream.send(self._response(results, self._log_probs, self._top), final=True)
         else:
             self._stream.close()
         self._end(None)
 
-    def _response(self, results: list[RowResult], log_probs: bool) -> InferResponse:
+    def _response(self, results: list[RowResult], log_probs: bool, top: bool) -> InferResponse:
         interface = self._instance.interface
-        tensors = interface.response_tensors(results, interface.wanted(self._request, log_probs))
+        tensors = interface.response_tensors(results, interface.wanted(self._request, log_probs, top))
         return InferResponse(self._instance.model_name, self._instance.version, tensors, id=self._request.id)
 
     def cancel(self) -> None:

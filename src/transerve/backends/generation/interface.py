@@ -2,7 +2,8 @@
 
 - FasterTransformer (the later names): `input_ids` `[batch, L]` and `sequence_length` `[batch, 1]` in;
   `output_ids` `[batch, beams, T]`, `sequence_length` `[batch, beams]`, and optionally `cum_log_probs`,
-  `output_log_probs` and `prefix_length` out.
+  `output_log_probs`, `prefix_length`, and the likeliest tokens of each step, `output_top_ids` and
+  `output_top_log_probs` `[batch, beams, T, k]` (transerve's own, for `top_logprobs`), out.
 - Its first names, which the seed client uses: `INPUT_ID` and `REQUEST_INPUT_LEN` in; `OUTPUT0` (ids) and
   `OUTPUT1` (lengths) out.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
+from transerve.backends.generation.engine import TopLogProbs
 from transerve.backends.generation.options import BY_TENSOR
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import invalid_arg
@@ -48,6 +50,8 @@ class Names:
     cum_log_probs: str | None = None
     output_log_probs: str | None = None
     prefix_length: str | None = None
+    top_ids: str | None = None
+    top_log_probs: str | None = None
 
     def outputs(self) -> dict[str, tuple[frozenset[str], tuple[int, ...]]]:
         rules = {self.output_ids: (INTEGERS, (-1, -1)), self.output_lengths: (INTEGERS, (-1,))}
@@ -57,11 +61,16 @@ class Names:
             rules[self.output_log_probs] = (frozenset({"FP32"}), (-1, -1))
         if self.prefix_length:
             rules[self.prefix_length] = (INTEGERS, (-1,))
+        if self.top_ids:
+            rules[self.top_ids] = (INTEGERS, (-1, -1, -1))
+        if self.top_log_probs:
+            rules[self.top_log_probs] = (frozenset({"FP32"}), (-1, -1, -1))
         return rules
 
 
 FASTERTRANSFORMER = Names("FasterTransformer", "input_ids", "sequence_length", "output_ids", "sequence_length",
-                          "cum_log_probs", "output_log_probs", "prefix_length")
+                          "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
+                          "output_top_log_probs")
 FASTERTRANSFORMER_V1 = Names("FasterTransformer (first names)", "INPUT_ID", "REQUEST_INPUT_LEN", "OUTPUT0", "OUTPUT1")
 
 
@@ -83,6 +92,8 @@ class RowResult:
     scores: list[float] | None = None
     #: Per sequence: log-probabilities of its generated tokens.
     log_probs: list[list[float]] | None = None
+    #: Per sequence: each generated token's likeliest tokens (`top_logprobs`).
+    top: list[list[TopLogProbs]] | None = None
 
 
 def _datatype(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> str:
@@ -131,6 +142,7 @@ class TensorInterface:
         #: Declared outputs in config order: name -> (datatype, numpy dtype).
         self.outputs = {name: (_datatype(t), NUMPY_DTYPES[_datatype(t)]) for name, t in outputs.items()}
         self.log_prob_outputs = frozenset(n for n in (names.cum_log_probs, names.output_log_probs) if n in outputs)
+        self.top_outputs = frozenset(n for n in (names.top_ids, names.top_log_probs) if n in outputs)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -153,16 +165,26 @@ class TensorInterface:
         options = {name: array for name, array in tensors.items() if name in self.option_inputs}
         return rows, options
 
-    def wanted(self, request: InferRequest, log_probs: bool) -> list[str]:
-        """The outputs to produce, in config order: those asked for, else all but log-probabilities unless asked."""
+    def wanted(self, request: InferRequest, log_probs: bool, top: bool = False) -> list[str]:
+        """The outputs to produce, in config order: those asked for, else all but log-probabilities unless asked
+        (`log_probs`), and the top ones only when `top_logprobs` was asked (`top`)."""
         if request.outputs is not None:
             asked = {output.name for output in request.outputs}
             return [name for name in self.outputs if name in asked]
-        return [name for name in self.outputs if log_probs or name not in self.log_prob_outputs]
+        return [name for name in self.outputs if (log_probs or name not in self.log_prob_outputs)
+                and (top or name not in self.top_outputs)]
 
     def asks_log_probs(self, request: InferRequest) -> bool:
         """Whether the client named a log-probability output (which turns `return_log_probs` on)."""
-        return request.outputs is not None and any(o.name in self.log_prob_outputs for o in request.outputs)
+        named = self.log_prob_outputs | self.top_outputs
+        return request.outputs is not None and any(o.name in named for o in request.outputs)
+
+    def check_top_outputs(self) -> None:
+        """INVALID_ARG unless the config declares both top outputs: a request asking `top_logprobs` > 0 could
+        not be answered with what it asked for."""
+        if len(self.top_outputs) < 2:
+            raise invalid_arg("top_logprobs needs the outputs 'output_top_ids' and 'output_top_log_probs' (dims "
+                              f"[-1, -1, -1]), which this model's config ({self.names.title} names) does not declare")
 
     # ---- responses ------------------------------------------------------------------------------------------
 
@@ -185,6 +207,8 @@ class TensorInterface:
                 array = _per_beam(results, beams, dtype, lambda result: result.prefix)
             elif name == names.cum_log_probs:
                 array = _per_beam(results, beams, dtype, lambda result: result.scores or [])
+            elif name in (names.top_ids, names.top_log_probs):
+                array = _top_array(results, beams, dtype, ids=name == names.top_ids)
             else:  # output_log_probs
                 width = max((len(p) for result in results for p in result.log_probs or ()), default=0)
                 array = np.zeros((len(results), beams, width), dtype)
@@ -200,6 +224,20 @@ def _per_beam(results: list[RowResult], beams: int, dtype: np.dtype, values) -> 
     for row, result in enumerate(results):
         row_values = values(result)
         array[row, :len(row_values)] = row_values
+    return array
+
+
+def _top_array(results: list[RowResult], beams: int, dtype: np.dtype, ids: bool) -> np.ndarray:
+    """`[batch, beams, T, k]` of the top lists' ids or log-probabilities, zero-padded."""
+    tops = [top for result in results for top in result.top or ()]
+    width = max((len(top) for top in tops), default=0)
+    k = max((len(step) for top in tops for step in top), default=0)
+    array = np.zeros((len(results), beams, width, k), dtype)
+    part = 0 if ids else 1
+    for row, result in enumerate(results):
+        for beam, top in enumerate(result.top or ()):
+            for t, step in enumerate(top):
+                array[row, beam, t, :len(step)] = [pair[part] for pair in step]
     return array
 
 

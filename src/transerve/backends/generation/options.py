@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from transerve.backends.generation.engine import DecodingOptions
+from transerve.backends.generation.engine import MAX_TOP_LOGPROBS, DecodingOptions
 from transerve.core.errors import invalid_arg
 from transerve.core.protocol_parameters import FRONTEND_PARAMETERS, SCHEDULING_PARAMETERS
 
@@ -52,6 +52,7 @@ OPTIONS = (
     Option("stop_words", "words", ("stop", "stop_words", "stop_words_list"), ("stop_words_list",)),
     Option("bad_words", "words", ("bad_words", "bad_words_list"), ("bad_words_list",)),
     Option("return_log_probs", "bool", ("return_log_probs",), ("return_log_probs",)),
+    Option("top_logprobs", "int", ("top_logprobs",)),
     Option("stream", "bool", ("stream",), ("stream",)),
 )
 
@@ -211,6 +212,12 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
     returned = values.get("num_return_sequences", beam_width)
     if not 1 <= returned <= beam_width:
         raise invalid_arg(f"num_return_sequences must lie in [1, beam_width {beam_width}], got {returned}")
+    top_logprobs = values.get("top_logprobs", 0)
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_arg(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (0 turns it off), got {top_logprobs}")
+    if top_logprobs and beam_width > 1:
+        raise invalid_arg(f"top_logprobs {top_logprobs} with beam_width {beam_width}: the likeliest tokens are "
+                          "reported for beam_width 1 only (greedy or sampling)")
     stream = values.get("stream", False)
     if stream and not limits.decoupled:
         raise invalid_arg("stream is true, but this model is not decoupled: streaming needs "
@@ -233,6 +240,7 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         end_ids=[end_id] if end_id is not None else None,
         stop_sequences=values.get("stop_words", []),
         bad_words=values.get("bad_words", []),
-        return_log_probs=values.get("return_log_probs", False),
+        return_log_probs=values.get("return_log_probs", False) or top_logprobs > 0,
+        top_logprobs=top_logprobs,
     )
     return options, stream

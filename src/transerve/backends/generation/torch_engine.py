@@ -373,8 +373,13 @@ class TorchEngine:
         if self.runner.batch is not None:
             self.scheduling.stepped(self.runner.batch, self.max_positions)
         for sequence, token in choices.streamed:
+            options = sequence.request.options
             try:
-                sequence.on_tokens([token])
+                if options.return_log_probs:
+                    top = [sequence.top[-1]] if options.top_logprobs else None
+                    sequence.on_tokens([token], [sequence.log_probs[-1]], top)
+                else:
+                    sequence.on_tokens([token])
             except Exception:
                 logger.exception("on_tokens callback failed")
         for sequence, reason, _ in choices.finished:

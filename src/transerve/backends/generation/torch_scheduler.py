@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from transerve.backends.generation.engine import DoneCallback, GenerationRequest, TokenCallback
+from transerve.backends.generation.engine import MAX_TOP_LOGPROBS, DoneCallback, GenerationRequest, TokenCallback
 from transerve.backends.generation.sampling import token_rules
 from transerve.backends.generation.torch_sequence import Sequence
 from transerve.core.errors import invalid_arg
@@ -112,6 +112,11 @@ class Scheduler:
             raise invalid_arg("top_p must be in (0, 1]")
         if options.top_k < 0 or options.repetition_penalty <= 0 or options.min_new_tokens < 0:
             raise invalid_arg("top_k and min_new_tokens must not be negative; repetition_penalty must be positive")
+        if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid_arg(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {options.top_logprobs}")
+        if options.top_logprobs and options.beam_width > 1:
+            raise invalid_arg("top_logprobs needs beam_width 1: the likeliest tokens are reported for greedy and "
+                              "sampled sequences only")
         if any(not word for word in options.bad_words) or any(not stop for stop in options.stop_sequences):
             raise invalid_arg("bad words and stop sequences must not be empty")
         decoder_length = (1 if model.is_encoder_decoder else len(ids)) + options.max_new_tokens

@@ -5,8 +5,10 @@ Log-probabilities are those of the distribution each token was chosen from, as t
 (log-softmaxed) reports them: after the repetition penalty, bad words, min_new_tokens and the model's forced tokens,
 and when sampling after temperature, top-k and top-p. A greedy or sampled hypothesis' score is their sum; a beam
 hypothesis' score is transformers' `sequences_scores` (their sum divided by length ** length_penalty). Stop
-sequences match the new tokens only. A part of its own because it is pure arithmetic on logits: it never touches
-the batch's cache or the queue, and the schedulings share it.
+sequences match the new tokens only. With `top_logprobs` k, a sequence's step also reports the k likeliest tokens
+of that same distribution (one `topk` over the rows that ask), so the chosen token's log-probability is exactly its
+entry there, and a greedy step's first entry is its token. A part of its own because it is pure arithmetic on
+logits: it never touches the batch's cache or the queue, and the schedulings share it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transerve.backends.generation.engine import GenerationResult, Hypothesis
+from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
 from transerve.backends.generation.sampling import apply_rules, sample, warp
 from transerve.backends.generation.torch_sequence import Sequence
 
@@ -63,6 +65,7 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     log_probs = torch.log_softmax(logits, dim=-1)
     chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
     tokens = choice.tolist()
+    tops = _top_log_probs(running, log_probs, tokens)
 
     stays: list[Stay] = []
     finished: list[tuple[Sequence, str, int]] = []
@@ -80,6 +83,8 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
             token = tokens[row]
             sequence.tokens.append(token)
             sequence.log_probs.append(chosen_log_probs[row])
+            if row in tops:
+                sequence.top.append(tops[row])
             sequence.score += chosen_log_probs[row]
             if sequence.request.stream and sequence.on_tokens is not None:
                 streamed.append((sequence, token))
@@ -105,8 +110,35 @@ def result(sequence: Sequence, reason: str) -> GenerationResult:
             reason = "end" if best and _ends(sequence, best) else "length"
     else:
         log_probs = sequence.log_probs if options.return_log_probs else None
-        hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs)]
+        top = sequence.top if options.top_logprobs else None
+        hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs, top)]
     return GenerationResult(hypotheses, reason)
+
+
+def _top_log_probs(running: list[Sequence], log_probs: torch.Tensor, tokens: list[int]) -> dict[int, TopLogProbs]:
+    """The likeliest tokens of each row whose sequence asks for `top_logprobs`, by row: one `topk` of the largest
+    k asked over those rows. Where the chosen token ties with the first entry, it comes first."""
+    asking, row = [], 0
+    for sequence in running:
+        if sequence.beam is None and sequence.request.options.top_logprobs:
+            asking.append((row, sequence.request.options.top_logprobs))
+        row += sequence.rows
+    if not asking:
+        return {}
+    import torch
+
+    rows = [row for row, _ in asking]
+    k = min(max(k for _, k in asking), log_probs.shape[-1])
+    values, indices = torch.topk(log_probs[rows], k)
+    tops = {}
+    for (row, wanted), ids, lps in zip(asking, indices.tolist(), values.tolist(), strict=True):
+        top = list(zip(ids[:wanted], lps[:wanted], strict=True))
+        chosen = tokens[row]
+        place = next((i for i, (token, _) in enumerate(top) if token == chosen), None)
+        if place and top[place][1] == top[0][1]:
+            top.insert(0, top.pop(place))
+        tops[row] = top
+    return tops
 
 
 def _beam_step(sequence: Sequence, scores: torch.Tensor) -> list[int] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from transerve.backends.generation.engine import DoneCallback, GenerationRequest, TokenCallback
+from transerve.backends.generation.engine import DoneCallback, GenerationRequest, TokenCallback, TopLogProbs
 from transerve.backends.generation.sampling import TokenRules
 
 if TYPE_CHECKING:
@@ -39,5 +39,7 @@ class Sequence:
     preparing: bool = False
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    #: Each new token's step's likeliest tokens, when `top_logprobs` is asked for.
+    top: list[TopLogProbs] = field(default_factory=list)
     score: float = 0.0
     cancelled: bool = False

@@ -186,7 +186,7 @@ class Choice:
                 row_values = top_values.reshape(-1, *top_values.shape[-2:])[0]
                 if step < row_ids.shape[0]:
                     top = [(int(i), float(v)) for i, v in zip(row_ids[step], row_values[step], strict=True)]
-            result.append(TokenLogProb(token, float(value), top))
+            result.append(TokenLogProb(token, _finite(float(value)), [(i, _finite(v)) for i, v in top]))
         return new_ids, result
 
     def _finish_reason(self, generated: list[int]) -> str:
@@ -280,6 +280,14 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:size]):
             return size
     return 0
+
+
+#: What OpenAI writes for a token the sampling rules cut out (JSON has no -inf).
+_CUT_OUT = -9999.0
+
+
+def _finite(value: float) -> float:
+    return value if value > _CUT_OUT else _CUT_OUT
 
 
 _DTYPES = {"UINT32": np.uint32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64}
