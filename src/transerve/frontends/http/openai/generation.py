@@ -190,7 +190,12 @@ class Choice:
         return new_ids, result
 
     def _finish_reason(self, generated: list[int]) -> str:
-        if self._max_tokens is not None and len(generated) >= self._max_tokens:
+        """`stop` for an end token (even as the last allowed one, as vLLM decides), `length` for a choice that
+        reached its limit: `max_tokens`, or the model's own default when the request gave none."""
+        assert self._tokenizer is not None
+        if generated and generated[-1] in self._tokenizer.end_ids:
+            return "stop"
+        if self._max_tokens is None or len(generated) >= self._max_tokens:
             return "length"
         return "stop"
 

@@ -54,6 +54,9 @@ class TextTokenizer:
         #: tokenizer_config.json's `model_max_length` when it is a real bound (transformers writes 1e30 for none).
         self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
         self._byte_level = _is_byte_level(self._tokenizer)
+        #: The ids that end a sequence: the tokenizer's end token and generation_config.json's `eos_token_id`.
+        self.end_ids = _end_ids(self._tokenizer, self.special_tokens.get("eos_token"),
+                                _read_json(folder / "generation_config.json").get("eos_token_id"))
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
@@ -145,6 +148,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return document if isinstance(document, dict) else {}
+
+
+def _end_ids(tokenizer: Any, eos_token: str | None, configured: Any) -> frozenset[int]:
+    ids = set(configured) if isinstance(configured, list) else {configured}
+    if eos_token is not None:
+        ids.add(tokenizer.token_to_id(eos_token))
+    return frozenset(token for token in ids if isinstance(token, int) and not isinstance(token, bool))
 
 
 def _token_text(value: Any) -> str | None:
