@@ -17,6 +17,7 @@ from transerve.backends.base import Backend, BackendModel, ModelContext, Placeme
 from transerve.backends.generation.engine import GenerationEngine
 from transerve.backends.generation.instance import GenerationInstance
 from transerve.backends.generation.interface import TensorInterface
+from transerve.backends.generation.load_probe import probe
 from transerve.backends.generation.options import Limits
 from transerve.backends.generation.settings import GenerationSettings, read_settings
 from transerve.core.errors import ServerError, invalid_arg, unavailable
@@ -81,7 +82,19 @@ def _own_scheduling(config: Any, name: str) -> None:
 
 
 def open_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
-    """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU), loaded in the calling thread."""
+    """The instance's engine on its device, loaded in the calling thread and proven by a warm-up decode
+    (`load_probe`): an engine that cannot decode there is closed and its load fails UNAVAILABLE with the reason."""
+    engine = _load_engine(settings, placement)
+    try:
+        probe(engine, f"cuda:{placement.device_id}" if placement.kind == "GPU" else "cpu")
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _load_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
+    """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU)."""
     on_gpu = placement.kind == "GPU"
     if settings.engine == "ctranslate2":
         from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine
