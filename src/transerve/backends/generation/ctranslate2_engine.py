@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from transerve.backends.generation.ctranslate2_model import Ct2ModelInfo, read_model_info
+from transerve.backends.generation.cuda_libraries import preload_cublas_once
 from transerve.backends.generation.engine import (
     MAX_TOP_LOGPROBS,
     DoneCallback,
@@ -163,6 +164,8 @@ class CTranslate2Engine:
         max_batch_rows: int = 16,
         max_concurrent_calls: int = 2,
     ) -> None:
+        if device == "cuda":  # before CTranslate2 first opens cuBLAS (`cuda_libraries`)
+            preload_cublas_once()
         self._ct2 = import_engine("ctranslate2", "generation")
         self._info: Ct2ModelInfo = read_model_info(Path(model_dir))
         calls = max(1, max_concurrent_calls)
