@@ -19,7 +19,7 @@ from transerve.backends.generation.instance import GenerationInstance
 from transerve.backends.generation.interface import TensorInterface
 from transerve.backends.generation.load_probe import probe
 from transerve.backends.generation.options import Limits
-from transerve.backends.generation.settings import GenerationSettings, read_settings
+from transerve.backends.generation.settings import DEFAULT_BATCH_ROWS, GenerationSettings, read_settings
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class GenerationBackend(Backend):
                               f"{_one_line(failure)}") from None
         limits = Limits(
             max_new_tokens=settings.max_new_tokens,
-            max_batch_rows=settings.max_batch_rows,
+            # the engines' own count where the config does not set it (sized from each GPU's memory): the smallest
+            max_batch_rows=min(engine.max_batch_rows for engine in engines),
             decoupled=config.model_transaction_policy.decoupled,
         )
         instances = [
@@ -102,7 +103,8 @@ def _load_engine(settings: GenerationSettings, placement: Placement) -> Generati
         return CTranslate2Engine(
             settings.model_dir, device="cuda" if on_gpu else "cpu", device_index=placement.device_id if on_gpu else 0,
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
-            max_batch_rows=settings.max_batch_rows, max_concurrent_calls=settings.max_concurrent_calls,
+            max_batch_rows=settings.max_batch_rows or DEFAULT_BATCH_ROWS,
+            max_concurrent_calls=settings.max_concurrent_calls,
         )
     from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine
