@@ -58,7 +58,7 @@ class Choice:
     tokens included, the end token included when the model produced one), as OpenAI and vLLM count them."""
 
     def __init__(self, server: Server, entry: OpenAIModel, tokenizer: TextTokenizer | None, prompt: Prompt,
-                 sampling: Sampling, index: int, seed: int | None, max_tokens: int | None) -> None:
+                 sampling: Sampling, index: int, seed: int | None, max_tokens: int | None, started: float) -> None:
         self._server = server
         self._entry = entry
         self._tokenizer = tokenizer
@@ -68,14 +68,14 @@ class Choice:
         self._seed = seed
         self._max_tokens = max_tokens
         self.completion_tokens = 0
-        self._started = 0.0
+        #: When the API took the request (`time.perf_counter()`), before tokenizing: where time to first token starts.
+        self._started = started
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
 
     def deltas(self) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, the last one with its finish reason; raises ApiError when the model refuses.
         Closing the generator (the client went away) cancels the model's request."""
-        self._started = time.perf_counter()
         return self._generated() if self._entry.kind == GENERATE else self._text()
 
     # ---- generators: ids in, ids out -------------------------------------------------------------------------
