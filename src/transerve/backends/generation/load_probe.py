@@ -45,8 +45,8 @@ def probe(engine: GenerationEngine, device: str, timeout: float = PROBE_SECONDS)
         outcome.append(result)
         finished.set()
 
-    ids = PROBE_INPUT[: max(1, min(len(PROBE_INPUT), engine.max_input_length))]
-    engine.submit(GenerationRequest(list(ids), DecodingOptions(max_new_tokens=PROBE_NEW_TOKENS)), None, done)
+    ids = PROBE_INPUT[: max(1, engine.max_input_length)]
+    engine.submit(GenerationRequest(ids, DecodingOptions(max_new_tokens=PROBE_NEW_TOKENS)), None, done)
     if not finished.wait(timeout):
         raise unavailable(f"the warm-up decode on {device} did not finish within {timeout:g} s")
     if isinstance(outcome[0], Exception):
