@@ -87,11 +87,12 @@ LABELS = {
     "torch_inflight_stream": "torch, in-flight",
 }
 def ceiling_transformers(model: Model, requests: list[Request], batch: int, rounds: int, quiet: float,
-                         patience: float) -> Measured:
-    """transformers' generate on the same batches (T5 padded right, GPT-2 left, with attention masks)."""
+                         patience: float, device: str = "cpu", dtype: str = "float32") -> Measured:
+    """transformers' generate on the same batches (T5 padded right, GPT-2 left, with attention masks), on `device`
+    in `dtype` (benchmarks.gpu_check runs it on a GPU)."""
     import torch
 
-    hf = load_transformers(model)
+    hf = load_transformers(model, device, dtype)
     groups = []
     for group in batches(requests, batch):
         width = max(len(r.prompt) for r in group)
@@ -100,7 +101,8 @@ def ceiling_transformers(model: Model, requests: list[Request], batch: int, roun
                 zip(group, pads, strict=True)]
         mask = [[int(i < len(r.prompt)) if model.encoder_decoder else int(i >= width - len(r.prompt))
                  for i in range(width)] for r in group]
-        groups.append((torch.tensor(rows), torch.tensor(mask), max(r.new_tokens for r in group)))
+        groups.append((torch.tensor(rows, device=device), torch.tensor(mask, device=device),
+                       max(r.new_tokens for r in group)))
 
     def decode(ids: Any, mask: Any, length: int) -> int:
         with torch.inference_mode():
@@ -114,19 +116,20 @@ def ceiling_transformers(model: Model, requests: list[Request], batch: int, roun
                    lambda: sum(decode(*group) for group in groups),
                    sum(group[0].shape[0] * group[2] for group in groups))
 
-def load_transformers(model: Model) -> Any:
+def load_transformers(model: Model, device: str = "cpu", dtype: str = "float32") -> Any:
+    import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
     auto = transformers.AutoModelForSeq2SeqLM if model.encoder_decoder else transformers.AutoModelForCausalLM
-    return auto.from_pretrained(model.hf_dir).eval()
+    return auto.from_pretrained(model.hf_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------- baseline
 
 
 def baseline(model: Model, requests: list[Request], threads: int, torch_threads: int, warmup: float,
-             duration: float) -> Measured:
+             duration: float, device: str = "cpu", dtype: str = "float32") -> Measured:
     """transformers' generate per request (batch 1) from `threads` threads in a closed loop, torch running
     `torch_threads` intra-op threads; the tokens produced inside the window count (each decoding step is
     timestamped), and requests completed inside it give latencies."""
@@ -134,7 +137,7 @@ def baseline(model: Model, requests: list[Request], threads: int, torch_threads:
     import transformers
 
     torch.set_num_threads(torch_threads)
-    hf = load_transformers(model)
+    hf = load_transformers(model, device, dtype)
     steps: list[float] = []
     stop = threading.Event()
 
@@ -157,7 +160,7 @@ def baseline(model: Model, requests: list[Request], threads: int, torch_threads:
         while not stop.is_set():
             with lock:
                 request = next(order)
-            ids = torch.tensor([request.prompt])
+            ids = torch.tensor([request.prompt], device=device)
             started = time.perf_counter()
             with torch.inference_mode():
                 out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=request.new_tokens,
@@ -167,8 +170,8 @@ def baseline(model: Model, requests: list[Request], threads: int, torch_threads:
             produced = out.shape[1] - (1 if model.encoder_decoder else ids.shape[1])
             finished.append((ended, ended - started, request.new_tokens, produced))
 
-    hf.generate(input_ids=torch.tensor([requests[0].prompt]), max_new_tokens=2, eos_token_id=model.end_id,
-                pad_token_id=model.pad_id)  # warm-up
+    hf.generate(input_ids=torch.tensor([requests[0].prompt], device=device), max_new_tokens=2,
+                eos_token_id=model.end_id, pad_token_id=model.pad_id)  # warm-up
     pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
     begin = time.perf_counter()
     for thread in pool:

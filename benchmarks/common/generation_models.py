@@ -241,9 +241,10 @@ def ct2_vocabulary(model_dir: Path) -> list[str]:
 
 
 def ceiling_ct2(model: Model, precision: str, requests: list[Request], batch: int, threads: int,
-                rounds: int, quiet: float, patience: float, calls: int = 1) -> Measured:
+                rounds: int, quiet: float, patience: float, calls: int = 1, device: str = "cpu") -> Measured:
     """CTranslate2 called directly on batches of `batch` requests: best of `rounds` passes over the requests.
-    With `calls` > 1, that many threads take the batches in turn, each call on its own replica (`inter_threads`)."""
+    With `calls` > 1, that many threads take the batches in turn, each call on its own replica (`inter_threads`).
+    `device` "cuda" runs it on the first GPU (benchmarks.gpu_check)."""
     import ctranslate2
 
     model_dir = model.ct2_dir(precision)
@@ -252,7 +253,7 @@ def ceiling_ct2(model: Model, precision: str, requests: list[Request], batch: in
     groups = [([[vocabulary[t] for t in r.prompt] for r in group], max(r.new_tokens for r in group))
               for group in batches(requests, batch)]
     kind = ctranslate2.Translator if model.encoder_decoder else ctranslate2.Generator
-    engine = kind(str(model_dir), device="cpu", compute_type="default", intra_threads=threads, inter_threads=calls)
+    engine = kind(str(model_dir), device=device, compute_type="default", intra_threads=threads, inter_threads=calls)
     if model.encoder_decoder:
         def decode(tokens: list[list[str]], length: int) -> list[int]:
             results = engine.translate_batch(tokens, beam_size=1, max_decoding_length=length, end_token=end,

@@ -284,3 +284,60 @@ def test_gpu_instances_run_on_the_cuda_provider(tmp_path: Path):
         assert outputs(await server.infer(request("add_sub", **pair())))["OUTPUT0"].tolist() == [[1, 2, 3, 4]]
 
     with_server(tmp_path, check)
+
+
+def test_a_gpu_instance_whose_cuda_provider_fails_to_start_is_unavailable_naming_what_to_install(
+    tmp_path: Path, monkeypatch
+):
+    """onnxruntime that lists the CUDA provider but cannot start it (its CUDA or cuDNN libraries missing) logs the
+    failure and runs the session on the CPU; a KIND_GPU instance must not silently serve from the CPU. Here the
+    CPU-only onnxruntime is made to list the provider, and the config's GPU made visible."""
+    import onnxruntime
+
+    import transerve.config.model_config as model_config
+
+    monkeypatch.setattr(model_config, "visible_gpus", lambda: [0])
+    listed = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: listed)
+    add_model(tmp_path, "on_gpu", config=ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]")
+    add_model(tmp_path, "on_cpu", config=ADD_SUB_CONFIG + "instance_group [ { kind: KIND_CPU } ]")
+
+    async def check(server: Server) -> None:
+        index = states(server)
+        assert index["on_gpu"]["state"] == "UNAVAILABLE"
+        assert index["on_gpu"]["reason"] == (
+            "failed to load 'on_gpu' version 1: instance 'on_gpu_0_0' is KIND_GPU but onnxruntime's CUDA execution "
+            "provider failed to start (its CUDA or cuDNN libraries did not load; onnxruntime's log says which): "
+            "pip install 'onnxruntime-gpu[cuda,cudnn]' (CUDA and cuDNN from PyPI, the versions it was built for)"
+        )
+        assert outputs(await server.infer(request("on_cpu", **pair())))["OUTPUT0"].tolist() == [[1, 2, 3, 4]]
+
+    with_server(tmp_path, check)
+
+
+def test_a_cuda_provider_that_raises_at_session_creation_is_unavailable_and_a_bad_model_stays_invalid(
+    tmp_path: Path,
+):
+    from transerve.backends.base import Placement
+    from transerve.backends.onnxruntime.backend import _open_session
+
+    class FakeOrt:
+        def __init__(self, error: str) -> None:
+            self.error = error
+
+        def get_available_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+        def InferenceSession(self, *args, **kwargs):  # noqa: N802 - onnxruntime's name
+            raise RuntimeError(self.error)
+
+    gpu = Placement("m_0_0", "GPU", 0)
+    config = type("Config", (), {"optimization": type("O", (), {"execution_accelerators": type(
+        "A", (), {"gpu_execution_accelerator": []})()})()})()
+    missing = "libcudnn.so.9: cannot open shared object file: No such file or directory"
+    with pytest.raises(ServerError) as caught:
+        _open_session(FakeOrt(missing), tmp_path / "model.onnx", None, gpu, config)
+    assert caught.value.code == ErrorCode.UNAVAILABLE
+    assert missing in caught.value.message and "onnxruntime-gpu[cuda,cudnn]" in caught.value.message
+    with pytest.raises(RuntimeError, match="Protobuf parsing failed"):
+        _open_session(FakeOrt("Protobuf parsing failed"), tmp_path / "model.onnx", None, gpu, config)

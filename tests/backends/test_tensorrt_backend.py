@@ -13,6 +13,7 @@ from support.tiny_models import write_onnx
 
 from transerve.backends.tensorrt.backend import REASON
 from transerve.config.devices import visible_gpus
+from transerve.core.errors import ErrorCode, ServerError
 from transerve.server import Server
 
 HAS_TENSORRT = bool(visible_gpus()) and importlib.util.find_spec("tensorrt") is not None
@@ -38,6 +39,22 @@ def test_a_plan_is_unavailable_with_the_reason_and_the_rest_serves(tmp_path: Pat
         assert got["OUTPUT0"].tolist() == [[2, 2, 2, 2]]
 
     with_server(tmp_path, check)
+
+
+def test_a_tensorrt_package_without_its_libraries_is_unavailable_naming_what_to_install(tmp_path: Path, monkeypatch):
+    """The `tensorrt` Python package can be installed while libnvinfer is not: its import then fails."""
+    import sys
+
+    import transerve.backends.tensorrt.backend as backend
+
+    monkeypatch.setattr(backend, "visible_gpus", lambda: [0])
+    monkeypatch.setattr(backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt raises ImportError
+    with pytest.raises(ServerError) as caught:
+        backend._engine_modules()
+    assert caught.value.code == ErrorCode.UNAVAILABLE
+    assert caught.value.message.startswith("the tensorrt package is installed but does not load (")
+    assert caught.value.message.endswith(backend.LIBRARIES_INSTALL)
 
 
 @pytest.mark.gpu

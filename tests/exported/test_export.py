@@ -109,3 +109,8 @@ def test_every_task_and_format_writes_its_models(exported_repository: Path, name
     if task == "embedding":
         tokenizer = config_of(exported_repository, f"{name}_tokenizer")
         assert tokenizer.parameters["max_length"].string_value == "256"  # sentence-transformers' limit
+        openai = {key: value.string_value for key, value in ensemble.parameters.items() if key.startswith("openai_")}
+        assert openai == {"openai_api": "embeddings", "openai_text_input": "input_text",
+                          "openai_embedding_output": "embedding", "openai_context_length": "256"}
+    else:
+        assert not any(key.startswith("openai_") for key in ensemble.parameters)

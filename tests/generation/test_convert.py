@@ -16,6 +16,7 @@ import requests
 from support import ServerProcess, start_transerve
 from support.generation_models import ARCHITECTURES, build_generation_model
 from support.hf_models import build_tiny_model
+from support.openai_models import CHAT_TEMPLATE, build_chat_gpt2
 
 from transerve.config.model_config import load_config_file, validate
 from transerve.convert.command import convert
@@ -186,6 +187,35 @@ def test_conversion_on_the_command_line_shows_each_stage(hf_folders, tmp_path):
     assert again.stderr.strip().splitlines()[-1] == (
         f"transerve convert: '{tmp_path / 'gpt2'}' already exists: choose another --output or --name"
     )
+
+
+@pytest.mark.parametrize("engine", ["ctranslate2", "torch"])
+def test_the_chat_template_and_the_tokenizer_files_travel_with_the_model(tmp_path, engine):
+    """transformers 5's chat_template.jinja, or the older tokenizer_config.json key, and the tokenizer's other files
+    land beside the model, where the OpenAI API reads them; CTranslate2's own config.json stays its own."""
+    folder = build_chat_gpt2(tmp_path / "hf")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    (folder / "added_tokens.json").write_text(json.dumps({"<|endoftext|>": 0}))
+    older = tmp_path / "older"
+    build_chat_gpt2(older).joinpath("chat_template.jinja").unlink()
+    tokenizer_config = json.loads((older / "tokenizer_config.json").read_text())
+    (older / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHAT_TEMPLATE}))
+    convert(folder, tmp_path / "repo", engine=engine, name="chat")
+    convert(older, tmp_path / "repo", engine=engine, name="older")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert expected.startswith("<|endoftext|><|im_start|>system\nBe brief.<|im_end|>\n")
+    for name in ("chat", "older"):
+        model_dir = tmp_path / "repo" / name / "1" / "model"
+        served = transformers.AutoTokenizer.from_pretrained(model_dir)
+        assert served.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == expected
+    model_dir = tmp_path / "repo" / "chat" / "1" / "model"
+    for file in ("chat_template.jinja", "special_tokens_map.json", "added_tokens.json", "tokenizer_config.json"):
+        assert (model_dir / file).read_bytes() == (folder / file).read_bytes()
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config == hf_config) == (engine == "torch")
 
 
 def test_what_cannot_be_converted_is_refused_in_one_line(hf_folders, tmp_path):

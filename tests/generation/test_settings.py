@@ -32,7 +32,8 @@ def version(tmp_path) -> Path:
 def test_defaults_and_the_engine_a_folder_implies(version):
     hf = settings(version)
     assert (hf.engine, hf.model_dir, hf.compute_type) == ("torch", version / "model", "float32")
-    assert (hf.intra_op_threads, hf.max_batch_rows, hf.kv_cache_tokens, hf.max_new_tokens) == (0, 16, 65536, 64)
+    # max_batch_rows unset: the engine picks (16 on the CPU, sized from free memory on a GPU)
+    assert (hf.intra_op_threads, hf.max_batch_rows, hf.kv_cache_tokens, hf.max_new_tokens) == (0, None, 65536, 64)
     assert hf.max_concurrent_calls == 2
     assert (hf.latency_threads, hf.latency_rows, hf.onednn_linear, hf.join_group) == (0, 1, True, 4)
     (version / "model" / "model.bin").write_bytes(b"")

@@ -32,6 +32,8 @@ from transerve.export.repository import _write_config  # noqa: E402
 PROMPT = "The quick brown fox jumps"
 TOKENS = 8
 K = 5
+#: Streamed requests' length: CTranslate2 makes a tiny model's tokens faster than the event loop turns.
+STREAM_TOKENS = {"torch": 32, "ctranslate2": 200}
 
 
 class Reference:
@@ -275,7 +277,14 @@ def test_served_top_log_probs_equal_transformers_streamed_and_not(server, refere
     # Not asked: neither the top outputs nor the log-probabilities travel.
     assert {o["name"] for o in plain.get_response()["outputs"]} == {"output_ids", "sequence_length", "prefix_length"}
 
-    responses = stream_responses(server, f"gpt2_{engine}_stream", ids, {**parameters, "stream": True})
+    # Streamed: long enough that a tiny model's tokens span several responses; equal to the answer in one.
+    long = {**parameters, "max_tokens": STREAM_TOKENS[engine],
+            "end_id": unused(reference.top(ids, STREAM_TOKENS[engine])[0])}
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        tokens, log_probs, top_ids, top_values = generated(
+            client.infer(f"gpt2_{engine}", inputs(httpclient, ids), parameters=long), len(ids))
+    top = served_top(tokens, log_probs, top_ids, top_values)
+    responses = stream_responses(server, f"gpt2_{engine}_stream", ids, {**long, "stream": True})
     carried = [r for r in responses if r.as_numpy("output_ids") is not None]
     assert len(carried) >= 2
     for response in carried:  # every generated token so far, aligned with the ids after the prompt

@@ -19,8 +19,14 @@ from transerve.export.progress import Progress
 ENGINES = ("ctranslate2", "torch")
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 TORCH_TYPES = ("float32", "float16", "bfloat16")
-#: Files the tokenizer, the detokenizer and the engines read beside the weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+#: Files the tokenizer, the detokenizer, the engines and the OpenAI layer read beside the weights: the chat
+#: template is `chat_template.jinja` (transformers 5), `chat_template.json`, or a key of tokenizer_config.json
+#: (older folders). The torch engine's folder is copied whole; CTranslate2's converter writes its own config.json,
+#: so the Hugging Face one is not copied there (the engine reads the context length from model.bin).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "generation_config.json", "chat_template.jinja", "chat_template.json",
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -64,7 +64,7 @@ def write(repository: Path, folder: ModelFolder, task: Task, inputs: list[str], 
     postprocess = _postprocess(f"{name}_postprocess", folder, task, options)
     if postprocess is not None:
         _write_python(repository, postprocess, f"{task.name}.py")
-    _write_config(repository, _ensemble(name, tokenizer, model, postprocess, task, options))
+    _write_config(repository, _ensemble(name, tokenizer, model, postprocess, task, options, folder.max_length))
     if task.name == "seqcls":
         labels = "".join(" ".join(label.split()) + "\n" for label in folder.labels)
         for model_name in (postprocess.name, name):
@@ -141,13 +141,16 @@ def _postprocess(name: str, folder: ModelFolder, task: Task, options: Options) -
 
 def _ensemble(
     name: str, tokenizer: ModelConfig, model: ModelConfig, postprocess: ModelConfig | None, task: Task,
-    options: Options,
+    options: Options, max_length: int,
 ) -> ModelConfig:
     """Tensors are named as the models name them, so every map is the identity, but for the text inputs."""
     config = ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
     texts = {"QUESTION": "question", "CONTEXT": "context"} if task.name == "qa" else {"TEXT": "input_text"}
     for text in texts.values():
         _tensor(config.input, text, "TYPE_STRING", [1])
+    if task.name == "embedding":  # what the OpenAI layer serves as /v1/embeddings
+        _parameters(config, openai_api="embeddings", openai_text_input=texts["TEXT"],
+                    openai_embedding_output="embedding", openai_context_length=max_length)
     if postprocess is not None:
         config.output.extend(postprocess.output)
     else:  # encode: the token states, and the mask that says which are padding

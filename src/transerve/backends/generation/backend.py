@@ -17,8 +17,9 @@ from transerve.backends.base import Backend, BackendModel, ModelContext, Placeme
 from transerve.backends.generation.engine import GenerationEngine
 from transerve.backends.generation.instance import GenerationInstance
 from transerve.backends.generation.interface import TensorInterface
+from transerve.backends.generation.load_probe import probe
 from transerve.backends.generation.options import Limits
-from transerve.backends.generation.settings import GenerationSettings, read_settings
+from transerve.backends.generation.settings import DEFAULT_BATCH_ROWS, GenerationSettings, read_settings
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class GenerationBackend(Backend):
                               f"{_one_line(failure)}") from None
         limits = Limits(
             max_new_tokens=settings.max_new_tokens,
-            max_batch_rows=settings.max_batch_rows,
+            # the engines' own count where the config does not set it (sized from each GPU's memory): the smallest
+            max_batch_rows=min(engine.max_batch_rows for engine in engines),
             decoupled=config.model_transaction_policy.decoupled,
         )
         instances = [
@@ -81,7 +83,19 @@ def _own_scheduling(config: Any, name: str) -> None:
 
 
 def open_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
-    """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU), loaded in the calling thread."""
+    """The instance's engine on its device, loaded in the calling thread and proven by a warm-up decode
+    (`load_probe`): an engine that cannot decode there is closed and its load fails UNAVAILABLE with the reason."""
+    engine = _load_engine(settings, placement)
+    try:
+        probe(engine, f"cuda:{placement.device_id}" if placement.kind == "GPU" else "cpu")
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _load_engine(settings: GenerationSettings, placement: Placement) -> GenerationEngine:
+    """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU)."""
     on_gpu = placement.kind == "GPU"
     if settings.engine == "ctranslate2":
         from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine
@@ -89,7 +103,8 @@ def open_engine(settings: GenerationSettings, placement: Placement) -> Generatio
         return CTranslate2Engine(
             settings.model_dir, device="cuda" if on_gpu else "cpu", device_index=placement.device_id if on_gpu else 0,
             compute_type=settings.compute_type, intra_op_threads=settings.intra_op_threads,
-            max_batch_rows=settings.max_batch_rows, max_concurrent_calls=settings.max_concurrent_calls,
+            max_batch_rows=settings.max_batch_rows or DEFAULT_BATCH_ROWS,
+            max_concurrent_calls=settings.max_concurrent_calls,
         )
     from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine

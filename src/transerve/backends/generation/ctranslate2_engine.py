@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from transerve.backends.generation.ctranslate2_model import Ct2ModelInfo, read_model_info
+from transerve.backends.generation.cuda_libraries import preload_cublas_once
 from transerve.backends.generation.engine import (
     MAX_TOP_LOGPROBS,
     DoneCallback,
@@ -163,6 +164,8 @@ class CTranslate2Engine:
         max_batch_rows: int = 16,
         max_concurrent_calls: int = 2,
     ) -> None:
+        if device == "cuda":  # before CTranslate2 first opens cuBLAS (`cuda_libraries`)
+            preload_cublas_once()
         self._ct2 = import_engine("ctranslate2", "generation")
         self._info: Ct2ModelInfo = read_model_info(Path(model_dir))
         calls = max(1, max_concurrent_calls)
@@ -175,7 +178,8 @@ class CTranslate2Engine:
         except (RuntimeError, ValueError) as exc:
             raise unavailable(f"CTranslate2 could not load {model_dir}: {exc}") from None
         _log_isa_hint(device, self._model.compute_type, threads)
-        self._max_batch_rows = max(1, max_batch_rows)
+        #: Rows (beams count each) one call decodes at most.
+        self.max_batch_rows = max(1, max_batch_rows)
         self._target_index = {token: i for i, token in reversed(list(enumerate(self._info.target_vocabulary)))}
         self.is_encoder_decoder = self._info.is_encoder_decoder
         self.eos_token_ids = list(self._info.eos_token_ids)
@@ -317,7 +321,7 @@ class CTranslate2Engine:
         oldest = ready[0]
         group = [s for s in ready if s.key == oldest.key] if oldest.key.seed is None else [oldest]
         group.sort(key=lambda s: len(s.request.input_ids))
-        rows = max(1, self._max_batch_rows // oldest.key.beam_width)
+        rows = max(1, self.max_batch_rows // oldest.key.beam_width)
         start = min(group.index(oldest) // rows * rows, len(group))
         batch = group[start : start + rows]
         chosen = set(map(id, batch))

@@ -115,6 +115,8 @@ class GenerationEngine(Protocol):
     #: Longest input (prompt) the model accepts, in tokens.
     max_input_length: int
     vocab_size: int
+    #: Rows decoded together (each beam is a row): the largest beam width a request may ask for.
+    max_batch_rows: int
 
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> SequenceHandle:
         """Queue one sequence. A request the engine can never serve (too long for its memory budget, an option it

@@ -17,6 +17,8 @@ COMPUTE_TYPES = {
     "torch": ("float32", "float16", "bfloat16"),
 }
 DEFAULT_MODEL_DIR = "model"
+#: The CTranslate2 engine's `max_batch_rows` when the config does not set it.
+DEFAULT_BATCH_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +28,8 @@ class GenerationSettings:
     model_dir: Path
     compute_type: str
     intra_op_threads: int
-    max_batch_rows: int
+    #: None when the config does not say: the engine picks (`batch_rows`; CTranslate2: `DEFAULT_BATCH_ROWS`).
+    max_batch_rows: int | None
     #: CTranslate2 engine: calls (and model replicas) that run at once.
     max_concurrent_calls: int
     kv_cache_tokens: int
@@ -66,7 +69,7 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> G
         model_dir=model_dir,
         compute_type=compute_type,
         intra_op_threads=_integer(parameters, "intra_op_threads", 0, minimum=0),
-        max_batch_rows=_integer(parameters, "max_batch_rows", 16, minimum=1),
+        max_batch_rows=_integer(parameters, "max_batch_rows", None, minimum=1),
         max_concurrent_calls=_integer(parameters, "max_concurrent_calls", 2, minimum=1),
         kv_cache_tokens=_integer(parameters, "kv_cache_tokens", 65536, minimum=1),
         max_new_tokens=_integer(parameters, "max_new_tokens", 64, minimum=1),
@@ -87,7 +90,7 @@ def _boolean(parameters: dict[str, str], key: str, default: bool) -> bool:
     return text == "true"
 
 
-def _integer(parameters: dict[str, str], key: str, default: int, minimum: int) -> int:
+def _integer(parameters: dict[str, str], key: str, default: int | None, minimum: int) -> int | None:
     text = parameters.get(key, "").strip()
     if not text:
         return default

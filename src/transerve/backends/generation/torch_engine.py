@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from transerve.backends.generation.batch_rows import default_batch_rows
 from transerve.backends.generation.cache_buffers import fewest_moves
 from transerve.backends.generation.engine import (
     DoneCallback,
@@ -81,7 +82,7 @@ class TorchEngine:
         device: str = "cpu",
         compute_type: str = "float32",
         intra_op_threads: int = 0,
-        max_batch_rows: int = 16,
+        max_batch_rows: int | None = None,
         kv_cache_tokens: int = 65536,
         latency_threads: int = 0,
         latency_rows: int = 1,
@@ -89,7 +90,7 @@ class TorchEngine:
         join_group: int = JOIN_GROUP,
         scheduling: Scheduling | None = None,
     ) -> None:
-        if max_batch_rows < 1 or kv_cache_tokens < 1:
+        if (max_batch_rows is not None and max_batch_rows < 1) or kv_cache_tokens < 1:
             raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
         if join_group < 1:
             raise invalid_arg("join_group must be positive")
@@ -105,6 +106,11 @@ class TorchEngine:
         self.max_input_length = facts.max_input_length
         self.max_positions = facts.max_positions
         self.device = model.device
+        if max_batch_rows is None:  # the config does not say: 16 on the CPU, sized from free memory on a GPU
+            max_batch_rows = default_batch_rows(model, self.device, facts.is_encoder_decoder, facts.max_input_length,
+                                                facts.max_positions, kv_cache_tokens)
+        #: Rows decoded together (each beam is a row).
+        self.max_batch_rows = max_batch_rows
 
         from transerve.backends.generation.decoder_batch import ModelRunner
 

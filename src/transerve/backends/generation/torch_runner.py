@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.sampling import ModelRules
 from transerve.backends.threaded import import_engine
+from transerve.backends.torch_attention import use_decoding_attention
 from transerve.core.errors import invalid_arg
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ def _load_model(loader: Any, model_dir: Path, device: str, compute_type: str, on
     """The model on its device, and whether its linear layers compute on oneDNN (`onednn_linear`: CPU float32)."""
     import torch
 
+    use_decoding_attention(torch, torch.device(device))  # the key length changes every step
     model = loader.from_pretrained(model_dir, dtype=getattr(torch, compute_type))
     model.to(torch.device(device)).eval()
     if not (onednn_linear and model.device.type == "cpu" and compute_type == "float32"):

@@ -32,6 +32,10 @@ _PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "execution_mode
 #: onnxruntime session settings whose value is a file or folder, by their last word (e.g.
 #: `session.collect_node_memory_stats_to_file`, which onnxruntime writes to): kept inside the model's folder.
 _PATH_SETTING = re.compile(r"(file|filepath|file_name|path|dir|folder|directory)$")
+#: An error of the CUDA execution provider's own start (its libraries, the driver), not of the model.
+_CUDA_FAILURE = re.compile(r"CUDA|cuDNN|cudnn|cublas|lib\w+\.so")
+#: What makes the CUDA execution provider start: onnxruntime-gpu with the CUDA and cuDNN it was built for.
+CUDA_INSTALL = "pip install 'onnxruntime-gpu[cuda,cudnn]' (CUDA and cuDNN from PyPI, the versions it was built for)"
 
 
 #: onnxruntime's type names -> config data types.
@@ -168,7 +172,7 @@ def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement:
     available = ort.get_available_providers()
     if "CUDAExecutionProvider" not in available:
         raise unavailable(f"instance '{placement.name}' is KIND_GPU but this onnxruntime has no CUDA execution "
-                          "provider: pip install onnxruntime-gpu")
+                          f"provider: {CUDA_INSTALL}")
     device = {"device_id": placement.device_id}
     providers: list[Any] = [("CUDAExecutionProvider", device), "CPUExecutionProvider"]
     accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
@@ -182,7 +186,22 @@ def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement:
 def _open_session(
     ort: ModuleType, path: Path, options: Any, placement: Placement, config: model_config_pb2.ModelConfig
 ) -> Any:
-    return ort.InferenceSession(str(path), sess_options=options, providers=_providers(ort, config, placement))
+    """The instance's session. On a GPU, a CUDA execution provider that cannot start is UNAVAILABLE naming what to
+    install: onnxruntime either raises or, when its CUDA or cuDNN libraries do not load, logs the failure and runs
+    the session on the CPU, which would serve a KIND_GPU instance from the CPU without a word."""
+    providers = _providers(ort, config, placement)
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:
+        if placement.kind == "GPU" and _CUDA_FAILURE.search(str(exc)):
+            raise unavailable(f"instance '{placement.name}': onnxruntime's CUDA execution provider failed to start "
+                              f"({' '.join(str(exc).split())[:300]}): {CUDA_INSTALL}") from None
+        raise
+    if placement.kind == "GPU" and "CUDAExecutionProvider" not in session.get_providers():
+        raise unavailable(f"instance '{placement.name}' is KIND_GPU but onnxruntime's CUDA execution provider failed "
+                          f"to start (its CUDA or cuDNN libraries did not load; onnxruntime's log says which): "
+                          f"{CUDA_INSTALL}")
+    return session
 
 
 def _int(text: str, key: str) -> int:

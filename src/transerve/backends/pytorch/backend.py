@@ -24,6 +24,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
 from transerve.backends.threaded import ThreadedInstance, import_engine, load_failure, open_engines
+from transerve.backends.torch_attention import use_decoding_attention
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
@@ -179,6 +180,7 @@ def _open(
         if not torch.cuda.is_available():
             raise unavailable(f"instance '{placement.name}' is KIND_GPU but this torch has no CUDA support")
         device = torch.device("cuda", placement.device_id)
+        use_decoding_attention(torch, device)  # lengths vary by batch: no attention kernel that plans per shape
     else:
         device = torch.device("cpu")
     if settings.inter_op_threads and torch.get_num_interop_threads() != settings.inter_op_threads:

@@ -25,6 +25,9 @@ from transerve.core.datatypes import numpy_to_protocol, protocol_to_config
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 
 REASON = "TensorRT needs an NVIDIA GPU and the tensorrt package"
+#: TensorRT's libraries come in wheels of their own, for one CUDA major version.
+LIBRARIES_INSTALL = ("pip install tensorrt-cu12 (or tensorrt-cu13: the CUDA major version of the driver and of "
+                     "torch), which brings libnvinfer")
 
 
 class TensorRTEngine:
@@ -81,7 +84,11 @@ def _engine_modules() -> tuple[ModuleType, ModuleType]:
     """tensorrt and torch (for CUDA buffers), or UNAVAILABLE with the one reason."""
     if not visible_gpus() or importlib.util.find_spec("tensorrt") is None:
         raise unavailable(REASON)
-    import tensorrt
+    try:
+        import tensorrt
+    except (ImportError, OSError) as exc:  # the Python package without the libraries it loads (libnvinfer)
+        raise unavailable(f"the tensorrt package is installed but does not load ({' '.join(str(exc).split())[:300]}): "
+                          f"{LIBRARIES_INSTALL}") from None
     import torch
 
     if not torch.cuda.is_available():

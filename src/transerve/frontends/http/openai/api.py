@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -69,6 +70,7 @@ class OpenAIApi:
     # ---- completions and chat --------------------------------------------------------------------------------
 
     async def _complete(self, body: dict[str, Any], chat: bool) -> HttpResponse:
+        started = time.perf_counter()
         entry = self._catalog.get(body.get("model"), (GENERATE, TEXT))
         sampling = params.sampling(body, chat)
         tokenizer = await entry.tokenizer() if entry.tokenizer_folder is not None else None
@@ -82,7 +84,8 @@ class OpenAIApi:
             for copy in range(sampling.n):
                 index = number * sampling.n + copy
                 seed = None if sampling.seed is None else (sampling.seed + index) % 2**63
-                choices.append(Choice(self._server, entry, tokenizer, prompt, sampling, index, seed, max_tokens))
+                choices.append(Choice(self._server, entry, tokenizer, prompt, sampling, index, seed, max_tokens,
+                                      started))
         formatter = Formatter(entry.id, chat, sampling, tokenizer, prompts)
         if sampling.stream:
             return await _streamed(choices, formatter)

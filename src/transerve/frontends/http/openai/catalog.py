@@ -113,11 +113,23 @@ class Catalog:
     def _entry(self, model: ModelVersion) -> OpenAIModel | None:
         if self._seen.get(model.name) is not model:
             self._seen[model.name] = model
-            self._entries[model.name] = _describe(model)
+            self._entries[model.name] = _describe(model, self._step_folders(model))
         return self._entries[model.name]
 
+    def _step_folders(self, model: ModelVersion) -> list[Path]:
+        """An ensemble's steps' version folders, in step order: where its tokenizer step keeps tokenizer.json."""
+        folders = []
+        for step in model.config.ensemble_scheduling.step:
+            try:
+                path = self._server.get_version(step.model_name).path
+            except ServerError:
+                continue
+            if path is not None:
+                folders.append(path)
+        return folders
 
-def _describe(model: ModelVersion) -> OpenAIModel | None:
+
+def _describe(model: ModelVersion, step_folders: list[Path]) -> OpenAIModel | None:
     """The model's OpenAI entry, or None when it takes no part (or its opt-in is incomplete: logged at load would
     be better; a request then gets 404 as for any model not listed)."""
     parameters = {key: value.string_value for key, value in model.config.parameters.items()}
@@ -129,9 +141,10 @@ def _describe(model: ModelVersion) -> OpenAIModel | None:
     try:
         context = _context_length(parameters)
         if api == "embeddings":
-            return _opted_in(model, parameters, EMBEDDINGS, "openai_embedding_output", inputs, outputs, context)
+            return _opted_in(model, parameters, EMBEDDINGS, "openai_embedding_output", inputs, outputs, context,
+                             step_folders)
         if api == "completions" and "openai_text_input" in parameters:
-            return _opted_in(model, parameters, TEXT, "openai_text_output", inputs, outputs, context)
+            return _opted_in(model, parameters, TEXT, "openai_text_output", inputs, outputs, context, step_folders)
         is_generator = model.config.backend == "generation" and set(_GENERATOR_INPUTS) <= inputs \
             and set(_GENERATOR_OUTPUTS) <= outputs
         if not is_generator or api not in ("", "completions"):
@@ -146,15 +159,18 @@ def _describe(model: ModelVersion) -> OpenAIModel | None:
 
 
 def _opted_in(model: ModelVersion, parameters: dict[str, str], kind: str, output_key: str, inputs: frozenset[str],
-              outputs: frozenset[str], context: int | None) -> OpenAIModel | None:
+              outputs: frozenset[str], context: int | None, step_folders: list[Path]) -> OpenAIModel | None:
+    """Without `openai_tokenizer`, an ensemble's tokenizer is its first step's that has a tokenizer.json (what
+    `transerve export` writes); another model then has none, and its usage counts are 0."""
     text_input, text_output = parameters.get("openai_text_input", ""), parameters.get(output_key, "")
     if text_input not in inputs or text_output not in outputs:
         return None
-    folder = None
     if "openai_tokenizer" in parameters:
         folder = _folder(model, parameters["openai_tokenizer"])
         if folder is None or not has_tokenizer(folder):
             return None
+    else:
+        folder = next((step for step in step_folders if has_tokenizer(step)), None)
     return OpenAIModel(model.name, kind, model, folder, context, text_input=text_input, text_output=text_output,
                        inputs=inputs, outputs=outputs)
 

@@ -58,7 +58,7 @@ class Choice:
     tokens included, the end token included when the model produced one), as OpenAI and vLLM count them."""
 
     def __init__(self, server: Server, entry: OpenAIModel, tokenizer: TextTokenizer | None, prompt: Prompt,
-                 sampling: Sampling, index: int, seed: int | None, max_tokens: int | None) -> None:
+                 sampling: Sampling, index: int, seed: int | None, max_tokens: int | None, started: float) -> None:
         self._server = server
         self._entry = entry
         self._tokenizer = tokenizer
@@ -68,14 +68,14 @@ class Choice:
         self._seed = seed
         self._max_tokens = max_tokens
         self.completion_tokens = 0
-        self._started = 0.0
+        #: When the API took the request (`time.perf_counter()`), before tokenizing: where time to first token starts.
+        self._started = started
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
 
     def deltas(self) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, the last one with its finish reason; raises ApiError when the model refuses.
         Closing the generator (the client went away) cancels the model's request."""
-        self._started = time.perf_counter()
         return self._generated() if self._entry.kind == GENERATE else self._text()
 
     # ---- generators: ids in, ids out -------------------------------------------------------------------------
@@ -186,11 +186,16 @@ class Choice:
                 row_values = top_values.reshape(-1, *top_values.shape[-2:])[0]
                 if step < row_ids.shape[0]:
                     top = [(int(i), float(v)) for i, v in zip(row_ids[step], row_values[step], strict=True)]
-            result.append(TokenLogProb(token, float(value), top))
+            result.append(TokenLogProb(token, _finite(float(value)), [(i, _finite(v)) for i, v in top]))
         return new_ids, result
 
     def _finish_reason(self, generated: list[int]) -> str:
-        if self._max_tokens is not None and len(generated) >= self._max_tokens:
+        """`stop` for an end token (even as the last allowed one, as vLLM decides), `length` for a choice that
+        reached its limit: `max_tokens`, or the model's own default when the request gave none."""
+        assert self._tokenizer is not None
+        if generated and generated[-1] in self._tokenizer.end_ids:
+            return "stop"
+        if self._max_tokens is None or len(generated) >= self._max_tokens:
             return "length"
         return "stop"
 
@@ -280,6 +285,14 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:size]):
             return size
     return 0
+
+
+#: What OpenAI writes for a token the sampling rules cut out (JSON has no -inf).
+_CUT_OUT = -9999.0
+
+
+def _finite(value: float) -> float:
+    return value if value > _CUT_OUT else _CUT_OUT
 
 
 _DTYPES = {"UINT32": np.uint32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64}

@@ -115,6 +115,7 @@ class Formatter:
             return None
         tokenizer = self._tokenizer
         texts = [tokenizer.token_text(token.token_id) for token in tokens]
+        labels = [tokenizer.token_label(token.token_id) for token in tokens]
         offset = self._offsets.get(index, start)
         offsets = []
         for text in texts:
@@ -122,9 +123,9 @@ class Formatter:
             offset += len(text)
         self._offsets[index] = offset
         tops = []
-        for token, text in zip(tokens, texts, strict=True):
-            top = {tokenizer.token_text(i): v for i, v in token.top[:self.sampling.logprobs]}
-            top.setdefault(text, token.logprob)
+        for token, label in zip(tokens, labels, strict=True):
+            top = {tokenizer.token_label(i): v for i, v in token.top[:self.sampling.logprobs]}
+            top.setdefault(label, token.logprob)
             tops.append(top)
-        return {"tokens": texts, "token_logprobs": [token.logprob for token in tokens], "top_logprobs": tops,
+        return {"tokens": labels, "token_logprobs": [token.logprob for token in tokens], "top_logprobs": tops,
                 "text_offset": offsets}

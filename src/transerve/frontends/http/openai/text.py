@@ -39,6 +39,10 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: both fixed at 128), which would pad
+        # prompts and miscount usage; transformers applies them only when a call asks. Limits are checked, not cut.
+        self._tokenizer.no_padding()
+        self._tokenizer.no_truncation()
         config = _read_json(folder / "tokenizer_config.json")
         specials = {**_read_json(folder / "special_tokens_map.json"), **config}
         #: The special tokens' text, the variables a chat template sees (`bos_token`, `eos_token`, ...).
@@ -50,6 +54,9 @@ class TextTokenizer:
         #: tokenizer_config.json's `model_max_length` when it is a real bound (transformers writes 1e30 for none).
         self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
         self._byte_level = _is_byte_level(self._tokenizer)
+        #: The ids that end a sequence: the tokenizer's end token and generation_config.json's `eos_token_id`.
+        self.end_ids = _end_ids(self._tokenizer, self.special_tokens.get("eos_token"),
+                                _read_json(folder / "generation_config.json").get("eos_token_id"))
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
@@ -67,6 +74,16 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token as text (special tokens included); a partial character shows as U+FFFD."""
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_label(self, token_id: int) -> str:
+        """One token as the legacy completions log-probabilities name it: its text, or, for a token that holds
+        only part of a character, `bytes:` and its bytes (`bytes:\\xe2\\x80`), as OpenAI names such tokens; U+FFFD
+        would give several tokens one name, and `top_logprobs` is a map keyed by the name."""
+        data = bytes(self.token_bytes(token_id))
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
 
     def token_bytes(self, token_id: int) -> list[int]:
         """One token's bytes: exact for byte-level vocabularies (GPT-2's), the UTF-8 of its text otherwise."""
@@ -131,6 +148,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return document if isinstance(document, dict) else {}
+
+
+def _end_ids(tokenizer: Any, eos_token: str | None, configured: Any) -> frozenset[int]:
+    ids = set(configured) if isinstance(configured, list) else {configured}
+    if eos_token is not None:
+        ids.add(tokenizer.token_to_id(eos_token))
+    return frozenset(token for token in ids if isinstance(token, int) and not isinstance(token, bool))
 
 
 def _token_text(value: Any) -> str | None:
