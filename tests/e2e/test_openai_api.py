@@ -544,6 +544,38 @@ def test_a_model_without_a_chat_template_refuses_chat_and_completes(tmp_path):
         assert client.completions.create(model="plain", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_text_model_opts_in_through_its_config_parameters(tmp_path, reference):
+    """A convert's text ensemble (text_input -> text_output) named in the config as a completions model; its
+    generator opted out. The prompt goes as text, the answer comes back as text, usage counted with the tokenizer
+    its first step holds."""
+    folder = build_chat_gpt2(tmp_path / "hf")
+    from transerve.convert.command import convert
+
+    convert(folder, tmp_path / "repo", engine="ctranslate2", name="txt")
+    with (tmp_path / "repo" / "txt_text" / "config.pbtxt").open("a") as config:
+        for key, value in (("openai_api", "completions"), ("openai_text_input", "text_input"),
+                           ("openai_text_output", "text_output")):
+            config.write(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n')
+    with (tmp_path / "repo" / "txt" / "config.pbtxt").open("a") as config:
+        config.write('parameters { key: "openai_api" value { string_value: "none" } }\n')
+    expected = reference.complete(PROMPT, 8)
+    with start_transerve(tmp_path / "repo") as server, \
+            openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        assert [model.id for model in client.models.list().data] == ["txt_text"]
+        answer = client.completions.create(model="txt_text", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert same_text(answer.choices[0].text, expected), (answer.choices[0].text, expected)
+        assert answer.usage.prompt_tokens == len(expected.prompt_ids)
+        streamed = client.completions.create(model="txt_text", prompt=PROMPT, max_tokens=8, temperature=0,
+                                             stream=True)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == answer.choices[0].text
+        with pytest.raises(openai.BadRequestError) as caught:  # the tokenizer step has no chat template
+            client.chat.completions.create(model="txt_text", messages=MESSAGES, max_tokens=2)
+        check_error(caught.value.body, caught.value.status_code, 400, "template")
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="txt_text", prompt=[1, 2, 3], max_tokens=2)
+        check_error(caught.value.body, caught.value.status_code, 400, "text prompts", "prompt")
+
+
 # Cancellation, metrics, statistics
 
 
