@@ -576,6 +576,22 @@ def test_a_text_model_opts_in_through_its_config_parameters(tmp_path, reference)
         check_error(caught.value.body, caught.value.status_code, 400, "text prompts", "prompt")
 
 
+def test_restricted_api_groups_guard_the_openai_routes(built):
+    """`--http-restricted-api`: model listing is the metadata group, completions and embeddings inference."""
+    with start_transerve(built[0], "--http-restricted-api=inference:key=secret") as server:
+        url = f"{server.base_url}/v1"
+        assert requests.get(f"{url}/models", timeout=30).status_code == 200
+        for path, body in (("completions", {"model": "gpt", "prompt": PROMPT, "max_tokens": 2}),
+                           ("embeddings", {"model": EMBEDDING, "input": PROMPT})):
+            refused = requests.post(f"{url}/{path}", json=body, timeout=30)
+            check_error(refused.json()["error"], refused.status_code, 403, "restricted")
+            allowed = requests.post(f"{url}/{path}", json=body, headers={"key": "secret"}, timeout=60)
+            assert allowed.status_code == 200, allowed.text
+    with start_transerve(built[0], "--http-restricted-api=metadata:key=secret") as server:
+        refused = requests.get(f"{server.base_url}/v1/models", timeout=30)
+        check_error(refused.json()["error"], refused.status_code, 403, "restricted")
+
+
 # Cancellation, metrics, statistics
 
 

@@ -72,6 +72,16 @@ def http_group(parts: list[str]) -> str | None:
     return None
 
 
+def openai_group(parts: list[str]) -> str | None:
+    """The group of an OpenAI route, from its path's segments after `/v1`: what a Triton group already guards
+    (model listing is `metadata`; completions, chat and embeddings run models: `inference`)."""
+    if parts and parts[0] == "models":
+        return "metadata"
+    if "/".join(parts) in ("completions", "chat/completions", "embeddings"):
+        return "inference"
+    return None
+
+
 class OptionError(ValueError):
     """A flag's value cannot be used; the message is tritonserver's for the same mistake."""
 

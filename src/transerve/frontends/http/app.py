@@ -17,7 +17,7 @@ from transerve.core.streams import ResponseStream
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_json
 from transerve.core.types import InferRequest, InferResponse
-from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group
+from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group, openai_group
 from transerve.frontends.http.codec import (
     decode_infer_request,
     decode_raw_request,
@@ -44,6 +44,7 @@ from transerve.frontends.http.generate import (
     traced_events,
 )
 from transerve.frontends.http.openai.api import OpenAIApi
+from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import ControlMode, Server
@@ -138,7 +139,12 @@ class HttpFrontend:
     async def _route(self, request: HttpRequest) -> HttpResponse:
         parts = request.path.strip("/").split("/")
         if parts and parts[0] == "v1":
-            return await self._openai.handle(request, [unquote(part) for part in parts[1:]])
+            openai_parts = [unquote(part) for part in parts[1:]]
+            if self.restrictions is not None:
+                refusal = self.restrictions.refusal(openai_group(openai_parts), header_lookup(request.headers))
+                if refusal is not None:
+                    return ApiError(403, refusal).response()
+            return await self._openai.handle(request, openai_parts)
         if not parts or parts[0] != "v2":
             return error_response(404, "Not Found")
         if self.restrictions is not None:  # before anything else, the method included, as Triton checks it

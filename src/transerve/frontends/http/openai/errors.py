@@ -17,9 +17,9 @@ _STATUS = {
     ErrorCode.INVALID_ARG: 400, ErrorCode.ALREADY_EXISTS: 400, ErrorCode.CANCELLED: 400, ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNKNOWN: 500, ErrorCode.INTERNAL: 500, ErrorCode.UNSUPPORTED: 501, ErrorCode.UNAVAILABLE: 503,
 }
-_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 415: "invalid_request_error", 501: "invalid_request_error",
-         503: "service_unavailable_error"}
+_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         501: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):
