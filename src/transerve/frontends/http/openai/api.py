@@ -306,8 +306,9 @@ async def _events(deltas: AsyncGenerator[Delta, None], first: Delta | None, choi
                 yield _event(formatter.chunk(first))
                 async for delta in deltas:
                     yield _event(formatter.chunk(delta))
-        except ApiError as exc:  # the status is sent: the error goes as an event, as OpenAI's servers send it
-            yield _event(exc.document())
+        except (ApiError, ServerError) as exc:  # the status is sent: the error goes as an event, as OpenAI's do
+            error = exc if isinstance(exc, ApiError) else from_server_error(exc)
+            yield _event(error.document())
             yield _DONE
             return
         for choice in choices:
