@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transerve.core.errors import ServerError
+from transerve.core.errors import ErrorCode, ServerError
 from transerve.frontends.http.openai.errors import ApiError, bad_request, model_not_found
 from transerve.frontends.http.openai.text import TextTokenizer, has_tokenizer
 from transerve.repository.paths import inside
@@ -99,7 +99,7 @@ class Catalog:
         try:
             model = self._server.get_version(model_id)
         except ServerError as exc:
-            if model_id in self._server.loaded_fingerprints() and "not ready" in exc.message:
+            if exc.code is ErrorCode.UNAVAILABLE:  # a model the server has, not ready (loading, or failed)
                 raise ApiError(503, exc.message) from None
             raise model_not_found(model_id) from None
         entry = self._entry(model)

@@ -175,18 +175,16 @@ class Choice:
         if self._sampling.logprobs is None or "output_log_probs" not in by_name:
             return new_ids, None
         chosen = by_name["output_log_probs"].reshape(-1)[consumed:consumed + len(new_ids)]
-        top_ids = by_name.get("output_top_ids")
-        top_values = by_name.get("output_top_log_probs")
+        top_ids, top_values = by_name.get("output_top_ids"), by_name.get("output_top_log_probs")
+        if top_ids is not None and top_values is not None:  # [batch, beams, T, k]: the first beam's [T, k]
+            top_ids = top_ids.reshape(-1, *top_ids.shape[-2:])[0]
+            top_values = top_values.reshape(-1, *top_values.shape[-2:])[0]
         result = []
-        for offset, (token, value) in enumerate(zip(new_ids, chosen, strict=False)):
-            top: list[tuple[int, float]] = []
-            if top_ids is not None and top_values is not None:
-                step = consumed + offset
-                row_ids = top_ids.reshape(-1, *top_ids.shape[-2:])[0]
-                row_values = top_values.reshape(-1, *top_values.shape[-2:])[0]
-                if step < row_ids.shape[0]:
-                    top = [(int(i), float(v)) for i, v in zip(row_ids[step], row_values[step], strict=True)]
-            result.append(TokenLogProb(token, _finite(float(value)), [(i, _finite(v)) for i, v in top]))
+        for step, (token, value) in enumerate(zip(new_ids, chosen, strict=False), start=consumed):
+            top = []
+            if top_ids is not None and top_values is not None and step < top_ids.shape[0]:
+                top = [(int(i), _finite(float(v))) for i, v in zip(top_ids[step], top_values[step], strict=True)]
+            result.append(TokenLogProb(token, _finite(float(value)), top))
         return new_ids, result
 
     def _finish_reason(self, generated: list[int]) -> str:

@@ -65,8 +65,7 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0", param="top_p")
-    top_k = _optional_int(body, "top_k", -1) or 0
-    top_k = 0 if top_k == -1 else top_k
+    top_k = max(_optional_int(body, "top_k", -1) or 0, 0)  # vLLM's -1 and 0 both mean off
     seed = _optional_int(body, "seed", -(2**63))
     if seed is not None and not 0 <= seed < 2**63:
         raise bad_request("'seed' must be between 0 and 2^63 - 1 here", param="seed")

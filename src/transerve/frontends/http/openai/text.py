@@ -36,7 +36,7 @@ class TextTokenizer:
     """Encode, decode and chat-format for one model; built once per loaded model version, off the event loop."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer, decoders
 
         self._tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
         # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: both fixed at 128), which would pad
@@ -53,7 +53,7 @@ class TextTokenizer:
         limit = config.get("model_max_length")
         #: tokenizer_config.json's `model_max_length` when it is a real bound (transformers writes 1e30 for none).
         self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
-        self._byte_level = _is_byte_level(self._tokenizer)
+        self._byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
         #: The ids that end a sequence: the tokenizer's end token and generation_config.json's `eos_token_id`.
         self.end_ids = _end_ids(self._tokenizer, self.special_tokens.get("eos_token"),
                                 _read_json(folder / "generation_config.json").get("eos_token_id"))
@@ -211,13 +211,6 @@ def _compiled(source: str) -> Any:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return environment.from_string(source)
-
-
-def _is_byte_level(tokenizer: Any) -> bool:
-    try:
-        return json.loads(tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel"
-    except (ValueError, AttributeError):
-        return False
 
 
 @lru_cache(maxsize=1)
