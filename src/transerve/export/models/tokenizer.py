@@ -3,7 +3,9 @@
 Each request's texts are padded to that request's longest; the batch of requests is tokenized in one call.
 `parameters`: `max_length` (tokens, truncating longer texts), `pad_id`, and `pair: "true"` for question
 answering, where QUESTION and CONTEXT are tokenized as a pair (only the context is truncated) and `offsets`
-gives every token's character span in the context ([-1, -1] for tokens that are not context).
+gives every token's character span in the context ([-1, -1] for tokens that are not context). QUESTION is
+optional: a request without it has its CONTEXT tokenized alone (a client that sends one text, as the seed's
+tutorial client does, gets the model's logits over that text).
 """
 
 import json
@@ -11,7 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from tokenizers import Tokenizer
+
+try:
+    from tokenizers import Tokenizer
+except ImportError as exc:  # one line naming the extra, not a traceback, in the model's load error
+    raise ImportError(f"tokenizers is not installed ({exc}): pip install 'transerve[export]'") from None
 
 
 class TritonPythonModel:
@@ -46,20 +52,24 @@ class TritonPythonModel:
                 encodings = self.tokenizer.encode_batch(group)
             except Exception as exc:  # e.g. a question so long that no context fits in max_length
                 return pb_utils.InferenceResponse(error=_invalid(f"cannot tokenize: {exc}"))
-        return self._response(encodings)
+        # The context is the second sequence of a pair, the only one of a text tokenized alone.
+        return self._response(encodings, context=1 if group and isinstance(group[0], tuple) else 0)
 
     def _texts(self, request):
         """The request's texts (question-context pairs for QA), or its error when one is not UTF-8."""
         try:
             if not self.pair:
                 return [_text(value) for value in pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().flat]
-            questions = pb_utils.get_input_tensor_by_name(request, "QUESTION").as_numpy().flat
+            question = pb_utils.get_input_tensor_by_name(request, "QUESTION")
             contexts = pb_utils.get_input_tensor_by_name(request, "CONTEXT").as_numpy().flat
+            if question is None:
+                return [_text(context) for context in contexts]
+            questions = question.as_numpy().flat
             return [(_text(question), _text(context)) for question, context in zip(questions, contexts, strict=True)]
         except UnicodeDecodeError:
             return _invalid("the text is not UTF-8")
 
-    def _response(self, encodings):
+    def _response(self, encodings, context=0):
         length = max((len(encoding.ids) for encoding in encodings), default=0)
         arrays = {
             "input_ids": np.full((len(encodings), length), self.pad_id, dtype=np.int64),
@@ -73,9 +83,9 @@ class TritonPythonModel:
             arrays["attention_mask"][row, :size] = encoding.attention_mask
             arrays["token_type_ids"][row, :size] = encoding.type_ids
             if "offsets" in self.outputs:
-                context = np.array([sequence == 1 for sequence in encoding.sequence_ids], dtype=bool)
+                tokens = np.array([sequence == context for sequence in encoding.sequence_ids], dtype=bool)
                 spans = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-                arrays["offsets"][row, :size][context] = spans[context]
+                arrays["offsets"][row, :size][tokens] = spans[tokens]
         return pb_utils.InferenceResponse([pb_utils.Tensor(name, arrays[name]) for name in self.outputs])
 
 

@@ -1,0 +1,24 @@
+"""Optional packages, imported where first needed: a missing one is one line naming the extra that brings it
+(`pip install 'transerve[EXTRA]'`), never a traceback. Each layer turns `MissingExtra` into its own error: a
+model UNAVAILABLE, a command's exit status 2."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+class MissingExtra(ImportError):
+    """An optional package is not installed; the message names the extra to install."""
+
+
+def hint(module: str, extra: str, reason: object) -> str:
+    return f"{module} is not installed ({reason}): pip install 'transerve[{extra}]'"
+
+
+def import_optional(module: str, extra: str) -> ModuleType:
+    """`module`, or MissingExtra naming `extra`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtra(hint(module, extra, exc)) from None
