@@ -1,0 +1,19 @@
+"""The fenced code blocks of a docs page, so that tests run the commands a page shows as it shows them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def code_blocks(page: Path, language: str) -> list[str]:
+    """The page's blocks fenced as `language` (```bash, ```python), in order."""
+    return [body for lang, body in _FENCE.findall(page.read_text(encoding="utf-8")) if lang == language]
+
+
+def commands(block: str) -> list[str]:
+    """A shell block's commands: comments and blank lines dropped, backslash continuations joined."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
