@@ -4,6 +4,7 @@ without the task's head (`--allow-random-head`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,7 +96,7 @@ def seed_repository(model_folders: dict[str, Path], tmp_path_factory: pytest.Tem
     export(model_folders["encode"], "encode", "onnx", repository, "encode", input_names=text,
            output_names=["last_hidden_state=HIDDEN_STATE"])
     export(model_folders["qa"], "qa", "torchscript", repository, "qa", input_names=["context=TEXT"],
-           output_names=["start_logits=START_LOGITS", "end_logits=END_LOGITS"])
+           output_names=["start_logits=START_LOGITS", "end_logits=END_LOGITS"], dynamic_batching=True)
     return repository
 
 
@@ -173,3 +174,25 @@ def test_qa_takes_text_alone_or_with_a_question(seed_server, model_folders):
     np.testing.assert_allclose(paired.as_numpy("START_LOGITS")[0], expected.start_logits[0], atol=1e-4)
     start, end = int(paired.as_numpy("start")[0, 0]), int(paired.as_numpy("end")[0, 0])
     assert CONTEXT[start:end] == paired.as_numpy("answer")[0, 0].decode()
+
+
+def test_qa_truncates_a_long_text_alone_and_batches_texts_with_pairs(seed_server, model_folders):
+    long = "serving " * 300  # more than the model's 128 positions: cut as transformers cuts it
+    wanted = [grpcclient.InferRequestedOutput("START_LOGITS")]
+    client = grpcclient.InferenceServerClient(seed_server.grpc_url)
+    cut = client.infer("qa", [texts(grpcclient, [long])], outputs=wanted).as_numpy("START_LOGITS")
+    expected = reference(model_folders["qa"], "AutoModelForQuestionAnswering", long).start_logits.numpy()
+    assert cut.shape == expected.shape == (1, 128)
+    np.testing.assert_allclose(cut, expected, atol=1e-4)
+    # Requests with and without a question, at once: the tokenizer may get both kinds in one batch.
+    requests = [[texts(grpcclient, [CONTEXT])], [texts(grpcclient, ["why?"], "question"), texts(grpcclient, [CONTEXT])],
+                [texts(grpcclient, [long])]] * 4
+
+    def call(inputs):
+        return grpcclient.InferenceServerClient(seed_server.grpc_url).infer("qa", inputs).as_numpy("START_LOGITS")
+
+    alone = [call(inputs) for inputs in requests[:3]]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(call, requests))
+    for index, logits in enumerate(together):
+        np.testing.assert_allclose(logits, alone[index % 3], atol=1e-5)

@@ -28,20 +28,34 @@ class TritonPythonModel:
         self.pad_id = int(parameters.get("pad_id", "0"))
         self.outputs = [output["name"] for output in config["output"]]
         path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
+        max_length = int(parameters["max_length"])
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
-        strategy = "only_second" if self.pair else "longest_first"
-        self.tokenizer.enable_truncation(int(parameters["max_length"]), strategy=strategy)
+        self.tokenizer.enable_truncation(max_length, strategy="only_second" if self.pair else "longest_first")
+        self.alone = self.tokenizer  # texts without a question: "only_second" cannot truncate a single text
+        if self.pair:
+            self.alone = Tokenizer.from_file(str(path))
+            self.alone.no_padding()
+            self.alone.enable_truncation(max_length)
 
     def execute(self, requests):
         groups = [self._texts(request) for request in requests]
-        texts = [text for group in groups if isinstance(group, list) for text in group]
-        try:
-            encodings = iter(self.tokenizer.encode_batch(texts))
-        except Exception:  # some request's text cannot be tokenized: each request on its own finds out which
-            return [self._respond(group, None) for group in groups]
-        return [self._respond(group, [next(encodings) for _ in group] if isinstance(group, list) else None)
-                for group in groups]
+        encodings = [None] * len(groups)
+        for tokenizer in dict.fromkeys((self.tokenizer, self.alone)):  # one call per tokenizer for the batch
+            members = [i for i, group in enumerate(groups) if self._tokenizer_for(group) is tokenizer]
+            try:
+                found = iter(tokenizer.encode_batch([text for i in members for text in groups[i]]))
+            except Exception:  # some request's text cannot be tokenized: each request on its own finds out which
+                continue
+            for i in members:
+                encodings[i] = [next(found) for _ in groups[i]]
+        return [self._respond(group, encoded) for group, encoded in zip(groups, encodings, strict=True)]
+
+    def _tokenizer_for(self, group):
+        """The tokenizer for a request's texts: question-context pairs, or texts alone; None for an error."""
+        if not isinstance(group, list):
+            return None
+        return self.tokenizer if group and isinstance(group[0], tuple) else self.alone
 
     def _respond(self, group, encodings):
         """The request's response, from its encodings (None: tokenize it alone), or its error."""
@@ -49,7 +63,7 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(error=group)
         if encodings is None:
             try:
-                encodings = self.tokenizer.encode_batch(group)
+                encodings = self._tokenizer_for(group).encode_batch(group)
             except Exception as exc:  # e.g. a question so long that no context fits in max_length
                 return pb_utils.InferenceResponse(error=_invalid(f"cannot tokenize: {exc}"))
         # The context is the second sequence of a pair, the only one of a text tokenized alone.
@@ -60,11 +74,11 @@ class TritonPythonModel:
         try:
             if not self.pair:
                 return [_text(value) for value in pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().flat]
-            question = pb_utils.get_input_tensor_by_name(request, "QUESTION")
+            asked = pb_utils.get_input_tensor_by_name(request, "QUESTION")
             contexts = pb_utils.get_input_tensor_by_name(request, "CONTEXT").as_numpy().flat
-            if question is None:
+            if asked is None:
                 return [_text(context) for context in contexts]
-            questions = question.as_numpy().flat
+            questions = asked.as_numpy().flat
             return [(_text(question), _text(context)) for question, context in zip(questions, contexts, strict=True)]
         except UnicodeDecodeError:
             return _invalid("the text is not UTF-8")
