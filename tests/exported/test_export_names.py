@@ -144,11 +144,18 @@ def test_seqcls_returns_raw_logits_beside_label_and_score(seed_server, model_fol
     probabilities = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(result.as_numpy("probabilities"), probabilities, atol=1e-5)
     np.testing.assert_allclose(result.as_numpy("score").reshape(-1), probabilities.max(axis=1), atol=1e-5)
-    # Asked for LOGITS alone, over gRPC: the post-processing need not run, and the answer is the same.
+    # Asked for LOGITS alone, over gRPC: the post-processing does not run, and the answer is the same.
+    postprocessed = postprocess_count(seed_server)
     only = grpcclient.InferenceServerClient(seed_server.grpc_url).infer(
         "seqcls", [texts(grpcclient, TEXTS)], outputs=[grpcclient.InferRequestedOutput("LOGITS")])
     np.testing.assert_allclose(only.as_numpy("LOGITS"), logits, atol=1e-6)
     assert only.as_numpy("label") is None
+    assert postprocess_count(seed_server) == postprocessed
+
+
+def postprocess_count(server: ServerProcess) -> int:
+    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics("seqcls_postprocess")
+    return int(stats["model_stats"][0]["inference_count"])
 
 
 def test_encode_returns_hidden_state(seed_server, model_folders):
