@@ -188,6 +188,11 @@ class ModelRunner:
         #: The decoder's cross-attention modules in layer order, where their names are known (T5, BART family).
         self.cross_attention = _cross_attention_modules(model) if self.encoder_decoder else []
         self.mutable_forward = _mutable_forward(model.config.get_text_config(decoder=True))
+        #: The keyword each call below passes its cache by (`cache` in current transformers; `past_key_values`,
+        #: which they deprecate with a FutureWarning per call, in older ones).
+        self.cache_keyword = _cache_keyword(model.forward)
+        self.decoder_cache_keyword = _cache_keyword(model.get_decoder().forward) if self.encoder_decoder else ""
+        self.cross_cache_keyword = _cache_keyword(self.cross_attention[0].forward) if self.cross_attention else ""
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -230,7 +235,8 @@ class ModelRunner:
         cache = DynamicCache()
         keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
+            **keep,
         )
         batch = DecoderBatch(
             [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity
@@ -273,14 +279,14 @@ class ModelRunner:
         if self.cross_attention:
             query = hidden[:, :1]
             for module in self.cross_attention:
-                module(hidden_states=query, key_value_states=hidden, past_key_values=cache)
+                module(hidden_states=query, key_value_states=hidden, **{self.cross_cache_keyword: cache})
         else:
             start = torch.full((batch.rows, 1), self.decoder_start_id, dtype=torch.long, device=self.device)
             if self.positions is not None:
                 self.positions.position_ids = batch.positions[:, None]
             self.model.get_decoder()(
                 input_ids=start, encoder_hidden_states=hidden, encoder_attention_mask=batch.encoder_mask,
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **{self.decoder_cache_keyword: cache},
             )
         return [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
 
@@ -310,19 +316,24 @@ class ModelRunner:
             out = self.model(
                 encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
                 attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None], decoder_attention_mask=mask,
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **{self.cache_keyword: cache},
             )
             self_cache = cache.self_attention_cache
         else:
             out = self.model(
-                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True,
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self.cache_keyword: cache},
             )
             self_cache = cache
         batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
         batch.mask = mask
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :]
+
+
+def _cache_keyword(function: Any) -> str:
+    """The name `function` takes its key/value cache by: `cache` where it has one, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
 
 
 def _mutable_forward(config: Any) -> bool:
