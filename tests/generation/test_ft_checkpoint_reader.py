@@ -147,3 +147,24 @@ def test_a_missing_checkpoint_folder_says_where_it_looked(tmp_path):
     assert str(repository / "ft" / "1" / "1-gpu") in caught.value.message
     with pytest.raises(ServerError, match="'<tensor_para_size>-gpu'"):
         checkpoint_folder(_context(repository, {}), {})
+
+
+def test_parameters_translate_as_fastertransformer_means_them():
+    from transerve.backends.base import Placement
+    from transerve.backends.generation.fastertransformer import _data_type, _model_type, _on
+    from transerve.backends.generation.settings import GenerationSettings
+
+    assert _model_type({}) == "GPT" and _model_type({"model_type": "T5"}) == "T5"
+    for unsupported in ("bert", "GPT-J", "T5-Encoder"):
+        with pytest.raises(ServerError, match="reads T5 and GPT checkpoints.*transerve convert") as caught:
+            _model_type({"model_type": unsupported})
+        assert caught.value.code is ErrorCode.UNAVAILABLE
+    assert [_data_type({"data_type": t}) for t in ("fp32", "fp16", "bf16")] == ["float32", "float16", "bfloat16"]
+    assert (_data_type({"is_half": "1"}), _data_type({"is_half": "0"}), _data_type({})) == (
+        "float16", "float32", "float32")
+    with pytest.raises(ServerError, match="'data_type' is 'int4'"):
+        _data_type({"data_type": "int4"})
+    settings = GenerationSettings("torch", Path("m"), "float16", 0, None, 2, 65536, 64, None)
+    assert _on(Placement("g", "GPU", 0), settings, explicit=False).compute_type == "float16"
+    assert _on(Placement("c", "CPU", 0), settings, explicit=False).compute_type == "float32"
+    assert _on(Placement("c", "CPU", 0), settings, explicit=True).compute_type == "float16"
