@@ -18,8 +18,10 @@ from support.hf_models import minilm_path
 from test_export import cli, config_of
 
 from transerve.export.command import export
-from transerve.export.hf import ExportError
+from transerve.export.convert import TASKS
+from transerve.export.hf import ExportError, read_folder
 from transerve.export.names import parse
+from transerve.export.repository import Options, write
 
 TEXTS = ["I love this server", "this is terrible", "a third, somewhat longer text than the two before it"]
 CONTEXT = "transerve serves Triton model repositories over HTTP and gRPC, written in Python."
@@ -56,6 +58,16 @@ def test_names_triton_would_refuse_are_refused_in_one_line(inputs, outputs, reas
     with pytest.raises(ExportError) as caught:
         parse("seqcls", inputs, outputs)
     assert reason in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_openai_parameters_follow_a_renamed_embedding(tmp_path: Path, model_folders):
+    renamed = parse("embedding", ["input_text=TEXT"], ["embedding=EMBEDDING"])
+    options = Options("embed", "onnx", 8, False, False, renamed)
+    write(tmp_path, read_folder(model_folders["minilm"]), TASKS["embedding"], ["input_ids", "attention_mask"], options)
+    ensemble = config_of(tmp_path, "embed")
+    assert ([t.name for t in ensemble.input], [t.name for t in ensemble.output]) == (["TEXT"], ["EMBEDDING"])
+    assert ensemble.parameters["openai_text_input"].string_value == "TEXT"
+    assert ensemble.parameters["openai_embedding_output"].string_value == "EMBEDDING"
 
 
 def test_the_cli_refuses_a_bad_name_before_loading_anything(tmp_path: Path, model_folders):

@@ -12,13 +12,9 @@ class MissingExtra(ImportError):
     """An optional package is not installed; the message names the extra to install."""
 
 
-def hint(module: str, extra: str, reason: object) -> str:
-    return f"{module} is not installed ({reason}): pip install 'transerve[{extra}]'"
-
-
 def import_optional(module: str, extra: str) -> ModuleType:
     """`module`, or MissingExtra naming `extra`."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise MissingExtra(hint(module, extra, exc)) from None
+        raise MissingExtra(f"{module} is not installed ({exc}): pip install 'transerve[{extra}]'") from None
