@@ -1,0 +1,155 @@
+"""LightSeq's Triton example repository served by a real `transerve serve`, called with tritonclient.
+
+The model files are written by tests/support/lightseq_files.py from random-weight BART and GPT-2 models, as
+LightSeq's export scripts write them (HDF5 as the examples name them, and protobuf), and the configs are LightSeq's
+examples unchanged, except `KIND_GPU` -> `KIND_CPU` on a host without a GPU (Triton refuses KIND_GPU there too).
+Tokens are compared with transformers' `generate` on the original models. docs/tutorials/lightseq.md shows this.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support import start_transerve
+from support.lightseq_files import (
+    gpt_arrays,
+    gpt_conf,
+    tiny_bart,
+    tiny_gpt2,
+    transformer_arrays,
+    transformer_conf,
+    write,
+)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("h5py")
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from transerve.config.devices import visible_gpus  # noqa: E402
+
+EXAMPLES = Path(__file__).parent / "lightseq_models"
+EXTRA_DECODE_LENGTH = 10
+
+
+def _copy_example(repository: Path, example: str, name: str | None = None, filename: str | None = None) -> Path:
+    """LightSeq's example model folder: its config (KIND_CPU without a GPU), an empty version folder."""
+    folder = repository / (name or example)
+    (folder / "1").mkdir(parents=True)
+    text = (EXAMPLES / example / "config.pbtxt").read_text()
+    if not visible_gpus():
+        text = text.replace("KIND_GPU", "KIND_CPU")
+    if name:
+        text = text.replace(f'name: "{example}"', f'name: "{name}"')
+    if filename:
+        text = text.replace('"lightseq_bart_base.hdf5"', f'"{filename}"')
+    (folder / "config.pbtxt").write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"bart": tiny_bart(), "gpt2": tiny_gpt2()}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, models):
+    repository = tmp_path_factory.mktemp("lightseq")
+    bart, gpt = models["bart"], models["gpt2"]
+    arrays, conf = transformer_arrays(bart), transformer_conf(bart, extra_decode_length=EXTRA_DECODE_LENGTH)
+    write(_copy_example(repository, "transformer_example") / "lightseq_bart_base.hdf5", "Transformer", arrays, conf)
+    folder = _copy_example(repository, "transformer_example", "transformer_pb", "lightseq_bart_base.pb")
+    write(folder / "lightseq_bart_base.pb", "Transformer", arrays, conf)
+    write(_copy_example(repository, "gpt_example") / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt))
+    # what a broken repository answers
+    broken = _copy_example(repository, "gpt_example", "gpt_broken")
+    (broken / "lightseq_gpt2_base.hdf5").write_bytes(b"not an hdf5 file")
+    unsupported = _copy_example(repository, "gpt_example", "gpt_ppl")
+    write(unsupported / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt, sampling_method="ppl"))
+    _copy_example(repository, "transformer_example", "transformer_escape", "../transformer_example/x.hdf5")
+    with start_transerve(repository, "--strict-readiness=false") as process:
+        yield process
+
+
+def _bart_reference(bart, row: list[int], padded_length: int) -> tuple[list[int], float]:
+    ids = torch.tensor([row])
+    # LightSeq's limit: from the batch's padded length
+    max_new = min(bart.config.max_position_embeddings, padded_length + EXTRA_DECODE_LENGTH) - 1
+    out = bart.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, max_new_tokens=max_new,
+                        length_penalty=1.0, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, 1:].tolist()  # without the decoder start token
+    while tokens and tokens[-1] == bart.config.pad_token_id:
+        tokens.pop()
+    return tokens, float(out.sequences_scores[0])
+
+
+@pytest.mark.parametrize("model", ["transformer_example", "transformer_pb"])
+def test_transformer_beam_search_matches_transformers(server, models, model):
+    """LightSeq's client example: `source_ids` [batch, length] padded with src_padding_id -> `target_ids`
+    [batch, 1, steps] padded with the end token, `target_scores` [batch, 1]."""
+    bart = models["bart"]
+    rows = [[5, 9, 13, 17, 21, 25, 2], [30, 31, 32, 2], [7, 8, 2]]
+    source = np.full((3, 7), bart.config.pad_token_id, np.int32)
+    for index, row in enumerate(rows):
+        source[index, :len(row)] = row
+    client = httpclient.InferenceServerClient(server.http_url)
+    inputs = [httpclient.InferInput("source_ids", list(source.shape), "INT32")]
+    inputs[0].set_data_from_numpy(source)
+    outputs = [httpclient.InferRequestedOutput("target_ids"), httpclient.InferRequestedOutput("target_scores")]
+    result = client.infer(model, inputs, outputs=outputs)
+    ids, scores = result.as_numpy("target_ids"), result.as_numpy("target_scores")
+    assert ids.dtype == np.int32 and ids.ndim == 3 and ids.shape[:2] == (3, 1)
+    assert scores.dtype == np.float32 and scores.shape == (3, 1)
+    ended = []
+    for index, row in enumerate(rows):
+        expected, score = _bart_reference(bart, row, source.shape[1])
+        got = ids[index, 0].tolist()
+        assert got[:len(expected)] == expected
+        assert all(token == bart.config.eos_token_id for token in got[len(expected):])
+        ended.append(expected[-1] == bart.config.eos_token_id)
+        assert scores[index, 0] == pytest.approx(score, abs=1e-4)
+    assert True in ended and False in ended  # hypotheses that ended and one cut by the length limit
+
+
+def test_gpt_greedy_matches_transformers_over_grpc(server, models):
+    gpt = models["gpt2"]
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    pad = gpt_conf(gpt)["src_padding_id"]
+    tokens = np.full((2, 5), pad, np.int32)
+    for index, prompt in enumerate(prompts):
+        tokens[index, :len(prompt)] = prompt
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = [grpcclient.InferInput("token_ids", list(tokens.shape), "INT32")]
+    inputs[0].set_data_from_numpy(tokens)
+    result = client.infer("gpt_example", inputs).as_numpy("result")
+    assert result.dtype == np.int32 and result.shape[0] == 2
+    for index, prompt in enumerate(prompts):
+        # extra_decode_length 0: LightSeq decodes up to max_step tokens in all
+        expected = gpt.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=gpt.config.n_positions - len(prompt), do_sample=False)[0].tolist()
+        got = result[index].tolist()
+        assert got[:len(expected)] == expected
+        assert all(token == gpt.config.eos_token_id for token in got[len(expected):])
+
+
+def test_unservable_files_are_unavailable_with_the_reason(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    index = {entry["name"]: entry for entry in client.get_model_repository_index()}
+    assert index["gpt_broken"]["state"] == "UNAVAILABLE"
+    assert "not an HDF5 file" in index["gpt_broken"]["reason"]
+    assert index["gpt_ppl"]["state"] == "UNAVAILABLE"
+    assert "ppl" in index["gpt_ppl"]["reason"]
+    assert index["transformer_escape"]["state"] == "UNAVAILABLE"
+    assert "outside" in index["transformer_escape"]["reason"]
+
+
+def test_a_bad_input_is_a_client_error(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    padding = np.full((1, 4), 1, np.int32)  # only src_padding_id
+    inputs = [httpclient.InferInput("source_ids", [1, 4], "INT32")]
+    inputs[0].set_data_from_numpy(padding)
+    with pytest.raises(Exception, match="only padding"):
+        client.infer("transformer_example", inputs)
+
