@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from support import start_transerve
 from support.lightseq_files import (
+    bert_arrays,
+    bert_conf,
     gpt_arrays,
     gpt_conf,
     tiny_bart,
+    tiny_bert,
     tiny_gpt2,
     transformer_arrays,
     transformer_conf,
@@ -51,7 +54,7 @@ def _copy_example(repository: Path, example: str, name: str | None = None, filen
 
 @pytest.fixture(scope="module")
 def models():
-    return {"bart": tiny_bart(), "gpt2": tiny_gpt2()}
+    return {"bart": tiny_bart(), "gpt2": tiny_gpt2(), "bert": tiny_bert()}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,9 @@ def server(tmp_path_factory, models):
     folder = _copy_example(repository, "transformer_example", "transformer_pb", "lightseq_bart_base.pb")
     write(folder / "lightseq_bart_base.pb", "Transformer", arrays, conf)
     write(_copy_example(repository, "gpt_example") / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt))
+    bert = models["bert"]
+    write(_copy_example(repository, "bert_example") / "lightseq_bert_base_uncased.hdf5", "Bert", bert_arrays(bert),
+          bert_conf(bert))
     # what a broken repository answers
     broken = _copy_example(repository, "gpt_example", "gpt_broken")
     (broken / "lightseq_gpt2_base.hdf5").write_bytes(b"not an hdf5 file")
@@ -132,6 +138,24 @@ def test_gpt_greedy_matches_transformers_over_grpc(server, models):
         got = result[index].tolist()
         assert got[:len(expected)] == expected
         assert all(token == gpt.config.eos_token_id for token in got[len(expected):])
+
+
+def test_bert_hidden_states_match_transformers(server, models):
+    """LightSeq's example declares `encoder_output` TYPE_INT32 and sends the float32 bytes under it: so does
+    transerve, and the client views them as float32, [batch, length, hidden]."""
+    bert = models["bert"]
+    tokens = np.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 0, 0, 0]], np.int32)  # src_padding_id 0
+    client = httpclient.InferenceServerClient(server.http_url)
+    inputs = [httpclient.InferInput("token_ids", list(tokens.shape), "INT32")]
+    inputs[0].set_data_from_numpy(tokens)
+    output = client.infer("bert_example", inputs).as_numpy("encoder_output")
+    assert output.dtype == np.int32 and output.shape == (2, 6, bert.config.hidden_size)
+    hidden = output.view(np.float32)
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    with torch.no_grad():
+        expected = bert(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state.numpy()
+    np.testing.assert_allclose(hidden[0], expected[0], atol=1e-4)
+    np.testing.assert_allclose(hidden[1, :3], expected[1, :3], atol=1e-4)  # the padded positions are not defined
 
 
 def test_unservable_files_are_unavailable_with_the_reason(server):

@@ -235,3 +235,58 @@ def _write_hdf5(path: Path, arrays: dict[str, np.ndarray], conf: dict[str, Any])
             count = len({name.split("/")[1] for name in arrays if name.startswith(stack + "/")})
             if count:
                 file.create_dataset(f"model_conf/n_{stack}", data=count)
+
+
+def tiny_bert(vocab: int = 64, hidden: int = 32, layers: int = 2, positions: int = 40, seed: int = 0) -> Any:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=2 * hidden, max_position_embeddings=positions, pad_token_id=0,
+        initializer_range=INIT_STD, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    _spread_norms(model)
+    return model
+
+
+def bert_arrays(model: Any) -> dict[str, np.ndarray]:
+    """`hf_bert_export.py`'s layout of a BERT model: token type 0 folded into the token embedding, post-LN norms
+    one layer on."""
+    embeddings = model.embeddings
+    norms = [embeddings.LayerNorm]
+    for layer in model.encoder.layer:
+        norms += [layer.attention.output.LayerNorm, layer.output.LayerNorm]
+    arrays = {
+        "src_embedding/token_embedding": _np(embeddings.word_embeddings.weight)
+        + _np(embeddings.token_type_embeddings.weight)[0],
+        "src_embedding/position_embedding": _np(embeddings.position_embeddings.weight),
+        "src_embedding/norm_scale": _np(norms[-1].weight), "src_embedding/norm_bias": _np(norms[-1].bias),
+    }
+    for index, layer in enumerate(model.encoder.layer):
+        prefix = f"encoder_stack/{index}/"
+        parts = (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value)
+        arrays |= {
+            prefix + "multihead_norm_scale": _np(norms[2 * index].weight),
+            prefix + "multihead_norm_bias": _np(norms[2 * index].bias),
+            prefix + "multihead_project_kernel_qkv": np.concatenate([_kernel(p) for p in parts], axis=-1),
+            prefix + "multihead_project_bias_qkv": np.concatenate([_np(p.bias) for p in parts]),
+            prefix + "multihead_project_kernel_output": _kernel(layer.attention.output.dense),
+            prefix + "multihead_project_bias_output": _np(layer.attention.output.dense.bias),
+            prefix + "ffn_norm_scale": _np(norms[2 * index + 1].weight),
+            prefix + "ffn_norm_bias": _np(norms[2 * index + 1].bias),
+            prefix + "ffn_first_kernel": _kernel(layer.intermediate.dense),
+            prefix + "ffn_first_bias": _np(layer.intermediate.dense.bias),
+            prefix + "ffn_second_kernel": _kernel(layer.output.dense),
+            prefix + "ffn_second_bias": _np(layer.output.dense.bias),
+        }
+    return arrays
+
+
+def bert_conf(model: Any, **overrides: Any) -> dict[str, Any]:
+    """`hf_bert_export.py`'s model_conf, with `overrides`."""
+    conf = {"head_num": model.config.num_attention_heads, "src_padding_id": model.config.pad_token_id,
+            "is_post_ln": True, "use_gelu": True}
+    return conf | overrides

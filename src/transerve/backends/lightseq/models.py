@@ -200,3 +200,52 @@ def gpt_model(weights: LightSeqWeights) -> Any:
         block.mlp.c_proj.weight.data = _t(weights.array(f"{prefix}/ffn_second_kernel", inner, hidden))
         block.mlp.c_proj.bias.data = _t(weights.array(f"{prefix}/ffn_second_bias", hidden))
     return model
+
+
+def bert_model(weights: LightSeqWeights) -> Any:
+    """A `BertModel` (no pooler) computing the LightSeq Bert (see the module docstring)."""
+    import transformers
+
+    conf = weights.conf
+    if not conf.get("is_post_ln", True):
+        raise FormatError("pre-LN Bert files (is_post_ln false) are not served yet")
+    if conf.get("multilg_type"):
+        raise FormatError("multilingual Bert files (multilg_type) are not served")
+    hidden = _size(weights, "src_embedding/norm_scale")
+    vocab = _size(weights, "src_embedding/token_embedding", hidden)
+    positions = _size(weights, "src_embedding/position_embedding", hidden)
+    layers = weights.layers.get("encoder_stack", 0)
+    if not layers:
+        raise FormatError("the Bert file has no layers (encoder_stack)")
+    inner = _size(weights, "encoder_stack/0/ffn_first_bias")
+    config = transformers.BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=_heads(weights, hidden),
+        intermediate_size=inner, hidden_act="gelu" if conf.get("use_gelu", True) else "relu",
+        max_position_embeddings=positions, type_vocab_size=1, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=int(conf.get("src_padding_id", 0)),
+    )
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    embeddings = model.embeddings
+    embeddings.word_embeddings.weight.data = _t(weights.array("src_embedding/token_embedding", vocab, hidden))
+    embeddings.position_embeddings.weight.data = _t(weights.array("src_embedding/position_embedding", positions,
+                                                                  hidden))
+    embeddings.token_type_embeddings.weight.data.zero_()  # LightSeq folded type 0 into the token embedding
+    _norm(embeddings.LayerNorm, weights, "encoder_stack/0/multihead_norm", hidden)
+    for index, layer in enumerate(model.encoder.layer):
+        prefix = f"encoder_stack/{index}"
+        kernel = weights.array(f"{prefix}/multihead_project_kernel_qkv", hidden, 3 * hidden)
+        bias = weights.array(f"{prefix}/multihead_project_bias_qkv", 3 * hidden)
+        for part, name in enumerate(("query", "key", "value")):
+            columns = slice(part * hidden, (part + 1) * hidden)
+            _linear(getattr(layer.attention.self, name), kernel[:, columns], bias[columns])
+        _linear(layer.attention.output.dense, weights.array(f"{prefix}/multihead_project_kernel_output", hidden,
+                                                             hidden),
+                weights.array(f"{prefix}/multihead_project_bias_output", hidden))
+        _norm(layer.attention.output.LayerNorm, weights, f"{prefix}/ffn_norm", hidden)
+        _linear(layer.intermediate.dense, weights.array(f"{prefix}/ffn_first_kernel", hidden, inner),
+                weights.array(f"{prefix}/ffn_first_bias", inner))
+        _linear(layer.output.dense, weights.array(f"{prefix}/ffn_second_kernel", inner, hidden),
+                weights.array(f"{prefix}/ffn_second_bias", hidden))
+        following = f"encoder_stack/{index + 1}/multihead_norm" if index + 1 < layers else "src_embedding/norm"
+        _norm(layer.output.LayerNorm, weights, following, hidden)
+    return model
