@@ -31,6 +31,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("h5py")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
 from transerve.config.devices import visible_gpus  # noqa: E402
 
 EXAMPLES = Path(__file__).parent / "lightseq_models"
@@ -174,6 +176,13 @@ def test_a_bad_input_is_a_client_error(server):
     padding = np.full((1, 4), 1, np.int32)  # only src_padding_id
     inputs = [httpclient.InferInput("source_ids", [1, 4], "INT32")]
     inputs[0].set_data_from_numpy(padding)
-    with pytest.raises(Exception, match="only padding"):
+    with pytest.raises(InferenceServerException, match="only padding") as raised:
         client.infer("transformer_example", inputs)
+    assert raised.value.status() == "400"
+    for tokens, reason in (([[5, 64, 2]], "outside the vocabulary"), ([[5] * 41], "max_step is 40")):
+        inputs = [httpclient.InferInput("source_ids", [1, len(tokens[0])], "INT32")]
+        inputs[0].set_data_from_numpy(np.array(tokens, np.int32))
+        with pytest.raises(InferenceServerException, match=reason) as raised:
+            client.infer("transformer_example", inputs)
+        assert raised.value.status() == "400"
 

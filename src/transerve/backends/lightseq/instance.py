@@ -53,7 +53,17 @@ class LightSeqGenerationInstance(BackendInstance):
             return invalid_arg(f"model '{self._model_name}' expects input '{self._decoding.input_name}' as "
                                "[batch, length] token ids")
         ids = tensor.data
+        vocab = self.engine.vocab_size
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= max(vocab, self._decoding.pad_id + 1)):
+            return invalid_arg(f"model '{self._model_name}': '{self._decoding.input_name}' holds ids outside the "
+                               f"vocabulary (0..{vocab - 1})")
+        if ids.shape[1] > self._decoding.max_step:
+            return invalid_arg(f"model '{self._model_name}': '{self._decoding.input_name}' is {ids.shape[1]} tokens "
+                               f"long; the model's max_step is {self._decoding.max_step}")
         prompts = [self._decoding.prompt(row) for row in ids]
+        if any(token >= vocab for prompt in prompts for token in prompt):
+            return invalid_arg(f"model '{self._model_name}': '{self._decoding.input_name}' holds ids outside the "
+                               f"vocabulary (0..{vocab - 1})")
         if any(not prompt for prompt in prompts):
             return invalid_arg(f"model '{self._model_name}': a row of '{self._decoding.input_name}' holds only "
                                f"padding (id {self._decoding.pad_id})")
