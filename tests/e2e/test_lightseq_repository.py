@@ -1,6 +1,6 @@
 """LightSeq's Triton example repository served by a real `transerve serve`, called with tritonclient.
 
-The model files are written by tests/support/lightseq_files.py from random-weight BART and GPT-2 models, as
+The model files are written by tests/support/lightseq_files.py from random-weight BART, GPT-2 and BERT models, as
 LightSeq's export scripts write them (HDF5 as the examples name them, and protobuf), and the configs are LightSeq's
 examples unchanged, except `KIND_GPU` -> `KIND_CPU` on a host without a GPU (Triton refuses KIND_GPU there too).
 Tokens are compared with transformers' `generate` on the original models. docs/tutorials/lightseq.md shows this.
@@ -8,14 +8,12 @@ Tokens are compared with transformers' `generate` on the original models. docs/t
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from support import start_transerve
 from support.lightseq_files import (
-    bert_arrays,
-    bert_conf,
+    example_folder,
+    example_repository,
     gpt_arrays,
     gpt_conf,
     tiny_bart,
@@ -35,23 +33,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from transerve.config.devices import visible_gpus  # noqa: E402
 
-EXAMPLES = Path(__file__).parent / "lightseq_models"
 EXTRA_DECODE_LENGTH = 10
-
-
-def _copy_example(repository: Path, example: str, name: str | None = None, filename: str | None = None) -> Path:
-    """LightSeq's example model folder: its config (KIND_CPU without a GPU), an empty version folder."""
-    folder = repository / (name or example)
-    (folder / "1").mkdir(parents=True)
-    text = (EXAMPLES / example / "config.pbtxt").read_text()
-    if not visible_gpus():
-        text = text.replace("KIND_GPU", "KIND_CPU")
-    if name:
-        text = text.replace(f'name: "{example}"', f'name: "{name}"')
-    if filename:
-        text = text.replace('"lightseq_bart_base.hdf5"', f'"{filename}"')
-    (folder / "config.pbtxt").write_text(text)
-    return folder
+CPU = not visible_gpus()
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +46,17 @@ def models():
 def server(tmp_path_factory, models):
     repository = tmp_path_factory.mktemp("lightseq")
     bart, gpt = models["bart"], models["gpt2"]
-    arrays, conf = transformer_arrays(bart), transformer_conf(bart, extra_decode_length=EXTRA_DECODE_LENGTH)
-    write(_copy_example(repository, "transformer_example") / "lightseq_bart_base.hdf5", "Transformer", arrays, conf)
-    folder = _copy_example(repository, "transformer_example", "transformer_pb", "lightseq_bart_base.pb")
-    write(folder / "lightseq_bart_base.pb", "Transformer", arrays, conf)
-    write(_copy_example(repository, "gpt_example") / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt))
-    bert = models["bert"]
-    write(_copy_example(repository, "bert_example") / "lightseq_bert_base_uncased.hdf5", "Bert", bert_arrays(bert),
-          bert_conf(bert))
+    example_repository(repository, models, cpu=CPU, extra_decode_length=EXTRA_DECODE_LENGTH)
+    # the Transformer as protobuf
+    folder = example_folder(repository, "transformer_example", "transformer_pb", "lightseq_bart_base.pb", cpu=CPU)
+    write(folder / "lightseq_bart_base.pb", "Transformer", transformer_arrays(bart),
+          transformer_conf(bart, extra_decode_length=EXTRA_DECODE_LENGTH))
     # what a broken repository answers
-    broken = _copy_example(repository, "gpt_example", "gpt_broken")
+    broken = example_folder(repository, "gpt_example", "gpt_broken", cpu=CPU)
     (broken / "lightseq_gpt2_base.hdf5").write_bytes(b"not an hdf5 file")
-    unsupported = _copy_example(repository, "gpt_example", "gpt_ppl")
+    unsupported = example_folder(repository, "gpt_example", "gpt_ppl", cpu=CPU)
     write(unsupported / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt, sampling_method="ppl"))
-    _copy_example(repository, "transformer_example", "transformer_escape", "../transformer_example/x.hdf5")
+    example_folder(repository, "transformer_example", "transformer_escape", "../transformer_example/x.hdf5", cpu=CPU)
     with start_transerve(repository, "--strict-readiness=false") as process:
         yield process
 

@@ -290,3 +290,44 @@ def bert_conf(model: Any, **overrides: Any) -> dict[str, Any]:
     conf = {"head_num": model.config.num_attention_heads, "src_padding_id": model.config.pad_token_id,
             "is_post_ln": True, "use_gelu": True}
     return conf | overrides
+
+
+#: LightSeq's example model folders (configs only): tests/e2e/lightseq_models.
+EXAMPLES = Path(__file__).resolve().parent.parent / "e2e" / "lightseq_models"
+EXAMPLE_FILES = {
+    "transformer_example": ("Transformer", "lightseq_bart_base.hdf5"),
+    "gpt_example": ("Gpt", "lightseq_gpt2_base.hdf5"),
+    "bert_example": ("Bert", "lightseq_bert_base_uncased.hdf5"),
+}
+
+
+def example_folder(repository: Path, example: str, name: str | None = None, filename: str | None = None,
+                   cpu: bool = False) -> Path:
+    """LightSeq's example model folder in `repository`: its config (renamed, another model file, or KIND_CPU when
+    asked), an empty version folder."""
+    folder = repository / (name or example)
+    (folder / "1").mkdir(parents=True)
+    text = (EXAMPLES / example / "config.pbtxt").read_text()
+    if cpu:
+        text = text.replace("KIND_GPU", "KIND_CPU")
+    if name:
+        text = text.replace(f'name: "{example}"', f'name: "{name}"')
+    if filename:
+        text = text.replace(f'"{EXAMPLE_FILES[example][1]}"', f'"{filename}"')
+    (folder / "config.pbtxt").write_text(text)
+    return folder
+
+
+def example_repository(repository: Path, models: dict[str, Any], cpu: bool = False, **transformer: Any) -> Path:
+    """LightSeq's three example models with their files written from `models` ("bart", "gpt2", "bert");
+    `transformer` overrides the Transformer's model_conf."""
+    bart, gpt, bert = models["bart"], models["gpt2"], models["bert"]
+    contents = {
+        "transformer_example": (transformer_arrays(bart), transformer_conf(bart, **transformer)),
+        "gpt_example": (gpt_arrays(gpt), gpt_conf(gpt)),
+        "bert_example": (bert_arrays(bert), bert_conf(bert)),
+    }
+    for example, (arrays, conf) in contents.items():
+        model_type, filename = EXAMPLE_FILES[example]
+        write(example_folder(repository, example, cpu=cpu) / filename, model_type, arrays, conf)
+    return repository
