@@ -56,6 +56,11 @@ def test_transformer_round_trip(tmp_path, bart, suffix):
         torch.testing.assert_close(model(ids, decoder_input_ids=ids).logits, bart(ids, decoder_input_ids=ids).logits)
     plan = decoding(weights, model.config.max_position_embeddings)
     assert (plan.beam_size, plan.length_penalty, plan.sampling_method) == (2, pytest.approx(0.6), "beam_search")
+    options = plan.options(5, 7)
+    assert (options.beam_width, options.max_new_tokens, options.end_ids) == (2, 7 + 10 - 1, [2])
+    weights.conf |= {"sampling_method": "topp", "topp": 0.5}
+    options = decoding(weights, 40).options(5, 7)
+    assert options.sampling and options.beam_width == 1 and options.top_p == 0.5 and options.max_new_tokens == 39
 
 
 @pytest.mark.parametrize("suffix", FORMATS)

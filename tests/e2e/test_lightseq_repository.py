@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from support import start_transerve
 from support.lightseq_files import (
+    bert_arrays,
+    bert_conf,
     example_folder,
     example_repository,
     gpt_arrays,
@@ -51,6 +53,13 @@ def server(tmp_path_factory, models):
     folder = example_folder(repository, "transformer_example", "transformer_pb", "lightseq_bart_base.pb", cpu=CPU)
     write(folder / "lightseq_bart_base.pb", "Transformer", transformer_arrays(bart),
           transformer_conf(bart, extra_decode_length=EXTRA_DECODE_LENGTH))
+    # Bert with its output declared as what it is
+    folder = example_folder(repository, "bert_example", "bert_fp32", cpu=CPU)
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text().replace("TYPE_INT32\n    dims: [ -1 ]\n  }\n]\ninstance",
+                                                 "TYPE_FP32\n    dims: [ -1, -1 ]\n  }\n]\ninstance"))
+    assert "TYPE_FP32" in config.read_text()
+    write(folder / "lightseq_bert_base_uncased.hdf5", "Bert", bert_arrays(models["bert"]), bert_conf(models["bert"]))
     # what a broken repository answers
     broken = example_folder(repository, "gpt_example", "gpt_broken", cpu=CPU)
     (broken / "lightseq_gpt2_base.hdf5").write_bytes(b"not an hdf5 file")
@@ -138,6 +147,9 @@ def test_bert_hidden_states_match_transformers(server, models):
         expected = bert(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state.numpy()
     np.testing.assert_allclose(hidden[0], expected[0], atol=1e-4)
     np.testing.assert_allclose(hidden[1, :3], expected[1, :3], atol=1e-4)  # the padded positions are not defined
+    values = client.infer("bert_fp32", inputs).as_numpy("encoder_output")
+    assert values.dtype == np.float32
+    np.testing.assert_array_equal(values, hidden)
 
 
 def test_unservable_files_are_unavailable_with_the_reason(server):

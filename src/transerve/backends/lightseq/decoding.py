@@ -7,6 +7,9 @@ sample one sequence up to max_step - 1 tokens. Gpt: `token_ids` [batch, length] 
 prompt followed by its new tokens, up to min(max_step, length + extra_decode_length) tokens in all (max_step when
 extra_decode_length is 0), rows padded with the end token; topk 1 is greedy. `length` is the batch's padded length,
 as in LightSeq: every row of a request gets the same budget.
+
+Beam search is the engine's, which ranks finished hypotheses as transformers does (log-probability over
+length ** length_penalty); LightSeq uses GNMT's ((5 + length) / 6) ** length_penalty. They agree at length_penalty 0.
 """
 
 from __future__ import annotations
