@@ -132,7 +132,7 @@ def _prepare(weights: LightSeqWeights, folder: Path, config: model_config_pb2.Mo
         plan = decoding(weights, max_step)
     except FormatError as exc:
         raise unavailable(f"the {weights.model_type} model cannot be served: {exc}") from None
-    model.save_pretrained(folder)
+    _save(model, folder)
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     settings = GenerationSettings(
         engine="torch", model_dir=folder, compute_type=parameters.get("compute_type") or "float32",
@@ -140,3 +140,12 @@ def _prepare(weights: LightSeqWeights, folder: Path, config: model_config_pb2.Mo
         max_new_tokens=max_step, scheduling=None,
     )
     return settings, plan
+
+
+def _save(model: Any, folder: Path) -> None:
+    """The model as a Hugging Face folder, written without `save_pretrained`'s progress bar in the server log."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"))
