@@ -66,6 +66,8 @@ def server(tmp_path_factory, models):
     unsupported = example_folder(repository, "gpt_example", "gpt_ppl", cpu=CPU)
     write(unsupported / "lightseq_gpt2_base.hdf5", "Gpt", gpt_arrays(gpt), gpt_conf(gpt, sampling_method="ppl"))
     example_folder(repository, "transformer_example", "transformer_escape", "../transformer_example/x.hdf5", cpu=CPU)
+    moe = example_folder(repository, "gpt_example", "gpt_moe", cpu=CPU)
+    (moe / "config.pbtxt").write_text((moe / "config.pbtxt").read_text().replace('"Gpt"', '"Moe"'))
     with start_transerve(repository, "--strict-readiness=false") as process:
         yield process
 
@@ -159,6 +161,8 @@ def test_unservable_files_are_unavailable_with_the_reason(server):
     assert "not an HDF5 file" in index["gpt_broken"]["reason"]
     assert index["gpt_ppl"]["state"] == "UNAVAILABLE"
     assert "ppl" in index["gpt_ppl"]["reason"]
+    assert index["gpt_moe"]["state"] == "UNAVAILABLE"
+    assert "model_type is 'Moe'" in index["gpt_moe"]["reason"]
     assert index["transformer_escape"]["state"] == "UNAVAILABLE"
     assert "outside" in index["transformer_escape"]["reason"]
 
