@@ -52,6 +52,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--max-trials", type=int, default=10, metavar="N", help="windows per level at most (default 10)")
     add("-s", "--stability-percentage", dest="stability", type=float, default=10.0, metavar="PERCENT",
         help="allowed spread of the last three windows around their mean (default 10)")
+    add("-v", dest="verbose", action="store_true", help="print each measurement window (perf_analyzer's passes)")
     add("-f", dest="csv_file", type=Path, metavar="FILE.csv", help="write the results as CSV")
     add("--plot", dest="plot_file", type=Path, metavar="FILE.png", help="draw throughput and latency against load")
     mode = parser.add_mutually_exclusive_group()
@@ -81,7 +82,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         string_data=args.string_data, input_data=args.input_data, window_ms=args.window_ms,
         measurement_mode=args.measurement_mode, request_count=args.request_count, percentile=args.percentile,
         max_trials=args.max_trials, stability=args.stability, csv_file=args.csv_file, plot_file=args.plot_file,
-        max_threads=args.max_threads, sync=args.sync,
+        max_threads=args.max_threads, sync=args.sync, verbose=args.verbose,
     )
     check_bounds(options)
     return options
@@ -89,7 +90,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
 
 def run(args: argparse.Namespace) -> int:
     # SIGTERM ends a run as Ctrl-C does: loads stop, nothing is written.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         options = options_from_args(args)
         if options.plot_file:
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _warn(message: str) -> None:
@@ -120,6 +123,9 @@ def prepare_requests(options: Options, api: Any) -> list[Any]:
         steps = [inputs.synthetic_step(spec, options.shapes, options.input_data, options.string_data)]
     else:
         steps = inputs.read_data_file(Path(options.input_data), spec, options.shapes)
+    if spec.inputs and not steps[0]:
+        raise PerfError(f"every input of '{options.model}' is optional: name those to send with --shape or "
+                        "--input-data")
     return [api.encode(request, spec.outputs) for request in inputs.batches(steps, spec, options.batch_size)]
 
 

@@ -157,6 +157,11 @@ def measure(load: Load, level: float, options: Options, read_stats: Callable[[],
             continue
         windows.append(window)
         results.append(summarize(level, [window], options.batch_size, options.percentile, True))
+        if options.verbose:
+            latest = results[-1]
+            print(f"  Pass [{len(windows)}] throughput: {latest.throughput:.2f} infer/sec. "
+                  f"{'Avg' if options.percentile is None else f'p{options.percentile}'} latency: "
+                  f"{latest.latency_us(options.percentile):.0f} usec", flush=True)
         if len(windows) >= STABLE_WINDOWS and all(w.timings for w in windows[-STABLE_WINDOWS:]) and is_stable(
                 results[-STABLE_WINDOWS:], options.stability, options.percentile):
             stable = True

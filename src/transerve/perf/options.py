@@ -47,6 +47,7 @@ class Options:
     plot_file: Path | None = None
     max_threads: int = 16
     sync: bool = True
+    verbose: bool = False
 
 
 def parse_range(text: str, flag: str, integer: bool) -> tuple[float, ...]:
