@@ -28,7 +28,7 @@ import numpy as np
 
 from transerve.perf import plot
 from transerve.perf.options import Options, PerfError
-from transerve.perf.transport import REQUEST_TIMEOUT_S, connect, split_url
+from transerve.perf.transport import REQUEST_TIMEOUT_S, connect, error_text, split_url
 
 MAX_PROMPTS = 100_000
 MAX_TOKENS = 65_536
@@ -251,7 +251,7 @@ class HttpStreams:
             self.connection.request("POST", self.path, json.dumps(body), {"Content-Type": "application/json"})
             response = self.connection.getresponse()
             if response.status != 200:
-                raise PerfError(f"generate_stream: {response.status} {response.read()[:300].decode(errors='replace')}")
+                raise PerfError(f"generate_stream: {error_text(response.status, response.read())}")
             while line := response.readline():
                 if not line.startswith(b"data:"):
                     continue

@@ -82,7 +82,7 @@ class HttpApi:
     def get_json(self, path: str) -> dict[str, Any]:
         status, body = self._call("GET", path, None, {})
         if status != 200:
-            raise PerfError(f"GET {path}: {_error_text(status, body)}")
+            raise PerfError(f"GET {path}: {error_text(status, body)}")
         return json.loads(body)
 
     def _call(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]) -> tuple[int, bytes]:
@@ -135,7 +135,7 @@ class HttpApi:
             connection.close()
             raise PerfError(f"inference over HTTP failed: {exc}") from None
         if response.status != 200:
-            raise PerfError(f"inference failed: {_error_text(response.status, data)}")
+            raise PerfError(f"inference failed: {error_text(response.status, data)}")
         del document
         return Timing(start, end, sent - start, waited - sent, end - waited)
 
@@ -143,11 +143,14 @@ class HttpApi:
         self.connection.close()
 
 
-def _error_text(status: int, body: bytes) -> str:
+def error_text(status: int, body: bytes) -> str:
+    """A refusal's status and message in one line (generate_stream's refusals are server-sent events)."""
+    text = body.strip()
+    text = text[len(b"data:"):] if text.startswith(b"data:") else text
     try:
-        return f"{status} {json.loads(body)['error']}"
+        return f"{status} {json.loads(text)['error']}"
     except (ValueError, KeyError, TypeError):
-        return f"{status} {body[:200].decode(errors='replace')}"
+        return f"{status} {' '.join(text[:200].decode(errors='replace').split())}"
 
 
 class GrpcApi:
