@@ -75,7 +75,7 @@ def parse_range(text: str, flag: str, integer: bool) -> tuple[float, ...]:
     return tuple(levels)
 
 
-_SHAPE = re.compile(r"^([^:]+):(\d+(?:,\d+)*)$")
+_SHAPE = re.compile(r"^(.+):(\d+(?:,\d+)*)$")
 
 
 def parse_shape(text: str) -> tuple[str, list[int]]:
