@@ -6,6 +6,8 @@ from pathlib import Path
 
 from transerve.perf.options import PerfError
 
+LATENCY_COLORS = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
 
 def _pyplot():
     try:
@@ -32,8 +34,10 @@ def plot(path: Path, level_name: str, levels: list[float], series: dict[str, lis
     left.set_xlabel(level_name)
     left.set_ylabel(names[0], color="tab:blue")
     right = left.twinx()
-    for name in names[1:]:
-        right.plot(levels, series[name], "s--", label=name)
+    for name, color in zip(names[1:], LATENCY_COLORS, strict=False):
+        right.plot(levels, series[name], "s--", color=color, label=name)
+    if len(levels) <= 16:
+        left.set_xticks(levels)
     right.set_ylabel("latency (ms)")
     lines = left.get_legend_handles_labels()
     more = right.get_legend_handles_labels()
