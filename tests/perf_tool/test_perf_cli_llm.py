@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from support import start_transerve
+from support import perf_docs, start_transerve
 from support.generation_models import build_generation_model
 
 from transerve.cli import main
@@ -28,12 +28,18 @@ def hf_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(hf_folder, tmp_path_factory):
+def llm_repo(hf_folder, tmp_path_factory):
+    """docs/perf.md's `transerve convert gpt2-folder --output llm_repo --engine torch --decoupled --name gpt2`."""
     from transerve.convert.command import convert
 
     repo = tmp_path_factory.mktemp("perf_llm_repo")
     convert(hf_folder, repo, engine="torch", name="gpt2", max_batch_size=4, decoupled=True)
-    with start_transerve(repo) as process:
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(llm_repo):
+    with start_transerve(llm_repo) as process:
         yield process
 
 
@@ -133,3 +139,19 @@ def test_a_bad_prompt_file_line_is_named(server, capsys, tmp_path):
     assert code == 1
     assert err == (f'transerve perf: --input-file {path}, line 2: expected {{"text": "..."}} for model '
                    "'gpt2_text'\n")
+
+
+def test_the_docs_commands(server, llm_repo, capsys, tmp_path, monkeypatch):
+    """docs/perf.md's LLM commands, as written but for the server's ports and where llm_repo is, beside its
+    prompts.jsonl."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text(perf_docs.blocks("json")[1])
+    commands = perf_docs.perf_commands(llm=True)
+    assert len(commands) == 3
+    for argv in commands:
+        argv = [arg.replace("llm_repo/", f"{llm_repo}/") for arg in argv]
+        code = main(perf_docs.aimed(argv, server.http_url, server.grpc_url))
+        out, err = capsys.readouterr()
+        assert code == 0, (argv, err)
+        assert "Output token throughput (per sec)" in out
+    assert (tmp_path / "llm.csv").read_text().startswith("Concurrency,Metric,")

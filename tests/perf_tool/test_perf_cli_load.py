@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from support import REPO_ROOT, start_transerve
+from support import REPO_ROOT, perf_docs, start_transerve
 from support.repositories import copy_example, write_model
 
 from transerve.cli import main
@@ -273,3 +273,21 @@ def test_the_command_runs_as_a_process(server, tmp_path):
                             env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert "Inferences/Second vs. Client Average Batch Latency" in result.stdout
+
+
+@pytest.mark.slow  # five runs of at least three one-second windows each
+def test_the_docs_commands(server, capsys, tmp_path, monkeypatch):
+    """docs/perf.md's commands, as written but for the server's ports, beside its data.json; the page's
+    `transerve serve --model-repository examples/model_repository` is this module's server (examples plus one)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.json").write_text(perf_docs.blocks("json")[0])
+    commands = perf_docs.perf_commands(llm=False)
+    assert len(commands) == 5
+    for argv in commands:
+        code = main(perf_docs.aimed(argv, server.http_url, server.grpc_url))
+        out, err = capsys.readouterr()
+        # A window may be unsteady on a shared machine: the run then says so and exits 1 after its summary.
+        assert code == 0 or (code == 1 and "were not stable" in err), (argv, err)
+        assert "Inferences/Second vs. Client" in out, argv
+    assert (tmp_path / "add_sub.csv").read_text().startswith("Concurrency,Inferences/Second,")
+    assert (tmp_path / "add_sub.png").read_bytes()[:4] == b"\x89PNG"

@@ -41,8 +41,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"open loop: requests in flight at most (default 16, up to {MAX_THREADS})")
     add("--shape", action="append", default=[], metavar="NAME:D1,D2", help="a variable input's shape (repeatable)")
     add("--string-data", metavar="TEXT", help="the value of every BYTES input element")
+    add("--string-length", type=int, default=inputs.STRING_LENGTH, metavar="N",
+        help=f"length of random BYTES elements (default {inputs.STRING_LENGTH})")
     add("--input-data", default="random", metavar="random|zero|FILE.json",
         help="input values: random (default), zero, or perf_analyzer's JSON data file")
+    add("-z", dest="zero_input", action="store_true", help="--input-data zero")
     add("-p", "--measurement-interval", dest="window_ms", type=int, default=5000, metavar="MS",
         help="measurement window in milliseconds (default 5000)")
     add("--measurement-mode", choices=["time_windows", "count_windows"], default="time_windows")
@@ -57,7 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--plot", dest="plot_file", type=Path, metavar="FILE.png", help="draw throughput and latency against load")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sync", dest="sync", action="store_true", default=True, help="synchronous calls (default)")
-    mode.add_argument("--async", dest="sync", action="store_false",
+    mode.add_argument("-a", "--async", dest="sync", action="store_false",
                       help="accepted for perf_analyzer's command lines: the load is the same (see docs/perf.md)")
     llm.add_arguments(parser)
 
@@ -68,6 +71,8 @@ def _one_line_error(message: str) -> NoReturn:
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
+    if args.zero_input and args.input_data not in ("random", "zero"):
+        raise PerfError("give -z or an --input-data file, not both")
     if args.concurrency_range and args.request_rate_range:
         raise PerfError("give --concurrency-range or --request-rate-range, not both")
     if args.request_rate_range:
@@ -79,7 +84,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     options = Options(
         model=args.model, version=args.version, url=url, protocol=args.protocol, batch_size=args.batch_size,
         mode=mode, levels=levels, distribution=args.request_distribution, shapes=shapes,
-        string_data=args.string_data, input_data=args.input_data, window_ms=args.window_ms,
+        string_data=args.string_data, string_length=args.string_length,
+        input_data="zero" if args.zero_input else args.input_data, window_ms=args.window_ms,
         measurement_mode=args.measurement_mode, request_count=args.request_count, percentile=args.percentile,
         max_trials=args.max_trials, stability=args.stability, csv_file=args.csv_file, plot_file=args.plot_file,
         max_threads=args.max_threads, sync=args.sync, verbose=args.verbose,
@@ -120,7 +126,8 @@ def prepare_requests(options: Options, api: Any) -> list[Any]:
     if unknown:
         raise PerfError(f"--shape names '{unknown[0]}', which is not an input of model '{options.model}'")
     if options.input_data in ("random", "zero"):
-        steps = [inputs.synthetic_step(spec, options.shapes, options.input_data, options.string_data)]
+        steps = [inputs.synthetic_step(spec, options.shapes, options.input_data, options.string_data,
+                                       options.string_length)]
     else:
         steps = inputs.read_data_file(Path(options.input_data), spec, options.shapes)
     if spec.inputs and not steps[0]:

@@ -92,7 +92,7 @@ def _dtype(spec: InputSpec) -> Any:
 
 
 def synthetic_step(spec: ModelSpec, shapes: Mapping[str, list[int]], kind: str, string_data: str | None,
-                   seed: int = 0) -> dict[str, np.ndarray]:
+                   string_length: int = STRING_LENGTH, seed: int = 0) -> dict[str, np.ndarray]:
     """One batch-1 step of random data or zeros, made once and reused by every request (as perf_analyzer does);
     optional inputs only when `--shape` names them."""
     generator = np.random.default_rng(seed)
@@ -105,7 +105,7 @@ def synthetic_step(spec: ModelSpec, shapes: Mapping[str, list[int]], kind: str, 
         dtype = _dtype(entry)
         if dtype is np.object_:
             text = (string_data if string_data is not None
-                    else "" if kind == "zero" else "".join(generator.choice(list("abcdefghij"), STRING_LENGTH)))
+                    else "" if kind == "zero" else "".join(generator.choice(list("abcdefghij"), string_length)))
             step[entry.name] = np.full(shape, text.encode(), dtype=np.object_)
         elif kind == "zero":
             step[entry.name] = np.zeros(shape, dtype)

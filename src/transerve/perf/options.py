@@ -16,6 +16,7 @@ MIN_WINDOW_MS = 50
 MAX_REQUEST_COUNT = 1_000_000
 MAX_BATCH = 4096
 MAX_THREADS = 256
+MAX_STRING_LENGTH = 1 << 20
 
 
 class PerfError(Exception):
@@ -36,6 +37,7 @@ class Options:
     distribution: str = "constant"
     shapes: dict[str, list[int]] = field(default_factory=dict)
     string_data: str | None = None
+    string_length: int = 128
     input_data: str = "random"
     window_ms: int = 5000
     measurement_mode: str = "time_windows"
@@ -97,6 +99,8 @@ def check_bounds(options: Options) -> None:
         (not 1 <= options.request_count <= MAX_REQUEST_COUNT,
          f"--measurement-request-count must be between 1 and {MAX_REQUEST_COUNT}"),
         (options.percentile is not None and not 1 <= options.percentile <= 99, "--percentile must be between 1 and 99"),
+        (not 0 <= options.string_length <= MAX_STRING_LENGTH,
+         f"--string-length must be between 0 and {MAX_STRING_LENGTH}"),
         (not 1 <= options.max_threads <= MAX_THREADS, f"--max-threads must be between 1 and {MAX_THREADS}"),
         (options.mode == "concurrency" and max(options.levels) > MAX_CONCURRENCY,
          f"--concurrency-range goes up to {MAX_CONCURRENCY}"),
