@@ -141,6 +141,7 @@ def test_a_bad_prompt_file_line_is_named(server, capsys, tmp_path):
                    "'gpt2_text'\n")
 
 
+@pytest.mark.slow  # three runs of 10 to 20 streamed requests of 16 tokens on the torch engine
 def test_the_docs_commands(server, llm_repo, capsys, tmp_path, monkeypatch):
     """docs/perf.md's LLM commands, as written but for the server's ports and where llm_repo is, beside its
     prompts.jsonl."""
