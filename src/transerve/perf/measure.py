@@ -170,4 +170,4 @@ def measure(load: Load, level: float, options: Options, read_stats: Callable[[],
     if not last:
         raise PerfError(f"no request was answered within {options.max_trials} windows: increase -p or check the "
                         "model")
-    return summarize(level, last, options.batch_size, options.percentile, stable, getattr(load, "delayed", 0))
+    return summarize(level, last, options.batch_size, options.percentile, stable, load.delayed)

@@ -129,14 +129,13 @@ class HttpApi:
             waited = time.perf_counter_ns()
             data = response.read()
             header_length = response.getheader("Inference-Header-Content-Length")
-            document = json.loads(data[: int(header_length)] if header_length else data)
+            json.loads(data[: int(header_length)] if header_length else data)  # parsing is part of receiving
             end = time.perf_counter_ns()
         except (OSError, http.client.HTTPException, ValueError) as exc:
             connection.close()
             raise PerfError(f"inference over HTTP failed: {exc}") from None
         if response.status != 200:
             raise PerfError(f"inference failed: {error_text(response.status, data)}")
-        del document
         return Timing(start, end, sent - start, waited - sent, end - waited)
 
     def close(self) -> None:
