@@ -1,7 +1,8 @@
 """A missing optional package is one line naming the extra that brings it, never a traceback: in `transerve
-convert` and `transerve export`, in the python models they write (loaded by a server whose `tokenizers` cannot be
-imported), and in the OpenAI layer's tokenizer. Each missing module is simulated in a subprocess (`sys.modules`
-set to None, or a module on PYTHONPATH that fails to import), so this machine's installation is untouched."""
+convert`, `transerve export` and `transerve perf --plot`, in the python models convert and export write (loaded by
+a server whose `tokenizers` cannot be imported), in LightSeq's HDF5 reader and in the OpenAI layer's tokenizer.
+Each missing module is simulated (`sys.modules` set to None, in a subprocess or by monkeypatch, or a module on
+PYTHONPATH that fails to import), so this machine's installation is untouched."""
 
 from __future__ import annotations
 
@@ -63,6 +64,25 @@ def test_the_commands_print_one_line_naming_the_extra(tmp_path: Path, command, m
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert errors[0].startswith(f"transerve {command}: {module} is not installed (")
     assert errors[0].endswith(f"): pip install 'transerve[{extra}]'")
+
+
+def test_perf_plot_names_the_extra(tmp_path: Path):
+    # transerve perf is a client that imports nothing of the server's (so not core.extras): its own line.
+    result = transerve_without("matplotlib", "perf", "-m", "add_sub", "-u", "127.0.0.1:1", "--plot",
+                               str(tmp_path / "plot.png"), cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "transerve perf: --plot needs matplotlib: pip install 'transerve[perf]'"]
+
+
+def test_lightseq_hdf5_files_name_the_extra(tmp_path: Path, monkeypatch):
+    from transerve.backends.lightseq.weights import FormatError, read
+
+    monkeypatch.setitem(sys.modules, "h5py", None)
+    with pytest.raises(FormatError) as caught:
+        read(tmp_path / "model.hdf5", "Transformer")
+    assert str(caught.value).startswith("reading LightSeq's HDF5 files: h5py is not installed (")
+    assert str(caught.value).endswith("): pip install 'transerve[lightseq]'")
 
 
 def test_the_openai_tokenizer_names_the_extra(tmp_path: Path, monkeypatch):
