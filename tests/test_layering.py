@@ -23,7 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "frontends": {"version", "core", "config", "repository", "server"},
     "export": {"core", "config"},
     "convert": {"core", "config", "export"},
-    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "scheduling"},
+    "client": set(),
+    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "client", "scheduling"},
     "__main__": {"cli"},
 }
 

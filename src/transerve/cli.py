@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from transerve import __version__
+from transerve.client import command as client_command
 from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
@@ -164,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trace-log-frequency", help="deprecated: --trace-config triton,log-frequency=N")
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
+    client_command.add_parser(commands)
     return parser
 
 
@@ -438,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_command.run(args)
     if args.command == "convert":
         return convert_command.run(args)
+    if args.command == "client":
+        return client_command.run(args)
     # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
