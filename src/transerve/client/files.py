@@ -89,7 +89,7 @@ class Output:
 
     def write(self, answers: list[str]) -> None:
         """Append whole lines: a line break inside an answer becomes a space, so lines stay aligned."""
-        self._file.write(b"".join((_one_line(answer) + "\n").encode("utf-8") for answer in answers))
+        self._file.write(b"".join((one_line(answer) + "\n").encode("utf-8") for answer in answers))
         self._file.flush()
 
     def close(self) -> None:
@@ -116,5 +116,6 @@ def _complete_lines(path: Path) -> int:
     return count_lines(path) if end else 0
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """The answer on one line: each line break a space."""
     return text.replace("\r\n", " ").replace("\r", " ").replace("\n", " ")
