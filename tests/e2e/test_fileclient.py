@@ -74,9 +74,9 @@ def client(server: ServerProcess, input_file: Path, output_file: Path, *args: st
                      "--output-file", str(output_file), *PARAMS, *args)
 
 
-def generate(server: ServerProcess, text: str, model: str = "marian_text") -> str:
+def generate(server: ServerProcess, text: str, model: str = "marian_text", **options: int) -> str:
     answer = requests.post(f"{server.base_url}/v2/models/{model}/generate",
-                           json={"text_input": text, "max_tokens": 12}, timeout=60)
+                           json={"text_input": text, "max_tokens": 12, **options}, timeout=60)
     assert answer.status_code == 200, answer.text
     return one_line(answer.json()["text_output"])  # as the client writes it: a random model's \r and \n are spaces
 
@@ -225,3 +225,59 @@ def test_a_server_that_is_not_there_stops_the_client(tmp_path):
     done = transerve("client", "-m", "m", "-u", "127.0.0.1:1", "--input-file", str(path), "--output-file",
                      str(tmp_path / "out.txt"))
     assert done.returncode == 2 and "cannot reach the server at 127.0.0.1:1" in done.stderr
+
+
+TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "translate-a-file.md"
+
+
+def tutorial_blocks(kind: str) -> list[str]:
+    """The page's fenced blocks of `kind` (bash, text), in order."""
+    parts = read(TUTORIAL).split("```")
+    return [part.removeprefix(kind).strip() for part in parts[1::2] if part.startswith(f"{kind}\n")]
+
+
+def test_the_tutorial_commands(hf_marian, tmp_path):
+    """docs/tutorials/translate-a-file.md, command by command, in a folder holding the page's `opus-mt-en-de` (the
+    tiny Marian model) and `input.txt`. The server gets free ports, so each client command is given `-u`."""
+    (tmp_path / "opus-mt-en-de").symlink_to(hf_marian)
+    (tmp_path / "input.txt").write_text(tutorial_blocks("text")[0] + "\n")
+    commands = [block.split() for block in tutorial_blocks("bash")]
+    assert [command[:2] for command in commands] == [["transerve", "convert"], ["transerve", "serve"]] + [
+        ["transerve", "client"]] * 4
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+
+    def run(command: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "transerve", *command[1:], *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    done = run(commands[0])
+    assert done.returncode == 0, done.stderr
+    assert commands[1][2] == "--model-repository"
+    with start_transerve(tmp_path / commands[1][3]) as server:
+        outcomes = [run(command, "-u", server.http_url) for command in commands[2:]]
+        lines = read(tmp_path / "input.txt").split("\n")[:-1]
+        expected = [generate(server, line, "en_de_text", max_tokens=128) if line else "" for line in lines]
+        beams = [generate(server, line, "en_de_text", max_tokens=128, beam_width=4) if line else "" for line in lines]
+    for outcome in outcomes:
+        assert outcome.returncode == 0, outcome.stderr
+    assert "4 lines answered into output.txt" in outcomes[0].stderr
+    assert "0 lines answered into output.txt" in outcomes[1].stderr and "resuming at line 5" in outcomes[1].stderr
+    assert read(tmp_path / "output.txt") == read(tmp_path / "batched.txt") == "".join(f"{e}\n" for e in expected)
+    assert read(tmp_path / "generated.txt") == "".join(f"{answer}\n" for answer in beams)
+
+
+def test_ctrl_c_stops_the_client_with_whole_lines_written(server, tmp_path):
+    path, output = tmp_path / "input.txt", tmp_path / "output.txt"
+    path.write_text("\n".join(sentences(300)) + "\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "transerve", "client", "-m", "marian_text", "-u", server.http_url, "--input-file",
+         str(path), "--output-file", str(output), "--concurrency", "1", *PARAMS],
+        env=dict(os.environ, PYTHONPATH=str(SRC)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (output.exists() and output.read_bytes().count(b"\n") >= 5) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "interrupted; rerun the same command to resume" in stderr and "Traceback" not in stderr
+    assert output.read_bytes().endswith(b"\n") and output.read_bytes().count(b"\n") < 300

@@ -27,13 +27,12 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 class HttpTransport:
     def __init__(self, url: str, timeout: float) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RunStopped(f"cannot read the URL '{url}': expected HOST:PORT or http(s)://HOST:PORT")
+        if parts.scheme != "http" or not parts.hostname:
+            raise RunStopped(f"cannot read the URL '{url}': expected HOST:PORT or http://HOST:PORT")
         self._url = url
-        self._https = parts.scheme == "https"
         self._host = parts.hostname
         try:
-            self._port = parts.port or (443 if self._https else 8000)
+            self._port = parts.port or 8000
         except ValueError as exc:
             raise RunStopped(f"cannot read the URL '{url}': {exc}") from None
         self._timeout = timeout
@@ -95,8 +94,7 @@ class HttpTransport:
         connection = getattr(self._local, "connection", None)
         if connection is not None:
             return connection, True
-        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        self._local.connection = kind(self._host, self._port, timeout=self._timeout)
+        self._local.connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
         return self._local.connection, False
 
     def _drop(self) -> None:
