@@ -16,7 +16,8 @@ from transerve.client.command import parse_parameter
 from transerve.client.errors import LineFailed, RunStopped
 from transerve.client.files import Line, Output, count_lines, read_lines
 from transerve.client.progress import ProgressBar
-from transerve.client.runner import answer_batch, answer_lines
+from transerve.client.runner import Outcome, answer_batch, answer_lines
+from transerve.client.sink import GIVE_UP_AFTER, Sink
 from transerve.client.target import Target, tensor_target
 
 
@@ -142,6 +143,7 @@ def test_the_text_input_and_output_are_found_in_the_config():
     ({**CONFIG, "input": CONFIG["input"] + [{"name": "ids", "data_type": "TYPE_INT32", "dims": [1]}]}, (None, None),
      "also needs ids"),
     (CONFIG, ("nope", None), "no input 'nope'; its inputs: text_input, beam"),
+    ({**CONFIG, "model_transaction_policy": {"decoupled": True}}, (None, None), "decoupled .* use --generate"),
     (CONFIG, (None, "nope"), "no output 'nope'"),
     ({**CONFIG, "input": [{"name": "t", "data_type": "TYPE_STRING", "dims": [2]}]}, (None, None), "dims \\[2\\]"),
 ])
@@ -177,3 +179,32 @@ def test_the_progress_bar_draws_on_a_terminal_and_stays_silent_elsewhere():
         bar.close()
     assert "[" + "#" * 30 + "] 10/10 lines 100%" in terminal.getvalue() and "1 failed" in terminal.getvalue()
     assert pipe.getvalue() == "line 3: bad\n"
+
+
+def failing(first: int, count: int) -> tuple[list[Line], Outcome]:
+    lines = [Line(number, "x") for number in range(first, first + count)]
+    return lines, Outcome([""] * count, [(line.number, "HTTP 400: unknown parameter") for line in lines])
+
+
+def test_when_the_first_lines_sent_all_fail_the_run_stops_with_nothing_written(tmp_path):
+    output = Output(tmp_path / "out.txt", 100)
+    sink = Sink(output, None, ProgressBar(io.StringIO(), 100, 0))
+    sink.take([Line(1, "")], Outcome([""]))  # a blank line: nothing to judge, written
+    sink.take(*failing(2, GIVE_UP_AFTER - 1))
+    with pytest.raises(RunStopped, match=f"the first {GIVE_UP_AFTER + 1} lines sent all failed, the last with: line "
+                                         f"{GIVE_UP_AFTER + 2}: HTTP 400: unknown parameter; nothing was written"):
+        sink.take(*failing(GIVE_UP_AFTER + 1, 2))
+    output.close()
+    assert (tmp_path / "out.txt").read_bytes() == b"\n"
+
+
+def test_failures_held_until_a_line_is_answered_are_then_written_in_order(tmp_path):
+    output, errors = Output(tmp_path / "out.txt", 100), io.StringIO()
+    sink = Sink(output, errors, ProgressBar(io.StringIO(), 100, 0))
+    sink.take(*failing(1, 3))
+    assert (tmp_path / "out.txt").read_bytes() == b""
+    sink.take([Line(4, "x"), Line(5, "y")], Outcome(["X", "Y"]))
+    sink.take(*failing(6, GIVE_UP_AFTER))  # once a line was answered, failures never stop the run
+    output.close()
+    assert (tmp_path / "out.txt").read_bytes() == b"\n\n\nX\nY\n" + b"\n" * GIVE_UP_AFTER
+    assert errors.getvalue().startswith("1\tHTTP 400: unknown parameter\n2\t") and sink.failed == 3 + GIVE_UP_AFTER

@@ -219,6 +219,16 @@ def test_what_the_client_refuses_stops_it_with_status_2_and_a_clear_line(server,
     assert message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_misspelt_option_stops_the_run_before_writing_empty_lines(server, tmp_path):
+    path, output = tmp_path / "input.txt", tmp_path / "output.txt"
+    path.write_text("\n".join(sentences(30)) + "\n")
+    done = client(server, path, output, "--param", "max_tokenz=3")
+    assert done.returncode == 2
+    assert "the first 10 lines sent all failed, the last with: line 10: HTTP 400: " in done.stderr
+    assert "max_tokenz" in done.stderr and "nothing was written" in done.stderr
+    assert read(output) == ""
+
+
 def test_a_server_that_is_not_there_stops_the_client(tmp_path):
     path = tmp_path / "input.txt"
     path.write_text("hello\n")

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TextIO
 
 from transerve.client.errors import RunStopped
-from transerve.client.files import Line, Output, count_lines, read_lines
+from transerve.client.files import Output, count_lines, read_lines
 from transerve.client.grpc import GrpcTransport
 from transerve.client.http import HttpTransport
 from transerve.client.progress import ProgressBar
-from transerve.client.runner import Outcome, Send, answer_lines
+from transerve.client.runner import Send, answer_lines
+from transerve.client.sink import Sink
 from transerve.client.target import Parameter, Target, tensor_target
 
 MAX_BATCH_SIZE = 256
@@ -93,34 +94,22 @@ def _run(args: argparse.Namespace, stderr: TextIO) -> int:
     if output.done:
         progress.interrupt(f"transerve client: {args.output_file} holds {output.done} lines: resuming at line "
                            f"{output.done + 1}")
-    failed = 0
+    sink = Sink(output, errors, progress)
     started = time.monotonic()
-
-    def written(batch: list[Line], outcome: Outcome) -> None:
-        nonlocal failed
-        output.write(outcome.answers)
-        for number, why in outcome.failures:
-            progress.interrupt(f"transerve client: line {number}: {why}")
-            if errors is not None:
-                errors.write(f"{number}\t{why}\n")
-        if errors is not None:
-            errors.flush()
-        failed += len(outcome.failures)
-        progress.advance(len(batch), len(outcome.failures))
-
     try:
         answer_lines(read_lines(args.input_file, output.done, args.max_line_bytes), args.batch_size, args.concurrency,
-            _sender(transport, target), written)
+                     _sender(transport, target), sink.take)
+        sink.flush()
     finally:
         progress.close()
         output.close()
         if errors is not None:
             errors.close()
     new = total - output.done
-    report = f", {failed} failed (their lines are empty)" if failed else ""
+    report = f", {sink.failed} failed (their lines are empty)" if sink.failed else ""
     print(f"transerve client: {new} lines answered into {args.output_file}{report} in "
           f"{time.monotonic() - started:.1f} s", file=stderr)
-    return LINES_FAILED if failed else DONE
+    return LINES_FAILED if sink.failed else DONE
 
 
 def _check_bounds(args: argparse.Namespace) -> None:

@@ -73,22 +73,21 @@ class HttpTransport:
         value = document[target.output_name]
         return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
-    def _request(self, method: str, path: str, body: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
-        for attempt in (1, 2):
-            connection, reused = self._connection()
-            try:
-                connection.request(method, path, body, headers or {})
-                response = connection.getresponse()
-                return response.status, response.headers, response.read()
-            except _STALE as exc:
-                self._drop()
-                if not reused or attempt == 2:
-                    raise RunStopped(f"the server at {self._url} closed the connection: {exc}") from None
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop()
-                raise RunStopped(f"cannot reach the server at {self._url}: {exc}") from None
-        raise AssertionError("unreachable")
+    def _request(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+                 retry: bool = True) -> tuple[int, http.client.HTTPMessage, bytes]:
+        connection, reused = self._connection()
+        try:
+            connection.request(method, path, body, headers or {})
+            response = connection.getresponse()
+            return response.status, response.headers, response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop()
+            if retry and reused and isinstance(exc, _STALE):
+                return self._request(method, path, body, headers, retry=False)
+            if isinstance(exc, TimeoutError):
+                raise RunStopped(f"no answer from the server at {self._url} within --timeout {self._timeout:g} s") \
+                    from None
+            raise RunStopped(f"cannot reach the server at {self._url}: {exc}") from None
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
         connection = getattr(self._local, "connection", None)

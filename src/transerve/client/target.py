@@ -52,6 +52,8 @@ def tensor_target(config: dict[str, Any], model: str, version: str, input_name: 
                   output_name: str | None, parameters: dict[str, Parameter]) -> Target:
     """The target from the model's config (as /v2/models/M/config or gRPC's ModelConfig as JSON gives it);
     RunStopped naming the choices when the tensors cannot be told."""
+    if (config.get("model_transaction_policy") or {}).get("decoupled"):
+        raise RunStopped(f"model '{model}' is decoupled (it streams), which infer does not call: use --generate")
     inputs, outputs = config.get("input") or [], config.get("output") or []
     text_input = _pick("input", inputs, input_name, model)
     others = [spec["name"] for spec in inputs if spec is not text_input and not spec.get("optional", False)]
