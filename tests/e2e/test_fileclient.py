@@ -141,14 +141,17 @@ def test_a_killed_run_resumes_after_the_lines_written_without_duplicates(server,
     assert client(server, path, output).stderr.count("0 lines answered") == 1  # done: nothing more to do
 
 
-def test_bad_lines_fail_alone_with_their_line_numbers(server, tmp_path):
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_lines_fail_alone_with_their_line_numbers(server, tmp_path, protocol):
     lines = sentences(12)
     path, output, errors = tmp_path / "input.txt", tmp_path / "output.txt", tmp_path / "errors.tsv"
     path.write_bytes(b"\n".join(line.encode() for line in lines[:6]) + b"\n" + LONG_LINE.encode() + b"\n"
                      + b"\n".join(line.encode() for line in lines[7:11]) + b"\nnot \xff UTF-8\n")
-    done = client(server, path, output, "--batch-size", "4", "--errors-file", str(errors))
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    done = client(server, path, output, "--batch-size", "4", "--errors-file", str(errors), "-i", protocol, "-u", url)
     assert done.returncode == 1, done.stderr
-    assert "line 7: HTTP 400: " in done.stderr and "tokens, more than the 256 this model takes" in done.stderr
+    assert ("line 7: INVALID_ARGUMENT: " if protocol == "grpc" else "line 7: HTTP 400: ") in done.stderr
+    assert "tokens, more than the 256 this model takes" in done.stderr
     assert "line 12: the line is not UTF-8" in done.stderr
     assert [row.split("\t")[0] for row in errors.read_text().splitlines()] == ["7", "12"]
     answers = read(output).split("\n")
@@ -209,12 +212,14 @@ def test_convert_refuses_a_limit_beyond_the_models_positions(hf_marian, tmp_path
     (("-m", "marian_text", "--generate", "--batch-size", "2"), "--generate sends one line per request"),
     (("-m", "marian_text", "--generate", "-i", "grpc"), "an HTTP endpoint: use -i http"),
     (("-m", "marian_text", "--input-name", "x"), "has no input 'x'; its inputs: text_input"),
+    (("-m", "nope", "-i", "grpc"), "model 'nope': NOT_FOUND: Request for unknown model"),
 ])
 def test_what_the_client_refuses_stops_it_with_status_2_and_a_clear_line(server, tmp_path, args, message):
     path = tmp_path / "input.txt"
     path.write_text("hello\n")
-    done = transerve("client", "-u", server.http_url, "--input-file", str(path), "--output-file",
-                     str(tmp_path / "out.txt"), *args)
+    url = server.grpc_url if "grpc" in args else server.http_url
+    done = transerve("client", "-u", url, "--input-file", str(path), "--output-file", str(tmp_path / "out.txt"),
+                     *args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
 

@@ -21,7 +21,7 @@ class GrpcTransport:
     def model_config(self, model: str, version: str) -> dict[str, Any]:
         return self._call(lambda client: client.get_model_config(model, version, as_json=True,
                                                                  client_timeout=self._timeout),
-                          f"model '{model}'")["config"]
+                          model)["config"]
 
     def infer(self, target: Target, texts: list[str]) -> list[str]:
         import tritonclient.grpc as grpcclient
@@ -32,10 +32,12 @@ class GrpcTransport:
         result = self._call(lambda client: client.infer(
             target.model, [text_input], model_version=target.version,
             outputs=[grpcclient.InferRequestedOutput(target.output_name)], parameters=target.parameters or None,
-            client_timeout=self._timeout), "")
+            client_timeout=self._timeout))
         return target.answers(result.as_numpy(target.output_name), len(texts))
 
-    def _call(self, call: Any, what: str) -> Any:
+    def _call(self, call: Any, model: str | None = None) -> Any:
+        """`call` on this thread's client. Errors of an infer call (`model` None) that are INVALID_ARGUMENT are the
+        line's; any other stops the run."""
         from tritonclient.utils import InferenceServerException
 
         client = getattr(self._local, "client", None)
@@ -46,7 +48,8 @@ class GrpcTransport:
         try:
             return call(client)
         except InferenceServerException as exc:
-            message = f"{what}: {exc.message()}" if what else exc.message()
-            if exc.status() == "StatusCode.INVALID_ARGUMENT" and not what:
-                raise LineFailed(f"INVALID_ARGUMENT: {message}") from None
-            raise RunStopped(f"{exc.status() or 'error'}: {message}") from None
+            if model is None and exc.status() == "StatusCode.INVALID_ARGUMENT":
+                raise LineFailed(f"INVALID_ARGUMENT: {exc.message()}") from None
+            about = f"model '{model}': " if model is not None else ""
+            status = (exc.status() or "error").removeprefix("StatusCode.")
+            raise RunStopped(f"{about}{status}: {exc.message()}") from None

@@ -55,7 +55,7 @@ def answer_batch(lines: list[Line], send: Send) -> Outcome:
 
 
 def answer_lines(lines: Iterator[Line], batch_size: int, concurrency: int, send: Send,
-        on_outcome: Callable[[list[Line], Outcome], None]) -> None:
+                 on_outcome: Callable[[list[Line], Outcome], None]) -> None:
     """Answer every line; `on_outcome` gets each batch in input order. A RunStopped from `send` ends the run once
     the batches before it are handed over (later ones are dropped: a rerun redoes them)."""
     window: deque[tuple[list[Line], Future[Outcome]]] = deque()
