@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 from transerve.backends.generation.cache_buffers import (  # noqa: E402
     HEADROOM,
     append,
+    buffer_rows,
     fewest_moves,
     join_rows,
     keep_rows,
@@ -58,6 +59,17 @@ def test_append_writes_in_place_when_there_is_room_and_reallocates_with_spare_ro
     again = append(grown, kv(3, 1, seed=2), rows_wanted=8)
     assert again.untyped_storage().data_ptr() == grown.untyped_storage().data_ptr()
     assert torch.equal(again[:, :, :6], grown) and torch.equal(again[:, :, 6:], kv(3, 1, seed=2))
+
+
+def test_a_token_budget_bounds_the_spare_rows_of_long_buffers():
+    assert buffer_rows(3, 32, 100, 0) == 32  # no budget: every row the batch could have
+    assert buffer_rows(3, 32, 100, 1000) == 10  # 32 rows of 100 steps would hold 3,200 tokens: 10 rows do 1,000
+    assert buffer_rows(3, 32, 10, 1000) == 32
+    assert buffer_rows(12, 32, 100, 1000) == 12  # never fewer rows than run
+    cache = append(kv(2, 40), kv(2, 1, seed=1), rows_wanted=32, token_budget=8 * (41 + HEADROOM))
+    assert row_capacity(cache) == 8 and torch.equal(cache[:, :, :40], kv(2, 40))
+    joined = join_rows(kv(2, 40), kv(1, 30, seed=2), (2, 1), 40, True, rows_wanted=32, token_budget=5 * (40 + HEADROOM))
+    assert row_capacity(joined) == 5 and torch.equal(joined[2:, :, 10:], kv(1, 30, seed=2))
 
 
 @pytest.mark.parametrize(

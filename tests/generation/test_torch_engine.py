@@ -332,3 +332,18 @@ def test_cancelled_beam_search_returns_its_best_hypotheses_so_far(models):
     assert all(0 < len(h.token_ids) < 120 for h in result.hypotheses)
     assert result.hypotheses[0].score >= result.hypotheses[1].score
     assert len(tokens(pacer.result(timeout=30))[0]) == 5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_decoding_raises_no_transformers_deprecation_warnings(models, arch):
+    """The engine calls transformers' current API (the cache passed as `cache`, not the deprecated
+    `past_key_values`): no FutureWarning or DeprecationWarning per call reaches the server's log."""
+    import warnings
+
+    model = models[arch]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model.engine, model.ids(TEXTS[0]), DecodingOptions(max_new_tokens=4))
+        run(model.engine, model.ids(TEXTS[1]), DecodingOptions(max_new_tokens=4, beam_width=2))
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecations == []

@@ -221,7 +221,7 @@ def test_sequence_beyond_the_budget_is_refused(models):
         result = submit(engine, [5] * 30, DecodingOptions(max_new_tokens=20, beam_width=3)).result(timeout=10)
         assert isinstance(result, ServerError) and result.code is ErrorCode.INVALID_ARG
         assert "100" in result.message and "kv_cache_tokens" in result.message
-        result = submit(engine, [5] * 30, DecodingOptions(max_new_tokens=20, beam_width=20)).result(timeout=10)
+        result = submit(engine, [5] * 30, DecodingOptions(max_new_tokens=20, beam_width=40)).result(timeout=10)
         assert isinstance(result, ServerError) and result.code is ErrorCode.INVALID_ARG
         assert "beam_width" in result.message
     finally:

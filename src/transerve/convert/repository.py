@@ -111,7 +111,7 @@ def generator_config(options: Options) -> ModelConfig:
         _tensor(config.output, "output_top_log_probs", "TYPE_FP32", [-1, -1, -1])
     parameters = {"engine": options.engine, "model_dir": MODEL_DIR, "compute_type": options.compute_type,
                   "intra_op_threads": 0, "max_new_tokens": 64}
-    if options.engine == "torch":  # no max_batch_rows: the engine sizes it on a GPU (16 on the CPU)
+    if options.engine == "torch":  # no max_batch_rows: the engine sizes it on a GPU (32 on the CPU)
         parameters["kv_cache_tokens"] = 65536
     else:
         parameters["max_batch_rows"] = 16

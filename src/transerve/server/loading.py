@@ -45,6 +45,7 @@ def backend_registry() -> dict[str, type[Backend]]:
     """Every backend by the name a config gives; their engines are imported when a model first needs them."""
     from transerve.backends.ensemble.backend import EnsembleBackend
     from transerve.backends.generation.backend import GenerationBackend
+    from transerve.backends.generation.fastertransformer import FasterTransformerBackend
     from transerve.backends.onnxruntime.backend import OnnxRuntimeBackend
     from transerve.backends.python.backend import PythonBackend
     from transerve.backends.pytorch.backend import PyTorchBackend
@@ -57,6 +58,7 @@ def backend_registry() -> dict[str, type[Backend]]:
         "pytorch": PyTorchBackend,
         "tensorrt": TensorRTBackend,
         "generation": GenerationBackend,
+        "fastertransformer": FasterTransformerBackend,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
@@ -34,42 +35,59 @@ class GenerationBackend(Backend):
     name = "generation"
 
     async def load(self, context: ModelContext) -> BackendModel:
-        where = f"failed to load '{context.name}' version {context.version}"
-        config = context.config
-        loop = asyncio.get_running_loop()
-        placements = instance_placements(config)
         try:
-            interface = TensorInterface(config)
-            settings = read_settings(config, context.version_path)
-            _own_scheduling(config, context.name)
-            # Loading takes seconds: every instance's engine loads at once, off the event loop.
-            engines = await asyncio.gather(
-                *(loop.run_in_executor(None, open_engine, settings, placement) for placement in placements),
-                return_exceptions=True,
-            )
+            interface = TensorInterface(context.config)
+            settings = read_settings(context.config, context.version_path)
         except ServerError as exc:
-            raise ServerError(exc.code, f"{where}: {exc.message}") from None
-        failures = [engine for engine in engines if isinstance(engine, BaseException)]
-        if failures:
-            for engine in engines:
-                if not isinstance(engine, BaseException):
-                    engine.close()
-            failure = failures[0]
-            if isinstance(failure, ServerError):
-                raise ServerError(failure.code, f"{where}: {failure.message}") from None
-            raise unavailable(f"{where}: the {settings.engine} engine cannot load {settings.model_dir}: "
-                              f"{_one_line(failure)}") from None
-        limits = Limits(
-            max_new_tokens=settings.max_new_tokens,
-            # the engines' own count where the config does not set it (sized from each GPU's memory): the smallest
-            max_batch_rows=min(engine.max_batch_rows for engine in engines),
-            decoupled=config.model_transaction_policy.decoupled,
+            raise ServerError(exc.code, f"{failed_to_load(context)}: {exc.message}") from None
+        return await serve(context, interface, lambda placement: settings)
+
+
+def failed_to_load(context: ModelContext) -> str:
+    return f"failed to load '{context.name}' version {context.version}"
+
+
+async def serve(context: ModelContext, interface: TensorInterface,
+                settings_for: Callable[[Placement], GenerationSettings]) -> BackendModel:
+    """The model's instances, one engine each on its placement with `settings_for` it; a failure is the load's
+    ServerError with the reason (the engines already opened are closed)."""
+    where = failed_to_load(context)
+    config = context.config
+    loop = asyncio.get_running_loop()
+    placements = instance_placements(config)
+    every = [settings_for(placement) for placement in placements]
+    settings = every[0]
+    try:
+        _own_scheduling(config, context.name)
+        # Loading takes seconds: every instance's engine loads at once, off the event loop.
+        engines = await asyncio.gather(
+            *(loop.run_in_executor(None, open_engine, own, placement)
+              for own, placement in zip(every, placements, strict=True)),
+            return_exceptions=True,
         )
-        instances = [
-            GenerationInstance(context.name, context.version, placement.name, engine, interface, limits, loop)
-            for placement, engine in zip(placements, engines, strict=True)
-        ]
-        return BackendModel(config, instances)
+    except ServerError as exc:
+        raise ServerError(exc.code, f"{where}: {exc.message}") from None
+    failures = [engine for engine in engines if isinstance(engine, BaseException)]
+    if failures:
+        for engine in engines:
+            if not isinstance(engine, BaseException):
+                engine.close()
+        failure = failures[0]
+        if isinstance(failure, ServerError):
+            raise ServerError(failure.code, f"{where}: {failure.message}") from None
+        raise unavailable(f"{where}: the {settings.engine} engine cannot load {settings.model_dir}: "
+                          f"{_one_line(failure)}") from None
+    limits = Limits(
+        max_new_tokens=settings.max_new_tokens,
+        # the engines' own count where the config does not set it (sized from each GPU's memory): the smallest
+        max_batch_rows=min(engine.max_batch_rows for engine in engines),
+        decoupled=config.model_transaction_policy.decoupled,
+    )
+    instances = [
+        GenerationInstance(context.name, context.version, placement.name, engine, interface, limits, loop)
+        for placement, engine in zip(placements, engines, strict=True)
+    ]
+    return BackendModel(config, instances)
 
 
 def _own_scheduling(config: Any, name: str) -> None:

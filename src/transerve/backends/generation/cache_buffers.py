@@ -49,6 +49,15 @@ def row_capacity(cache: torch.Tensor) -> int:
     return cache.untyped_storage().nbytes() // cache.element_size() // cache.stride(0)
 
 
+def buffer_rows(rows: int, rows_wanted: int, time: int, token_budget: int) -> int:
+    """The rows a new buffer of `time` steps gets for a batch of `rows`: `rows_wanted` (the most that run together),
+    but no more than `token_budget` tokens' worth at that length (0: no budget), so that a long sequence running
+    alone does not reserve its length for every row the batch could ever have; never fewer than `rows`."""
+    if token_budget:
+        rows_wanted = min(rows_wanted, token_budget // max(1, time))
+    return max(rows, rows_wanted)
+
+
 def allocate(like: torch.Tensor, rows: int, time: int) -> torch.Tensor:
     """A zeroed buffer [rows, heads, time, dim] of `like`'s heads, dim, dtype and device."""
     return like.new_zeros((rows, like.shape[1], time, like.shape[3]))
@@ -60,15 +69,16 @@ def _span(cache: torch.Tensor, rows: int, start: int, time: int) -> torch.Tensor
     return cache.as_strided((rows, heads, time, dim), cache.stride(), start * dim)
 
 
-def append(cache: torch.Tensor, new: torch.Tensor, rows_wanted: int) -> torch.Tensor:
+def append(cache: torch.Tensor, new: torch.Tensor, rows_wanted: int, token_budget: int = 0) -> torch.Tensor:
     """`cache` followed by `new` [rows, heads, steps, dim] along time: in place when its buffer has room, else in a
-    new buffer of at least `rows_wanted` rows with `HEADROOM` steps to spare."""
+    new buffer of `buffer_rows` rows with `HEADROOM` steps to spare."""
     rows, _, time, _ = cache.shape
     grown_time = time + new.shape[2]
     if room(cache) >= grown_time:
         grown = _span(cache, rows, window(cache)[0], grown_time)
     else:
-        buffer = allocate(cache, max(rows, rows_wanted), grown_time + HEADROOM)
+        steps = grown_time + HEADROOM
+        buffer = allocate(cache, buffer_rows(rows, rows_wanted, steps, token_budget), steps)
         buffer[:rows, :, :time] = cache
         grown = buffer[:rows, :, :grown_time]
     grown[:, :, time:] = new
@@ -109,20 +119,21 @@ def keep_rows(cache: torch.Tensor, selection: RowSelection) -> torch.Tensor:
 
 def join_rows(
     mine: torch.Tensor | None, theirs: torch.Tensor | None, rows: tuple[int, int], time: int, left_padded: bool,
-    rows_wanted: int,
+    rows_wanted: int, token_budget: int = 0,
 ) -> torch.Tensor:
     """`mine`'s rows then `theirs`', each padded with zeros to `time` steps: on the left (`left_padded`, the
     self-attention cache, whose real steps end together) or on the right (cross-attention, whose sources start
     together). `rows` counts each side's rows: a side given as None has them but no steps yet (all padding).
-    Written into `mine`'s buffer when it has the rows and the steps, else into a new buffer of at least
-    `rows_wanted` rows."""
+    Written into `mine`'s buffer when it has the rows and the steps, else into a new buffer of `buffer_rows`
+    rows."""
     mine_rows, their_rows = rows
     total = mine_rows + their_rows
     like = mine if mine is not None else theirs
     mine_time = 0 if mine is None else mine.shape[2]
     target = _in_place_target(mine, total, time, left_padded) if mine is not None else None
     if target is None:
-        buffer = allocate(like, max(total, rows_wanted), time + HEADROOM)
+        steps = time + HEADROOM
+        buffer = allocate(like, buffer_rows(total, rows_wanted, steps, token_budget), steps)
         target = buffer[:total, :, :time]
         if mine is not None:
             _place(target[:mine_rows], mine, left_padded)

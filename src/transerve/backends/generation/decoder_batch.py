@@ -48,6 +48,8 @@ class DecoderBatch:
     encoder_mask: torch.Tensor | None = None
     #: How many rows the caches' buffers should hold when (re)allocated: the most that will run together.
     capacity: int = 0
+    #: The engine's `kv_cache_tokens`: a (re)allocated buffer holds no more rows than this many tokens at its length.
+    token_budget: int = 0
 
     @property
     def rows(self) -> int:
@@ -84,7 +86,7 @@ class DecoderBatch:
             part(self.cross_kv) if self.cross_kv is not None else None,
             rows(self.encoder_hidden) if encoder else None,
             rows(self.encoder_mask) if encoder else None,
-            self.capacity,
+            self.capacity, self.token_budget,
         )
         batch._trim()
         return batch
@@ -111,23 +113,25 @@ class DecoderBatch:
 
         time = max(self.mask.shape[1], other.mask.shape[1])
         rows = (self.rows, other.rows)
-        capacity = max(self.capacity, other.capacity)
+        capacity, budget = max(self.capacity, other.capacity), max(self.token_budget, other.token_budget)
         if self.self_kv or other.self_kv:  # rows that have consumed no token yet have no keys/values: all padding
             layers = len(self.self_kv or other.self_kv)
             mine = self.self_kv or [(None, None)] * layers
             theirs = other.self_kv or [(None, None)] * layers
             self.self_kv = [
-                (join_rows(a[0], b[0], rows, time, True, capacity), join_rows(a[1], b[1], rows, time, True, capacity))
+                (join_rows(a[0], b[0], rows, time, True, capacity, budget),
+                 join_rows(a[1], b[1], rows, time, True, capacity, budget))
                 for a, b in zip(mine, theirs, strict=True)
             ]
         self.mask = torch.cat([pad(batch.mask, (time - batch.mask.shape[1], 0)) for batch in (self, other)])
         self.positions = torch.cat((self.positions, other.positions))
-        self.capacity = capacity
+        self.capacity, self.token_budget = capacity, budget
         if self.cross_kv is None:
             return
         source = max(self.encoder_mask.shape[1], other.encoder_mask.shape[1])
         self.cross_kv = [
-            (join_rows(a[0], b[0], rows, source, False, capacity), join_rows(a[1], b[1], rows, source, False, capacity))
+            (join_rows(a[0], b[0], rows, source, False, capacity, budget),
+             join_rows(a[1], b[1], rows, source, False, capacity, budget))
             for a, b in zip(self.cross_kv, other.cross_kv, strict=True)
         ]
 
@@ -161,12 +165,16 @@ def _row_positions_class():
 class ModelRunner:
     """Prefill and decoding steps of one transformers model on `DecoderBatch`es."""
 
-    def __init__(self, model: Any, decoder_start_id: int | None, pad_id: int, capacity: int = 0) -> None:
+    def __init__(
+        self, model: Any, decoder_start_id: int | None, pad_id: int, capacity: int = 0, token_budget: int = 0,
+    ) -> None:
         import torch
 
         self.model = model
         #: The most rows the caller runs together: the rows the caches' buffers get.
         self.capacity = capacity
+        #: The engine's `kv_cache_tokens`, which bounds the rows of the caches' buffers at long histories.
+        self.token_budget = token_budget
         self.device = model.device
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
         self.decoder_start_id = decoder_start_id
@@ -188,6 +196,11 @@ class ModelRunner:
         #: The decoder's cross-attention modules in layer order, where their names are known (T5, BART family).
         self.cross_attention = _cross_attention_modules(model) if self.encoder_decoder else []
         self.mutable_forward = _mutable_forward(model.config.get_text_config(decoder=True))
+        #: The keyword each call below passes its cache by (`cache` in current transformers; `past_key_values`,
+        #: which they deprecate with a FutureWarning per call, in older ones).
+        self.cache_keyword = _cache_keyword(model.forward)
+        self.decoder_cache_keyword = _cache_keyword(model.get_decoder().forward) if self.encoder_decoder else ""
+        self.cross_cache_keyword = _cache_keyword(self.cross_attention[0].forward) if self.cross_attention else ""
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -230,10 +243,12 @@ class ModelRunner:
         cache = DynamicCache()
         keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **keep
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
+            **keep,
         )
         batch = DecoderBatch(
-            [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity
+            [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity,
+            token_budget=self.token_budget,
         )
         logits = out.logits[:, -1, :]
         index = self._repeat(repeats)
@@ -257,7 +272,7 @@ class ModelRunner:
         rows = len(sources)
         empty = self._tensor([[]] * rows)
         positions = torch.zeros(rows, dtype=torch.long, device=self.device)
-        batch = DecoderBatch([], empty, positions, None, hidden, mask, self.capacity)
+        batch = DecoderBatch([], empty, positions, None, hidden, mask, self.capacity, self.token_budget)
         batch.cross_kv = self._cross_kv(batch)
         return batch
 
@@ -273,14 +288,14 @@ class ModelRunner:
         if self.cross_attention:
             query = hidden[:, :1]
             for module in self.cross_attention:
-                module(hidden_states=query, key_value_states=hidden, past_key_values=cache)
+                module(hidden_states=query, key_value_states=hidden, **{self.cross_cache_keyword: cache})
         else:
             start = torch.full((batch.rows, 1), self.decoder_start_id, dtype=torch.long, device=self.device)
             if self.positions is not None:
                 self.positions.position_ids = batch.positions[:, None]
             self.model.get_decoder()(
                 input_ids=start, encoder_hidden_states=hidden, encoder_attention_mask=batch.encoder_mask,
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **{self.decoder_cache_keyword: cache},
             )
         return [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
 
@@ -291,7 +306,7 @@ class ModelRunner:
         cache = DynamicCache()
         cache.layers = [_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]
         for layer in cache.layers:
-            layer.capacity = batch.capacity
+            layer.capacity, layer.token_budget = batch.capacity, batch.token_budget
         if not self.encoder_decoder:
             return self._decode(batch, tokens, cache)
         cross = DynamicCache()
@@ -310,19 +325,24 @@ class ModelRunner:
             out = self.model(
                 encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
                 attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None], decoder_attention_mask=mask,
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **{self.cache_keyword: cache},
             )
             self_cache = cache.self_attention_cache
         else:
             out = self.model(
-                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True,
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self.cache_keyword: cache},
             )
             self_cache = cache
         batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
         batch.mask = mask
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :]
+
+
+def _cache_keyword(function: Any) -> str:
+    """The name `function` takes its key/value cache by: `cache` where it has one, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
 
 
 def _mutable_forward(config: Any) -> bool:
@@ -371,10 +391,12 @@ def _growing_layer_class() -> type:
 
         #: Rows a buffer this layer has to reallocate gets.
         capacity = 0
+        #: Tokens such a buffer may hold at its length (0: no bound).
+        token_budget = 0
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.keys = append(self.keys, key_states, self.capacity)
-            self.values = append(self.values, value_states, self.capacity)
+            self.keys = append(self.keys, key_states, self.capacity, self.token_budget)
+            self.values = append(self.values, value_states, self.capacity, self.token_budget)
             return self.keys, self.values
 
     return GrowingLayer

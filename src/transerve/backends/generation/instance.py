@@ -89,7 +89,7 @@ class _RequestRun:
 
     __slots__ = ("_instance", "_request", "_finish", "_prompts", "_handles", "_results", "_generated",
                  "_generated_log_probs", "_generated_top", "_sent", "_stream", "_streaming", "_flush_due", "_over",
-                 "_cancelled", "_log_probs", "_top")
+                 "_cancelled", "_log_probs", "_top", "_input_lengths")
 
     def __init__(self, instance: GenerationInstance, request: InferRequest, finish: Callable[[Outcome], None]):
         self._instance = instance
@@ -165,6 +165,7 @@ class _RequestRun:
         self._streaming = any(sequence.stream for sequence in sequences)
         # Decoder-only models' output ids start with the prompt, as FasterTransformer's GPT returns them.
         self._prompts = [[] if instance.engine.is_encoder_decoder else row.input_ids for row in rows]
+        self._input_lengths = [len(row.input_ids) for row in rows]
         return sequences
 
     # ---- engine reports, on the loop ------------------------------------------------------------------------
@@ -188,8 +189,9 @@ class _RequestRun:
         if self._over or self._cancelled:
             return
         results = [
-            RowResult([prompt + generated], [len(prompt) + sent])
-            for prompt, generated, sent in zip(self._prompts, self._generated, self._sent, strict=True)
+            RowResult([prompt + generated], [len(prompt) + sent], input_length=length)
+            for prompt, generated, sent, length in zip(self._prompts, self._generated, self._sent,
+                                                       self._input_lengths, strict=True)
         ]
         if self._log_probs:  # every generated token's so far, as the ids are
             for result, log_probs, top in zip(results, self._generated_log_probs, self._generated_top, strict=True):
@@ -218,7 +220,8 @@ class _RequestRun:
             self._end(None)
             return
         results = []
-        for prompt, result, sent in zip(self._prompts, self._results, self._sent, strict=True):
+        for prompt, result, sent, length in zip(self._prompts, self._results, self._sent, self._input_lengths,
+                                                strict=True):
             hypotheses = result.hypotheses
             results.append(RowResult(
                 sequences=[prompt + hypothesis.token_ids for hypothesis in hypotheses],
@@ -226,6 +229,7 @@ class _RequestRun:
                 scores=[hypothesis.score for hypothesis in hypotheses],
                 log_probs=[hypothesis.log_probs or [] for hypothesis in hypotheses],
                 top=[hypothesis.top_log_probs or [] for hypothesis in hypotheses],
+                input_length=length,
             ))
         if self._stream is None:
             self._end(self._response(results, self._log_probs, self._top))

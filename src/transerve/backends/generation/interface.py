@@ -6,6 +6,12 @@
   `output_top_log_probs` `[batch, beams, T, k]` (transerve's own, for `top_logprobs`), out.
 - Its first names, which the seed client uses: `INPUT_ID` and `REQUEST_INPUT_LEN` in; `OUTPUT0` (ids) and
   `OUTPUT1` (lengths) out.
+- Its GPT model's names: `input_ids` and `input_lengths` in (`request_output_len` for the new tokens); the later
+  names' outputs, and `response_input_lengths` (each row's input length) among them.
+
+FasterTransformer's scalar inputs may be declared `dims: [1]` with `reshape: { shape: [] }`, as its configs do. A
+caller may also pass inputs with no effect here (`Inert`): FasterTransformer's own (`beam_search_diversity_rate`,
+prompt-learning tensors, ...) are accepted in a config, and a request may send them at their neutral value only.
 
 Both take the optional decoding tensors of `options.BY_TENSOR` (`beam_width`, `runtime_top_k`, ...). Each row of
 the batch axis is one sequence to generate; a response stacks the rows back, zero-padded to the longest.
@@ -16,7 +22,7 @@ responses carried), so a detokenizer turns only the rest into text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +42,8 @@ _OPTION_RULES = {
     "bool": (frozenset({"BOOL"}), (1,)),
     "words": (frozenset({"INT32", "INT64"}), (2, -1)),
 }
+#: Option tensors FasterTransformer declares with other dims than `[1]` (its GPT config's `request_output_len`).
+_OPTION_DIMS = {"request_output_len": (-1,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,8 @@ class Names:
     prefix_length: str | None = None
     top_ids: str | None = None
     top_log_probs: str | None = None
+    #: Each row's input length, per beam (FasterTransformer GPT's `response_input_lengths`).
+    input_lengths: str | None = None
 
     def outputs(self) -> dict[str, tuple[frozenset[str], tuple[int, ...]]]:
         rules = {self.output_ids: (INTEGERS, (-1, -1)), self.output_lengths: (INTEGERS, (-1,))}
@@ -65,6 +75,8 @@ class Names:
             rules[self.top_ids] = (INTEGERS, (-1, -1, -1))
         if self.top_log_probs:
             rules[self.top_log_probs] = (frozenset({"FP32"}), (-1, -1, -1))
+        if self.input_lengths:
+            rules[self.input_lengths] = (INTEGERS, (-1,))
         return rules
 
 
@@ -72,6 +84,22 @@ FASTERTRANSFORMER = Names("FasterTransformer", "input_ids", "sequence_length", "
                           "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
                           "output_top_log_probs")
 FASTERTRANSFORMER_V1 = Names("FasterTransformer (first names)", "INPUT_ID", "REQUEST_INPUT_LEN", "OUTPUT0", "OUTPUT1")
+FASTERTRANSFORMER_GPT = Names("FasterTransformer GPT", "input_ids", "input_lengths", "output_ids", "sequence_length",
+                              "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
+                              "output_top_log_probs", "response_input_lengths")
+
+
+#: `Inert.neutral` for an input whose every value is neutral.
+ANY = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Inert:
+    """An input with no effect here: a request may send it only at `neutral` (`ANY`: any value; None: not at all),
+    so that a client relying on another value is refused rather than answered as if it had not sent it."""
+
+    what: str
+    neutral: object = None
 
 
 @dataclass(slots=True)
@@ -94,6 +122,8 @@ class RowResult:
     log_probs: list[list[float]] | None = None
     #: Per sequence: each generated token's likeliest tokens (`top_logprobs`).
     top: list[list[TopLogProbs]] | None = None
+    #: The row's input length.
+    input_length: int = 0
 
 
 def _datatype(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> str:
@@ -107,9 +137,14 @@ def _dims(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) ->
 class TensorInterface:
     """A config's inputs and outputs, checked once at load, and the conversions of requests and responses."""
 
-    def __init__(self, config: model_config_pb2.ModelConfig) -> None:
+    def __init__(self, config: model_config_pb2.ModelConfig, inert: Mapping[str, Inert] | None = None,
+                 inert_outputs: frozenset[str] = frozenset()) -> None:
         inputs = {tensor.name: tensor for tensor in config.input}
-        if FASTERTRANSFORMER.ids in inputs:
+        #: Declared inputs with no effect here, and the neutral value a request may send each at.
+        self.inert = {name: rule for name, rule in (inert or {}).items() if name in inputs}
+        if FASTERTRANSFORMER_GPT.ids in inputs and FASTERTRANSFORMER_GPT.lengths in inputs:
+            self.names = FASTERTRANSFORMER_GPT
+        elif FASTERTRANSFORMER.ids in inputs:
             self.names = FASTERTRANSFORMER
         elif FASTERTRANSFORMER_V1.ids in inputs:
             self.names = FASTERTRANSFORMER_V1
@@ -124,13 +159,18 @@ class TensorInterface:
         rules = {names.ids: (INTEGERS, (-1,)), names.lengths: (INTEGERS, (1,))}
         rules.update({name: _OPTION_RULES[option.kind] for name, option in BY_TENSOR.items()})
         for name, tensor in inputs.items():
+            if name in self.inert:
+                continue
             if name not in rules:
                 raise invalid_arg(f"input '{name}' is not one the generation backend knows; with {names.title} "
                                   f"names it takes: {', '.join(rules)}")
-            _check(f"input '{name}'", tensor, *rules[name])
+            datatypes, dims = rules[name]
+            _check(f"input '{name}'", tensor, datatypes, dims, _OPTION_DIMS.get(name))
         #: The decoding options' input tensors this config declares.
         self.option_inputs = frozenset(name for name in inputs if name in BY_TENSOR)
-        outputs = {tensor.name: tensor for tensor in config.output}
+        outputs = {tensor.name: tensor for tensor in config.output if tensor.name not in inert_outputs}
+        #: Declared outputs never produced here: a request naming one is refused.
+        self.inert_outputs = frozenset(tensor.name for tensor in config.output) - set(outputs)
         output_rules = names.outputs()
         if names.output_ids not in outputs:
             raise invalid_arg(f"a generation model with {names.title} names must declare output '{names.output_ids}'")
@@ -162,6 +202,9 @@ class TensorInterface:
                 raise invalid_arg(f"row {index}: '{self.names.lengths}' is {length}, but '{self.names.ids}' holds "
                                   f"{ids.shape[1]} ids per row")
             rows.append(Row(ids[index, :length].tolist(), index))
+        for name, rule in self.inert.items():
+            if name in tensors:
+                _check_inert(name, rule, tensors[name])
         options = {name: array for name, array in tensors.items() if name in self.option_inputs}
         return rows, options
 
@@ -170,6 +213,9 @@ class TensorInterface:
         (`log_probs`), and the top ones only when `top_logprobs` was asked (`top`)."""
         if request.outputs is not None:
             asked = {output.name for output in request.outputs}
+            if asked & self.inert_outputs:
+                raise invalid_arg(f"output '{sorted(asked & self.inert_outputs)[0]}' is declared by this model's "
+                                  "config, but transerve does not produce it")
             return [name for name in self.outputs if name in asked]
         return [name for name in self.outputs if (log_probs or name not in self.log_prob_outputs)
                 and (top or name not in self.top_outputs)]
@@ -205,6 +251,8 @@ class TensorInterface:
                 array = _per_beam(results, beams, dtype, lambda result: [len(s) for s in result.sequences])
             elif name == names.prefix_length:
                 array = _per_beam(results, beams, dtype, lambda result: result.prefix)
+            elif name == names.input_lengths:
+                array = _per_beam(results, beams, dtype, lambda result: [result.input_length] * len(result.sequences))
             elif name == names.cum_log_probs:
                 array = _per_beam(results, beams, dtype, lambda result: result.scores or [])
             elif name in (names.top_ids, names.top_log_probs):
@@ -241,9 +289,23 @@ def _top_array(results: list[RowResult], beams: int, dtype: np.dtype, ids: bool)
     return array
 
 
-def _check(where: str, tensor, datatypes: frozenset[str], dims: tuple[int, ...]) -> None:
+def _check_inert(name: str, rule: Inert, values: np.ndarray) -> None:
+    if rule.neutral is ANY:
+        return
+    if rule.neutral is None:
+        raise invalid_arg(f"input '{name}' ({rule.what}) is not supported by transerve; leave it out")
+    if values.size and not np.all(values == rule.neutral):
+        raise invalid_arg(f"input '{name}' ({rule.what}) is not supported by transerve; send {rule.neutral} or "
+                          "leave it out")
+
+
+def _check(where: str, tensor, datatypes: frozenset[str], dims: tuple[int, ...],
+           other_dims: tuple[int, ...] | None = None) -> None:
+    """The tensor's type and dims; `[1]` dims may be reshaped to `[]` (FasterTransformer's configs do)."""
     datatype = _datatype(tensor)
     if datatype not in datatypes:
         raise invalid_arg(f"{where} is {datatype}; the generation backend takes {' or '.join(sorted(datatypes))}")
-    if _dims(tensor) != dims:
-        raise invalid_arg(f"{where} has dims {list(_dims(tensor))}; the generation backend takes {list(dims)}")
+    declared = tuple(tensor.dims)
+    reshaped = _dims(tensor)
+    if declared not in (dims, other_dims) or (reshaped != declared and not (declared == (1,) and reshaped == ())):
+        raise invalid_arg(f"{where} has dims {list(reshaped)}; the generation backend takes {list(dims)}")

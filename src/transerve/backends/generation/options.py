@@ -38,7 +38,7 @@ class Option:
 
 OPTIONS = (
     Option("max_new_tokens", "int", ("max_new_tokens", "max_tokens", "max_output_len", "request_output_len"),
-           ("max_output_len", "REQUEST_OUTPUT_LEN")),
+           ("max_output_len", "REQUEST_OUTPUT_LEN", "request_output_len")),
     Option("min_new_tokens", "int", ("min_new_tokens", "min_length"), ("min_length",)),
     Option("beam_width", "int", ("beam_width", "num_beams"), ("beam_width",)),
     Option("num_return_sequences", "int", ("num_return_sequences",)),
@@ -51,7 +51,7 @@ OPTIONS = (
     Option("end_id", "int", ("end_id",), ("end_id",)),
     Option("stop_words", "words", ("stop", "stop_words", "stop_words_list"), ("stop_words_list",)),
     Option("bad_words", "words", ("bad_words", "bad_words_list"), ("bad_words_list",)),
-    Option("return_log_probs", "bool", ("return_log_probs",), ("return_log_probs",)),
+    Option("return_log_probs", "bool", ("return_log_probs",), ("return_log_probs", "is_return_log_probs")),
     Option("top_logprobs", "int", ("top_logprobs",)),
     Option("stream", "bool", ("stream",), ("stream",)),
 )

@@ -47,13 +47,16 @@ class GenerationSettings:
     join_group: int = 4
 
 
-def read_settings(config: model_config_pb2.ModelConfig, version_path: Path) -> GenerationSettings:
+def read_settings(config: model_config_pb2.ModelConfig, version_path: Path,
+                  model_dir: Path | None = None) -> GenerationSettings:
     """The settings, or INVALID_ARG for a bad value or a model folder outside the model's (`version_path` is
-    `<model>/<version>`) and UNAVAILABLE for a missing one."""
+    `<model>/<version>`) and UNAVAILABLE for a missing one. A caller that made the model folder itself (the
+    FasterTransformer backend's converted checkpoint) passes it as `model_dir`."""
     parameters = {key: value.string_value for key, value in config.parameters.items()}
-    setting = "parameter model_dir" if parameters.get("model_dir") else "default_model_filename"
-    name = parameters.get("model_dir") or config.default_model_filename or DEFAULT_MODEL_DIR
-    model_dir = inside(version_path.parent, version_path, name, setting)
+    if model_dir is None:
+        setting = "parameter model_dir" if parameters.get("model_dir") else "default_model_filename"
+        name = parameters.get("model_dir") or config.default_model_filename or DEFAULT_MODEL_DIR
+        model_dir = inside(version_path.parent, version_path, name, setting)
     if not model_dir.is_dir():
         raise unavailable(f"model directory '{model_dir}' not found (config parameter 'model_dir', relative to the "
                           "version folder)")

@@ -106,7 +106,7 @@ class TorchEngine:
         self.max_input_length = facts.max_input_length
         self.max_positions = facts.max_positions
         self.device = model.device
-        if max_batch_rows is None:  # the config does not say: 16 on the CPU, sized from free memory on a GPU
+        if max_batch_rows is None:  # the config does not say: 32 on the CPU, sized from free memory on a GPU
             max_batch_rows = default_batch_rows(model, self.device, facts.is_encoder_decoder, facts.max_input_length,
                                                 facts.max_positions, kv_cache_tokens)
         #: Rows decoded together (each beam is a row).
@@ -114,7 +114,7 @@ class TorchEngine:
 
         from transerve.backends.generation.decoder_batch import ModelRunner
 
-        forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows)
+        forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows, kv_cache_tokens)
         scheduling = scheduling or Scheduling()
         if scheduling.joins_running_batch and not forward.per_row_positions:
             logger.warning(
