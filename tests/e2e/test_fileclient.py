@@ -234,12 +234,21 @@ def test_a_misspelt_option_stops_the_run_before_writing_empty_lines(server, tmp_
     assert read(output) == ""
 
 
-def test_a_server_that_is_not_there_stops_the_client(tmp_path):
+def test_an_output_that_cannot_be_written_stops_the_client(server, tmp_path):
     path = tmp_path / "input.txt"
     path.write_text("hello\n")
-    done = transerve("client", "-m", "m", "-u", "127.0.0.1:1", "--input-file", str(path), "--output-file",
-                     str(tmp_path / "out.txt"))
-    assert done.returncode == 2 and "cannot reach the server at 127.0.0.1:1" in done.stderr
+    done = client(server, path, tmp_path / "missing" / "out.txt")
+    assert done.returncode == 2 and "No such file or directory" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("protocol", "message"), [("http", "cannot reach the server at 127.0.0.1:1"),
+                                                   ("grpc", "model 'm': UNAVAILABLE")])
+def test_a_server_that_is_not_there_stops_the_client(tmp_path, protocol, message):
+    path = tmp_path / "input.txt"
+    path.write_text("hello\n")
+    done = transerve("client", "-m", "m", "-u", "127.0.0.1:1", "-i", protocol, "--input-file", str(path),
+                     "--output-file", str(tmp_path / "out.txt"))
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "translate-a-file.md"

@@ -46,7 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("-u", "--url", help="the server, HOST:PORT (default localhost:8000 for http, localhost:8001 for grpc)")
     add("-i", "--protocol", choices=sorted(DEFAULT_URLS), default="http", help="http (default) or grpc")
     add("--input-file", "--input_file", dest="input_file", type=Path, required=True, metavar="PATH",
-        help="the text to send, one request line per line (UTF-8)")
+        help="the text to send, one request per line (UTF-8)")
     add("--output-file", "--output_file", dest="output_file", type=Path, required=True, metavar="PATH",
         help="answers, one per input line; lines it already holds are skipped")
     add("--errors-file", type=Path, metavar="PATH", help="append 'LINE<TAB>error' for each line that failed")
@@ -69,7 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args, sys.stderr)
-    except RunStopped as exc:
+    except (RunStopped, OSError) as exc:  # OSError: a file that cannot be read or written
         print(f"transerve client: {exc}", file=sys.stderr)
         return STOPPED
     except KeyboardInterrupt:
