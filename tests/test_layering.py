@@ -23,8 +23,9 @@ ALLOWED: dict[str, set[str]] = {
     "frontends": {"version", "core", "config", "repository", "server"},
     "export": {"core", "config"},
     "convert": {"core", "config", "export"},
-    "client": set(),
-    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "client", "scheduling"},
+    "perf": set(),  # a client of the server, over the network only
+    "client": set(),  # likewise
+    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "scheduling", "perf", "client"},
     "__main__": {"cli"},
 }
 

@@ -1,4 +1,5 @@
-"""`transerve serve`: tritonserver's flags, in both `--flag=value` and `--flag value` forms."""
+"""`transerve serve`: tritonserver's flags, in both `--flag=value` and `--flag value` forms; and the model tools
+(`export`, `convert`) and the load tool (`perf`) and the file client (`client`) as subcommands."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from transerve.frontends.frontend import Frontend
 from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
 from transerve.frontends.http.protocol import HttpLimits
 from transerve.frontends.tls import TlsError, TlsOptions
+from transerve.perf import command as perf_command
 from transerve.scheduling.response_cache import parse_cache_config
 from transerve.server import ControlMode, Server, ServerOptions
 from transerve.server.metrics_config import parse_metrics_config
@@ -165,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trace-log-frequency", help="deprecated: --trace-config triton,log-frequency=N")
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
+    perf_command.add_parser(commands)
     client_command.add_parser(commands)
     return parser
 
@@ -440,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         return export_command.run(args)
     if args.command == "convert":
         return convert_command.run(args)
+    if args.command == "perf":
+        return perf_command.run(args)
     if args.command == "client":
         return client_command.run(args)
     # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.

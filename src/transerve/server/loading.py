@@ -46,6 +46,7 @@ def backend_registry() -> dict[str, type[Backend]]:
     from transerve.backends.ensemble.backend import EnsembleBackend
     from transerve.backends.generation.backend import GenerationBackend
     from transerve.backends.generation.fastertransformer import FasterTransformerBackend
+    from transerve.backends.lightseq.backend import LightSeqBackend
     from transerve.backends.onnxruntime.backend import OnnxRuntimeBackend
     from transerve.backends.python.backend import PythonBackend
     from transerve.backends.pytorch.backend import PyTorchBackend
@@ -58,6 +59,7 @@ def backend_registry() -> dict[str, type[Backend]]:
         "pytorch": PyTorchBackend,
         "tensorrt": TensorRTBackend,
         "generation": GenerationBackend,
+        "lightseq": LightSeqBackend,
         "fastertransformer": FasterTransformerBackend,
     }
 
