@@ -1,5 +1,5 @@
 """`transerve serve`: tritonserver's flags, in both `--flag=value` and `--flag value` forms; and the model tools
-(`export`, `convert`) and the load tool (`perf`) and the file client (`client`) as subcommands."""
+(`export`, `convert`), the load tool (`perf`) and the file client (`client`) as subcommands."""
 
 from __future__ import annotations
 
