@@ -1,5 +1,5 @@
 """`transerve serve`: tritonserver's flags, in both `--flag=value` and `--flag value` forms; and the model tools
-(`export`, `convert`) and the load tool (`perf`) as subcommands."""
+(`export`, `convert`), the load tool (`perf`) and the file client (`client`) as subcommands."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from transerve import __version__
+from transerve.client import command as client_command
 from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
 from transerve.core.errors import ServerError
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_command.add_parser(commands)
     convert_command.add_parser(commands)
     perf_command.add_parser(commands)
+    client_command.add_parser(commands)
     return parser
 
 
@@ -443,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         return convert_command.run(args)
     if args.command == "perf":
         return perf_command.run(args)
+    if args.command == "client":
+        return client_command.run(args)
     # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))

@@ -48,12 +48,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                        "type); 'fastertransformer' gives the FasterTransformer tensor names the seed client calls")
     add("--max-batch-size", type=int, default=8, metavar="N", help="rows one request may carry (default 8)")
     add("--decoupled", action="store_true", help="a decoupled generator, which streams tokens as they are produced")
+    add("--max-input-tokens", type=int, metavar="N",
+        help="the tokenizer truncates longer inputs to N tokens, special tokens included, as the Hugging Face "
+             "tokenizer's truncation does (default: none; a longer input than the model takes fails alone)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         convert(args.model_dir, args.output, args.engine, args.quantization, args.name, args.max_batch_size,
-                args.decoupled)
+                args.decoupled, args.max_input_tokens)
     except ExportError as exc:
         print(f"transerve convert: {exc}", file=sys.stderr)
         return 2
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 def convert(
     model_dir: Path, output: Path, engine: str = "ctranslate2", quantization: str = "float32",
-    name: str | None = None, max_batch_size: int = 8, decoupled: bool = False,
+    name: str | None = None, max_batch_size: int = 8, decoupled: bool = False, max_input_tokens: int | None = None,
 ) -> list[str]:
     """Write the repository; return the names of the models written, the text ensemble last."""
     folder = read_folder(model_dir)
@@ -75,6 +78,7 @@ def convert(
                           "--engine ctranslate2")
     if max_batch_size < 1:
         raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
+    _check_max_input_tokens(max_input_tokens, folder.config)
     name = name or str(folder.config["model_type"]).replace("-", "_")
     names = model_names(name)
     taken = [model for model in names if (output / model).exists()]
@@ -87,7 +91,7 @@ def convert(
     # CTranslate2 picks the saved weights' type where the device supports it, float32 where it does not (CPUs
     # have no float16): one repository serves on CPU and GPU instances alike.
     options = Options(name, engine, "default" if engine == "ctranslate2" else quantization, max_batch_size,
-                      decoupled, decoder_only=not is_encoder_decoder(folder.config))
+                      decoupled, decoder_only=not is_encoder_decoder(folder.config), max_input_tokens=max_input_tokens)
     output.mkdir(parents=True, exist_ok=True)
     try:
         target = write(output, folder.tokenizer_file, options)
@@ -114,6 +118,20 @@ def _import_libraries(engine: str) -> None:
             import_optional(module, "generation")
         except MissingExtra as exc:
             raise ExportError(str(exc)) from None
+
+
+def _check_max_input_tokens(max_input_tokens: int | None, config: dict) -> None:
+    """At least 1, and no more than the model's position table (where it has one): the generator refuses longer
+    inputs whatever the tokenizer lets through."""
+    if max_input_tokens is None:
+        return
+    if max_input_tokens < 1:
+        raise ExportError(f"--max-input-tokens must be at least 1, got {max_input_tokens}")
+    positions = next((config[key] for key in ("max_position_embeddings", "n_positions")
+                      if isinstance(config.get(key), int) and config[key] > 0), None)
+    if positions is not None and max_input_tokens > positions:
+        raise ExportError(f"--max-input-tokens {max_input_tokens} is more than the {positions} positions this model "
+                          "has")
 
 
 def _convert_ctranslate2(model_dir: Path, target: Path, quantization: str, progress: Progress) -> None:

@@ -7,7 +7,8 @@ For a name N:
   log-probabilities `output_top_ids` and `output_top_log_probs`), or, named
   `fastertransformer`, the first FasterTransformer names the seed client calls (`INPUT_ID`, `REQUEST_INPUT_LEN`,
   `REQUEST_OUTPUT_LEN` -> `OUTPUT0`, `OUTPUT1`). Its version folder holds the model in `model/`;
-- `N_tokenizer` and `N_detokenizer` (python): text to token ids and back, from the model's tokenizer.json;
+- `N_tokenizer` and `N_detokenizer` (python): text to token ids and back, from the model's tokenizer.json; with
+  `--max-input-tokens`, the tokenizer's `max_input_tokens` parameter has it truncate longer inputs;
 - `N_text` (ensemble): `text_input` in, `text_output` out (what /generate serves). Decoding options travel as
   request parameters, which the ensemble hands to the generator: /generate turns a body's other keys
   (`"max_tokens": 32`, `"beam_width": 4`, ...) into parameters, tritonclient sends `parameters={...}`. They are not
@@ -58,6 +59,8 @@ class Options:
     decoupled: bool
     #: Decoder-only models' output ids start with the prompt.
     decoder_only: bool
+    #: The tokenizer truncates longer inputs to this many tokens (None: it never truncates).
+    max_input_tokens: int | None = None
 
     @property
     def first_names(self) -> bool:
@@ -130,6 +133,8 @@ def _python(name: str, options: Options) -> ModelConfig:
 
 def _tokenizer(options: Options) -> ModelConfig:
     config = _python(f"{options.name}_tokenizer", options)
+    if options.max_input_tokens is not None:
+        _parameters(config, max_input_tokens=options.max_input_tokens)
     _tensor(config.input, "text_input", "TYPE_STRING", [1])
     _tensor(config.output, "input_ids", "TYPE_UINT32", [-1])
     _tensor(config.output, "sequence_length", "TYPE_UINT32", [1])

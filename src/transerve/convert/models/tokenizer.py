@@ -3,9 +3,15 @@
 
 Special tokens are added as the model's own tokenizer adds them (its template: T5's and Marian's `</s>`, BART's
 `<s> ... </s>`, none for GPT-2). A request's rows are padded with 0 to its longest row; `sequence_length` says
-how many ids each row really has. Nothing is truncated: the generator refuses inputs longer than its model takes.
+how many ids each row really has.
+
+With the config parameter `max_input_tokens` (`transerve convert --max-input-tokens N`), a longer input keeps its
+first tokens and the special tokens the template adds (Marian's and T5's closing `</s>`), N in all, as the Hugging
+Face tokenizer's `truncation=True, max_length=N` does. Without it nothing is truncated: the generator refuses an
+input longer than its model takes, that request alone.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +28,11 @@ class TritonPythonModel:
         path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(path))
         self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+        limit = json.loads(args["model_config"]).get("parameters", {}).get("max_input_tokens")
+        if limit is None:
+            self.tokenizer.no_truncation()
+        else:
+            self.tokenizer.enable_truncation(max_length=int(limit["string_value"]))
 
     def execute(self, requests):
         groups = [self._texts(request) for request in requests]
