@@ -93,8 +93,9 @@ def test_every_task_and_format_writes_its_models(exported_repository: Path, name
     model = config_of(exported_repository, f"{name}_model")
     assert model.platform == ("onnxruntime_onnx" if fmt == "onnx" else "pytorch_libtorch")
     assert (exported_repository / f"{name}_model" / "1" / ("model.onnx" if fmt == "onnx" else "model.pt")).is_file()
-    outputs = {"embedding": ["embedding"], "seqcls": ["label", "score", "probabilities"],
-               "qa": ["answer", "score", "start", "end"], "encode": ["last_hidden_state", "attention_mask"]}
+    outputs = {"embedding": ["embedding"], "seqcls": ["label", "score", "probabilities", "logits"],
+               "qa": ["answer", "score", "start", "end", "start_logits", "end_logits"],
+               "encode": ["last_hidden_state", "attention_mask"]}
     assert [output.name for output in ensemble.output] == outputs[task]
     assert model.HasField("dynamic_batching") == bool(options)
     bucketed = model.parameters["batching_strategy"].string_value == "bucketed"

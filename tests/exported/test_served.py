@@ -156,7 +156,8 @@ def test_the_seed_tutorials_curl_json_and_metadata(exported_server):
     assert metadata["platform"] == "ensemble"
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["inputs"]] == [
         ("question", "BYTES", [-1, 1]), ("context", "BYTES", [-1, 1])]
-    assert [t["name"] for t in metadata["outputs"]] == ["answer", "score", "start", "end"]
+    assert [t["name"] for t in metadata["outputs"]] == ["answer", "score", "start", "end", "start_logits",
+                                                        "end_logits"]
 
 
 def test_bad_input_is_refused_and_the_server_keeps_serving(exported_server):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -28,15 +27,16 @@ from transerve.config.model_config import ConfigError
 from transerve.core.batching import merge_inputs, split_outputs
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
+from transerve.core.extras import MissingExtra, import_optional
 from transerve.core.types import InferRequest, InferResponse, Tensor
 
 
 def import_engine(module: str, extra: str) -> ModuleType:
     """The engine's module, imported on first use; UNAVAILABLE naming the extra to install when it is missing."""
     try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise unavailable(f"{module} is not installed ({exc}): pip install 'transerve[{extra}]'") from None
+        return import_optional(module, extra)
+    except MissingExtra as exc:
+        raise unavailable(str(exc)) from None
 
 
 class Engine(Protocol):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transerve.convert.architectures import check_architecture, is_encoder_decoder
 from transerve.convert.repository import Options, model_names, write
+from transerve.core.extras import MissingExtra, import_optional
 from transerve.export.hf import ExportError, read_folder
 from transerve.export.progress import Progress
 
@@ -85,6 +86,7 @@ def convert(
         raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
     progress = Progress(4 if engine == "ctranslate2" else 2)
     with progress.step("loading transformers" + (" and CTranslate2's converter" if engine == "ctranslate2" else "")):
+        _import_libraries(engine)
         check_architecture(folder.config, engine)
     # CTranslate2 picks the saved weights' type where the device supports it, float32 where it does not (CPUs
     # have no float16): one repository serves on CPU and GPU instances alike.
@@ -107,6 +109,15 @@ def convert(
         raise
     progress.note(f"wrote {', '.join(names)} to {output}; serve with: transerve serve --model-repository {output}")
     return names
+
+
+def _import_libraries(engine: str) -> None:
+    """What the engine's conversion needs, or one line naming the extra that brings it."""
+    for module in ("ctranslate2" if engine == "ctranslate2" else "torch", "transformers", "tokenizers"):
+        try:
+            import_optional(module, "generation")
+        except MissingExtra as exc:
+            raise ExportError(str(exc)) from None
 
 
 def _check_max_input_tokens(max_input_tokens: int | None, config: dict) -> None:

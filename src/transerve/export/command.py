@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transerve.export import convert
 from transerve.export.hf import ExportError, read_folder
+from transerve.export.names import parse
 from transerve.export.progress import Progress
 from transerve.export.repository import Options, model_names, write
 
@@ -34,12 +35,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--dynamic-batching", action="store_true", help="let every model batch concurrent requests")
     add("--bucketed", action="store_true",
         help="dynamic batching of the model by token count (transerve's length buckets): less padding")
+    add("--input-name", action="append", default=[], metavar="OLD=NEW",
+        help="call the ensemble's input OLD (input_text; qa: question, context) NEW instead, e.g. input_text=TEXT; "
+             "repeatable")
+    add("--output-name", action="append", default=[], metavar="OLD=NEW",
+        help="call the ensemble's output OLD NEW instead, e.g. logits=LOGITS, last_hidden_state=HIDDEN_STATE, "
+             "start_logits=START_LOGITS; repeatable")
+    add("--allow-random-head", action="store_true",
+        help="export a checkpoint that has no weights for the task's head (a base model as seqcls or qa): "
+             "transformers initializes the head at random")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         export(args.model_dir, args.task, args.fmt, args.output, args.name or args.task, args.max_batch_size,
-               args.dynamic_batching, args.bucketed)
+               args.dynamic_batching, args.bucketed, input_names=args.input_name, output_names=args.output_name,
+               allow_random_head=args.allow_random_head)
     except ExportError as exc:
         print(f"transerve export: {exc}", file=sys.stderr)
         return 2
@@ -48,13 +59,16 @@ def run(args: argparse.Namespace) -> int:
 
 def export(
     model_dir: Path, task_name: str, fmt: str, output: Path, name: str, max_batch_size: int = 8,
-    dynamic_batching: bool = False, bucketed: bool = False,
+    dynamic_batching: bool = False, bucketed: bool = False, input_names: list[str] | None = None,
+    output_names: list[str] | None = None, allow_random_head: bool = False,
 ) -> list[str]:
-    """Write the repository; return the names of the models written, the ensemble last."""
+    """Write the repository; return the names of the models written, the ensemble last. `input_names` and
+    `output_names` are `--input-name`/`--output-name` values, OLD=NEW."""
     folder = read_folder(model_dir)
     if max_batch_size < 1:
         raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
     task = convert.TASKS[task_name]
+    renamed = parse(task_name, input_names or [], output_names or [])
     names = model_names(name, task)
     taken = [model for model in names if (output / model).exists()]
     if taken:
@@ -63,8 +77,8 @@ def export(
     with progress.step("loading torch and transformers"):
         convert.import_libraries(fmt)
     with progress.step(f"loading the model from {model_dir}"):
-        module, inputs = convert.load_model(folder, task)
-    options = Options(name, fmt, max_batch_size, dynamic_batching, bucketed)
+        module, inputs = convert.load_model(folder, task, allow_random_head)
+    options = Options(name, fmt, max_batch_size, dynamic_batching, bucketed, renamed)
     output.mkdir(parents=True, exist_ok=True)
     try:
         target = write(output, folder, task, inputs, options)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from transerve.core.extras import MissingExtra, import_optional
 from transerve.export.hf import ExportError, ModelFolder
 
 #: Text that exercises padding (lengths differ) when tracing, and other lengths when checking.
@@ -33,30 +34,32 @@ class Task:
     auto_class: str
     #: What the exported model returns, in order.
     outputs: tuple[str, ...]
+    #: What a checkpoint must be fine-tuned for to have the task's head.
+    description: str
 
 
 TASKS = {
-    "encode": Task("encode", "AutoModel", ("last_hidden_state",)),
-    "embedding": Task("embedding", "AutoModel", ("last_hidden_state",)),
-    "seqcls": Task("seqcls", "AutoModelForSequenceClassification", ("logits",)),
-    "qa": Task("qa", "AutoModelForQuestionAnswering", ("start_logits", "end_logits")),
+    "encode": Task("encode", "AutoModel", ("last_hidden_state",), "feature extraction"),
+    "embedding": Task("embedding", "AutoModel", ("last_hidden_state",), "sentence embeddings"),
+    "seqcls": Task("seqcls", "AutoModelForSequenceClassification", ("logits",), "sequence classification"),
+    "qa": Task("qa", "AutoModelForQuestionAnswering", ("start_logits", "end_logits"), "question answering"),
 }
 
 
 def import_libraries(fmt: str) -> None:
     """Import what the export needs (seconds, for torch), or say in one line what to install."""
-    import importlib
-
     for module in ("torch", "transformers", "tokenizers") + (("onnxruntime",) if fmt == "onnx" else ()):
         try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ExportError(f"{module} is not installed ({exc}): pip install 'transerve[export]'") from None
+            import_optional(module, "export")
+        except MissingExtra as exc:
+            raise ExportError(str(exc)) from None
 
 
-def load_model(folder: ModelFolder, task: Task) -> tuple[Any, list[str]]:
+def load_model(folder: ModelFolder, task: Task, allow_random_head: bool = False) -> tuple[Any, list[str]]:
     """The transformers model in eval mode, wrapped to take the tokenizer's tensors by name and return the
-    task's outputs as a tuple, and the names of the inputs it takes."""
+    task's outputs as a tuple, and the names of the inputs it takes. A checkpoint without weights for the
+    task's head (a base BERT exported as seqcls) is refused unless `allow_random_head`: transformers would fill
+    the head with random numbers, and the export would serve noise."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import inspect
 
@@ -67,10 +70,16 @@ def load_model(folder: ModelFolder, task: Task) -> tuple[Any, list[str]]:
     transformers.logging.disable_progress_bar()
     auto = getattr(transformers, task.auto_class)
     try:
-        model = auto.from_pretrained(str(folder.path), local_files_only=True).eval().float()
+        model, report = auto.from_pretrained(str(folder.path), local_files_only=True, output_loading_info=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ExportError(f"transformers cannot load '{folder.path}' as {task.auto_class}: "
                           f"{' '.join(str(exc).split())[:300]}") from None
+    random = random_weights(task, report)
+    if random and not allow_random_head:
+        shown = ", ".join(random[:4]) + (f" and {len(random) - 4} more" if len(random) > 4 else "")
+        raise ExportError(f"'{folder.path}' has no weights for the {task.name} head ({shown} would be random): "
+                          f"export a checkpoint fine-tuned for {task.description}, or pass --allow-random-head")
+    model = model.eval().float()
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
 
     class Outputs(torch.nn.Module):
@@ -92,6 +101,16 @@ def load_model(folder: ModelFolder, task: Task) -> tuple[Any, list[str]]:
 
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if takes_types else [])
     return (WithTypes() if takes_types else WithoutTypes()).eval(), names
+
+
+def random_weights(task: Task, report: dict[str, Any]) -> list[str]:
+    """The weights transformers' load report says it initialized at random (missing from the checkpoint, or of
+    another shape) that the task's outputs depend on; the pooler is not used for token states."""
+    keys = sorted({*report.get("missing_keys", ()), *(str(key[0] if isinstance(key, tuple) else key)
+                                                      for key in report.get("mismatched_keys", ()))})
+    if task.auto_class == "AutoModel":
+        keys = [key for key in keys if "pooler" not in key.split(".")]
+    return keys
 
 
 def tokenize(folder: ModelFolder, task: Task, texts: list[str], names: list[str]) -> dict[str, np.ndarray]:

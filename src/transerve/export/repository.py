@@ -5,7 +5,8 @@ For a name N (the task's name unless `--name` says otherwise):
 - `N_tokenizer` (python): `TEXT` (QA: `QUESTION`, `CONTEXT`) in, the model's token tensors out;
 - `N_model` (onnxruntime or pytorch): token tensors in, the task's raw outputs out;
 - `N_postprocess` (python, not for `encode`): pooling, softmax and labels, or answer spans;
-- `N` (ensemble): what clients call, text in and the task's outputs out.
+- `N` (ensemble): what clients call, text in and the task's outputs out: the post-processing's and the model's
+  raw ones (`logits`; `start_logits`, `end_logits`), under the names `--input-name`/`--output-name` give them.
 
 For `seqcls`, `probabilities` names a `labels.txt` (`label_filename`, in the post-processing's and the ensemble's
 folders), so that a client asking for `class_count` k gets the k likeliest classes by name (Triton's
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.export.convert import Task
 from transerve.export.hf import ModelFolder
+from transerve.export.names import OUTPUTS
 
 ModelConfig = model_config_pb2.ModelConfig
 
@@ -46,6 +48,8 @@ class Options:
     max_batch_size: int
     dynamic_batching: bool
     bucketed: bool
+    #: The ensemble's tensors renamed: default name -> the name clients call (`names.parse`).
+    renamed: dict[str, str] = field(default_factory=dict)
 
 
 def model_names(name: str, task: Task) -> list[str]:
@@ -78,6 +82,8 @@ def _tokenizer(name: str, folder: ModelFolder, task: Task, inputs: list[str], op
     texts = ["QUESTION", "CONTEXT"] if task.name == "qa" else ["TEXT"]
     for text in texts:
         _tensor(config.input, text, "TYPE_STRING", [1])
+    if task.name == "qa":
+        config.input[0].optional = True  # without a question, the context is tokenized alone
     for tensor in inputs:
         _tensor(config.output, tensor, "TYPE_INT64", [-1])
     if task.name == "qa":
@@ -143,31 +149,40 @@ def _ensemble(
     name: str, tokenizer: ModelConfig, model: ModelConfig, postprocess: ModelConfig | None, task: Task,
     options: Options, max_length: int,
 ) -> ModelConfig:
-    """Tensors are named as the models name them, so every map is the identity, but for the text inputs."""
+    """Tensors are named as the models name them, but for the text inputs, and then as `options.renamed` says."""
     config = ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
     texts = {"QUESTION": "question", "CONTEXT": "context"} if task.name == "qa" else {"TEXT": "input_text"}
-    for text in texts.values():
-        _tensor(config.input, text, "TYPE_STRING", [1])
-    if task.name == "embedding":  # what the OpenAI layer serves as /v1/embeddings
-        _parameters(config, openai_api="embeddings", openai_text_input=texts["TEXT"],
-                    openai_embedding_output="embedding", openai_context_length=max_length)
-    if postprocess is not None:
-        config.output.extend(postprocess.output)
-    else:  # encode: the token states, and the mask that says which are padding
-        config.output.extend([*model.output, *(t for t in tokenizer.output if t.name == "attention_mask")])
     steps = config.ensemble_scheduling.step
     _step(steps.add(), tokenizer, texts)
     _step(steps.add(), model, {})
     if postprocess is not None:
         _step(steps.add(), postprocess, {})
+    new = options.renamed
+    for text in texts.values():
+        _tensor(config.input, new.get(text, text), "TYPE_STRING", [1])
+    if task.name == "qa":
+        config.input[0].optional = True  # a client may send the context alone (the tokenizer says how)
+    if task.name == "embedding":  # what the OpenAI layer serves as /v1/embeddings
+        _parameters(config, openai_api="embeddings", openai_text_input=new.get("input_text", "input_text"),
+                    openai_embedding_output=new.get("embedding", "embedding"), openai_context_length=max_length)
+    produced = {t.name: t for t in [*tokenizer.output, *model.output, *(postprocess.output if postprocess else [])]}
+    for output in OUTPUTS[task.name]:
+        tensor = config.output.add()
+        tensor.CopyFrom(produced[output])
+        tensor.name = new.get(output, output)
+    for step in steps:
+        for key, tensor in [*step.input_map.items()]:
+            step.input_map[key] = new.get(tensor, tensor)
+        for key, tensor in [*step.output_map.items()]:
+            step.output_map[key] = new.get(tensor, tensor)
     return config
 
 
-def _step(step: model_config_pb2.ModelEnsembling.Step, model: ModelConfig, renamed: dict[str, str]) -> None:
+def _step(step: model_config_pb2.ModelEnsembling.Step, model: ModelConfig, texts: dict[str, str]) -> None:
     step.model_name = model.name
     step.model_version = -1
     for tensor in model.input:
-        step.input_map[tensor.name] = renamed.get(tensor.name, tensor.name)
+        step.input_map[tensor.name] = texts.get(tensor.name, tensor.name)
     for tensor in model.output:
         step.output_map[tensor.name] = tensor.name
 

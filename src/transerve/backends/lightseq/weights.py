@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from transerve.backends.lightseq.schema import MODEL_TYPES, message_class
+from transerve.core.extras import MissingExtra, import_optional
 
 STACKS = ("encoder_stack", "decoder_stack")
 
@@ -85,9 +86,9 @@ def _take_floats(weights: LightSeqWeights, prefix: str, layer: Any) -> None:
 
 def _read_hdf5(path: Path, model_type: str) -> LightSeqWeights:
     try:
-        import h5py
-    except ImportError:
-        raise FormatError("reading LightSeq's HDF5 files needs h5py: pip install 'transerve[lightseq]'") from None
+        h5py = import_optional("h5py", "lightseq")
+    except MissingExtra as exc:
+        raise FormatError(f"reading LightSeq's HDF5 files: {exc}") from None
     weights = LightSeqWeights(model_type)
     try:
         with h5py.File(path, "r") as file:

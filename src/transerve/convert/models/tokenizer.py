@@ -16,7 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from tokenizers import Tokenizer
+
+try:
+    from tokenizers import Tokenizer
+except ImportError as exc:  # one line naming the extra, not a traceback, in the model's load error
+    raise ImportError(f"tokenizers is not installed ({exc}): pip install 'transerve[generation]'") from None
 
 
 class TritonPythonModel:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.extras import MissingExtra
 from transerve.frontends.http.openai.errors import ApiError, bad_request, model_not_found
 from transerve.frontends.http.openai.text import TextTokenizer, has_tokenizer
 from transerve.repository.paths import inside
@@ -70,6 +71,8 @@ class OpenAIModel:
                 if self._tokenizer is None:
                     try:
                         self._tokenizer = await asyncio.to_thread(TextTokenizer, self.tokenizer_folder)
+                    except MissingExtra as exc:  # the server's installation, not the model, lacks something
+                        raise ApiError(503, f"model '{self.id}': {exc}") from None
                     except Exception as exc:  # a broken tokenizer file: the model's fault, reported as such
                         raise ApiError(500, f"model '{self.id}': its tokenizer could not be read: {exc}") from None
         return self._tokenizer

@@ -17,7 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from transerve.frontends.http.openai.errors import bad_request
+from transerve.core.extras import MissingExtra, import_optional
+from transerve.frontends.http.openai.errors import ApiError, bad_request
 
 TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -36,9 +37,10 @@ class TextTokenizer:
     """Encode, decode and chat-format for one model; built once per loaded model version, off the event loop."""
 
     def __init__(self, folder: Path) -> None:
-        from tokenizers import Tokenizer, decoders
+        tokenizers = import_optional("tokenizers", "generation")
+        decoders = tokenizers.decoders
 
-        self._tokenizer = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / TOKENIZER_FILE))
         # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's: both fixed at 128), which would pad
         # prompts and miscount usage; transformers applies them only when a call asks. Limits are checked, not cut.
         self._tokenizer.no_padding()
@@ -99,6 +101,10 @@ class TextTokenizer:
         if self.chat_template is None:
             raise bad_request("this model has no chat template (its tokenizer_config.json or chat_template.jinja "
                               "names none): use /v1/completions", param="messages")
+        try:
+            import_optional("jinja2", "generation")
+        except MissingExtra as exc:
+            raise ApiError(503, str(exc)) from None
         from jinja2.exceptions import TemplateError
 
         try:

@@ -1,0 +1,64 @@
+"""The exported ensemble's tensor names: its defaults per task, and `--input-name`/`--output-name OLD=NEW`, which
+give a client the names it already calls (the seed tutorial's `TEXT`, `LOGITS`, `HIDDEN_STATE`, ...).
+
+A new name must be one Triton takes for an ensemble tensor and that any client can spell: letters, digits, `_`,
+`.` and `-` (no `:` or `,`, which perf_analyzer's `--shape NAME:dims` and tritonclient's lists split on), not
+starting with a digit, and no name of another of the ensemble's tensors (Triton refuses an ensemble where two
+tensors share a name).
+"""
+
+from __future__ import annotations
+
+import re
+
+from transerve.export.hf import ExportError
+
+#: The ensemble's inputs and outputs under their default names, per task.
+INPUTS = {"seqcls": ("input_text",), "qa": ("question", "context"), "encode": ("input_text",),
+          "embedding": ("input_text",)}
+OUTPUTS = {
+    "seqcls": ("label", "score", "probabilities", "logits"),
+    "qa": ("answer", "score", "start", "end", "start_logits", "end_logits"),
+    "encode": ("last_hidden_state", "attention_mask"),
+    "embedding": ("embedding",),
+}
+
+#: The tensors between the ensemble's steps (a model without token_type_ids has one fewer: checking against all is
+#: stricter, and possible before the model is loaded).
+BETWEEN_STEPS = ("input_ids", "attention_mask", "token_type_ids", "offsets", "last_hidden_state", "logits",
+                 "start_logits", "end_logits")
+
+_VALID = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,127}")
+
+
+def parse(task: str, inputs: list[str], outputs: list[str]) -> dict[str, str]:
+    """Default name -> the name the ensemble uses instead, from `--input-name` and `--output-name` values."""
+    renamed: dict[str, str] = {}
+    for flag, specs, choices in (("--input-name", inputs, INPUTS[task]), ("--output-name", outputs, OUTPUTS[task])):
+        for spec in specs:
+            old, equals, new = spec.partition("=")
+            if not equals:
+                raise ExportError(f"{flag} '{spec}': expected OLD=NEW, e.g. {choices[0]}={choices[0].upper()}")
+            if old not in choices:
+                raise ExportError(f"{flag} '{spec}': the {task} ensemble has no {flag[2:-5]} '{old}' "
+                                  f"(its {flag[2:-5]}s: {', '.join(choices)})")
+            if old in renamed:
+                raise ExportError(f"{flag} '{spec}': '{old}' is renamed twice")
+            if not _VALID.fullmatch(new):
+                raise ExportError(f"{flag} '{spec}': '{new}' is not a tensor name: use 1-128 letters, digits, "
+                                  "'_', '.' or '-', not starting with a digit")
+            renamed[old] = new
+    _check_unique(renamed, {*INPUTS[task], *OUTPUTS[task], *BETWEEN_STEPS})
+    return renamed
+
+
+def _check_unique(renamed: dict[str, str], tensors: set[str]) -> None:
+    """Refuse a new name that another of the ensemble's tensors (`tensors`, by default name) ends up with too."""
+    owners: dict[str, str] = {}
+    for tensor in sorted(tensors, key=lambda name: (name not in renamed, name)):  # renamed first: the culprits
+        name = renamed.get(tensor, tensor)
+        if name in owners:
+            culprit, other = (tensor, owners[name]) if tensor in renamed else (owners[name], tensor)
+            raise ExportError(f"'{culprit}={name}': the ensemble's tensor '{other}' is named '{name}' already "
+                              "(Triton refuses an ensemble with two tensors of one name)")
+        owners[name] = tensor
