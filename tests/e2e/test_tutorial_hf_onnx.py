@@ -47,7 +47,7 @@ def test_the_tutorial_runs_as_written(tmp_path: Path):
     build_tiny_model("seqcls", tmp_path / "sst2-model")
     build_tiny_model("qa", tmp_path / "squad-model")
     base_bert(tmp_path / "base-model")
-    install, export, serve, stats = (commands(block) for block in code_blocks(PAGE, "bash"))
+    install, export, serve, measure, stats = (commands(block) for block in code_blocks(PAGE, "bash"))
     assert install == ["pip install -e '.[export]' 'tritonclient[http]'"]  # the suite's environment has both
 
     for command in export:
@@ -60,7 +60,7 @@ def test_the_tutorial_runs_as_written(tmp_path: Path):
             in refused.stderr)
 
     assert serve == ["transerve serve --model-repository model_repository"]
-    call, measure = code_blocks(PAGE, "python")
+    (call,) = code_blocks(PAGE, "python")
     with start_transerve(tmp_path / "model_repository") as server:
         printed = subprocess.run([sys.executable, "-c", call.replace("localhost:8000", server.http_url)],
                                  capture_output=True, text=True, timeout=120, check=True).stdout
@@ -69,9 +69,11 @@ def test_the_tutorial_runs_as_written(tmp_path: Path):
             f"HIDDEN_STATE (2, {tokens(printed)}, 32)",
             f"START_LOGITS (2, {tokens(printed)}) END_LOGITS (2, {tokens(printed)})",
         ]
-        measured = subprocess.run([sys.executable, "-c", measure.replace("localhost:8000", server.http_url)],
-                                  capture_output=True, text=True, timeout=300, check=True).stdout
-        assert re.fullmatch(r"concurrency 4: [\d.]+ infer/sec, p50 [\d.]+ ms, p99 [\d.]+ ms\n", measured), measured
+        (perf,) = measure
+        measured = run(perf.replace("localhost:8000", server.http_url), tmp_path)
+        assert measured.returncode in (0, 1), measured.stderr  # 1: a level did not stabilise on a busy machine
+        assert "Request concurrency: 1" in measured.stdout and "Request concurrency: 4" in measured.stdout
+        assert len(re.findall(r"Throughput: [\d.]+ infer/sec", measured.stdout)) == 2, measured.stdout
         for command in stats:
             result = run(command.replace("localhost:8000", server.http_url), tmp_path)
             (model,) = json.loads(result.stdout)["model_stats"]
