@@ -1,0 +1,206 @@
+"""`transerve serve-ray` on a local two-node Ray cluster (docs/ray.md): two replicas, each a transerve server,
+behind Serve's HTTP proxy. tritonclient works against the Serve address unchanged, requests spread across the
+replicas (the `transerve-replica` header names the one that answered), statistics are per replica and add up,
+server-sent events stream through, a killed replica is replaced, and stopping drains a stream in flight.
+
+One replica per node: each node has one `transerve` resource and each replica needs it. The head's proxy would
+otherwise send every request to the replica on its own node (Serve's local-node preference), so the head runs
+with RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 to show Serve's spread across nodes."""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import requests
+
+pytest.importorskip("ray.serve", reason="the ray extra (pip install 'transerve[ray]')")
+
+import tritonclient.http as triton_http  # noqa: E402
+from support import EXAMPLE_REPOSITORY, ServerProcess  # noqa: E402
+from support.ray_cluster import ray_cluster  # noqa: E402
+from support.servers import free_ports  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPLICA = "transerve-replica"
+COUNTER = Path(__file__).resolve().parents[1] / "e2e" / "decoupled_bls_models" / "counter"
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ray_repository")
+    shutil.copytree(EXAMPLE_REPOSITORY / "add_sub", root / "add_sub")
+    shutil.copytree(COUNTER, root / "counter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def serve_ray(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("ray_logs")
+    with ray_cluster({"transerve": 1}, {"transerve": 1}, env={"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}) \
+            as address:
+        (port,) = free_ports(1)
+        server = ServerProcess(
+            "transerve serve-ray",
+            [sys.executable, "-m", "transerve", "serve-ray", f"--model-repository={repository}", "--replicas=2",
+             f"--ray-address={address}", f"--http-port={port}", "--proxy-location=HeadOnly",
+             "--num-cpus-per-replica=0.5", '--replica-resources={"transerve": 1}', "--health-check-period-s=1",
+             "--graceful-shutdown-timeout-s=20", f"--log-dir={logs}"],
+            http_port=port, grpc_port=0, metrics_port=0, log_path=logs / "serve-ray.log")
+        try:
+            server.wait_ready(timeout=240)
+            wait_for_replicas(server, 2, timeout=120)
+            yield server
+        finally:
+            server.stop(timeout=60)
+
+
+def replica_of(server: ServerProcess) -> str | None:
+    try:
+        response = requests.get(f"{server.base_url}/v2/health/ready", timeout=10)
+    except requests.RequestException:
+        return None
+    return response.headers.get(REPLICA) if response.status_code == 200 else None
+
+
+def wait_for_replicas(server: ServerProcess, count: int, timeout: float, besides: set[str] = frozenset()) -> set[str]:
+    """Poll until `count` distinct replicas (not in `besides`) answered within the last 40 requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = {replica_of(server) for _ in range(40)} - {None}
+        if len(seen - besides) >= count:
+            return seen
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} replicas answer after {timeout} s:\n{server.log_tail()}")
+
+
+def add_sub_inputs() -> list[triton_http.InferInput]:
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    b = np.full((2, 4), 2.0, np.float32)
+    inputs = [triton_http.InferInput("INPUT0", [2, 4], "FP32"), triton_http.InferInput("INPUT1", [2, 4], "FP32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b, binary_data=False)
+    return inputs
+
+
+def test_tritonclient_works_against_the_serve_address(serve_ray: ServerProcess) -> None:
+    client = triton_http.InferenceServerClient(serve_ray.http_url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("add_sub")
+    metadata = client.get_model_metadata("add_sub")
+    assert [tensor["name"] for tensor in metadata["inputs"]] == ["INPUT0", "INPUT1"]
+    assert client.get_model_config("add_sub")["max_batch_size"] == 8
+    result = client.infer("add_sub", add_sub_inputs())
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 2)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - 2)
+    # Errors come through with the server's status and body.
+    with pytest.raises(Exception, match="unknown model|not found|no model"):
+        client.get_model_metadata("no_such_model")
+
+
+def test_requests_spread_across_replicas(serve_ray: ServerProcess) -> None:
+    client = triton_http.InferenceServerClient(serve_ray.http_url)
+    answered = collections.Counter()
+    for _ in range(40):
+        client.infer("add_sub", add_sub_inputs())
+        answered[replica_of(serve_ray)] += 1
+    assert len(answered) == 2 and min(answered.values()) >= 5, answered
+
+
+def stats_by_replica(server: ServerProcess) -> dict[str, int]:
+    """Each replica's `add_sub` success count: `/stats` is one replica's, named by the header."""
+    counts: dict[str, int] = {}
+    for _ in range(60):
+        response = requests.get(f"{server.base_url}/v2/models/add_sub/stats", timeout=10)
+        counts[response.headers[REPLICA]] = response.json()["model_stats"][0]["inference_stats"]["success"]["count"]
+        if len(counts) == 2:
+            return counts
+    raise AssertionError(f"stats of one replica only: {counts}")
+
+
+def test_statistics_are_per_replica_and_add_up(serve_ray: ServerProcess) -> None:
+    before = stats_by_replica(serve_ray)
+    client = triton_http.InferenceServerClient(serve_ray.http_url, concurrency=4)
+    for request in [client.async_infer("add_sub", add_sub_inputs()) for _ in range(30)]:
+        request.get_result()
+    after = stats_by_replica(serve_ray)
+    assert after.keys() == before.keys()
+    assert sum(after.values()) - sum(before.values()) == 30
+
+
+def test_server_sent_events_stream_through(serve_ray: ServerProcess) -> None:
+    with requests.post(f"{serve_ray.base_url}/v2/models/counter/generate_stream", json={"N": 5}, stream=True,
+                       timeout=30) as response:
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith(b"data:")]
+    assert len(events) == 5 and b'"OUT":4' in events[-1].replace(b" ", b""), events
+
+
+def replica_processes(repository: Path) -> dict[int, psutil.Process]:
+    """The replicas' actor processes, by the pid of the `transerve serve` child each owns (on `repository`)."""
+    found = {}
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if cmdline[1:4] == ["-m", "transerve", "serve"] and f"--model-repository={repository}" in cmdline:
+            found[process.pid] = process.parent()
+    return found
+
+
+def test_a_killed_replica_is_replaced(serve_ray: ServerProcess, repository: Path) -> None:
+    children = replica_processes(repository)
+    assert len(children) == 2, children
+    child_pid, actor = next(iter(children.items()))
+    before = wait_for_replicas(serve_ray, 2, timeout=30)
+    outcomes: list[int] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        client = triton_http.InferenceServerClient(serve_ray.http_url, network_timeout=30)
+        while not stop.is_set():
+            try:
+                client.infer("add_sub", add_sub_inputs())
+                outcomes.append(200)
+            except Exception:  # noqa: BLE001  (a failed request is what is counted)
+                outcomes.append(500)
+
+    clients = [threading.Thread(target=load) for _ in range(2)]
+    for thread in clients:
+        thread.start()
+    time.sleep(1.0)
+    actor.send_signal(signal.SIGKILL)
+    killed_at = len(outcomes)
+    # Its server follows it (parent-death signal), and Serve starts a new replica.
+    assert psutil.wait_procs([psutil.Process(child_pid)], timeout=30)[1] == [], "the orphaned server still runs"
+    after = wait_for_replicas(serve_ray, 1, timeout=120, besides=before)
+    time.sleep(1.0)
+    stop.set()
+    for thread in clients:
+        thread.join()
+    failed = outcomes[killed_at:].count(500)
+    assert failed <= 2 * len(clients), f"{failed} failed of {len(outcomes) - killed_at} after the kill"
+    assert outcomes[-20:] == [200] * 20
+    assert len(after - before) == 1 and len(replica_processes(repository)) == 2
+
+
+def test_stopping_drains_a_stream_in_flight(serve_ray: ServerProcess, repository: Path) -> None:
+    """The last test: SIGTERM to serve-ray deletes the application; Serve and the replica wait for the stream."""
+    with requests.post(f"{serve_ray.base_url}/v2/models/counter/generate_stream", json={"N": 100}, stream=True,
+                       timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data:"))
+        serve_ray.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith(b"data:")]
+    assert b'"OUT":0' in first.replace(b" ", b"") and len(rest) == 99, rest[-3:]
+    assert serve_ray.process.wait(timeout=60) == 0
+    assert replica_processes(repository) == {}
