@@ -10,6 +10,7 @@ with RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 to show Serve's spread across n
 from __future__ import annotations
 
 import collections
+import shlex
 import shutil
 import signal
 import sys
@@ -26,13 +27,15 @@ import requests
 pytest.importorskip("ray.serve", reason="the ray extra (pip install 'transerve[ray]')")
 
 import tritonclient.http as triton_http  # noqa: E402
-from support import EXAMPLE_REPOSITORY, ServerProcess  # noqa: E402
+from support import EXAMPLE_REPOSITORY, REPO_ROOT, ServerProcess  # noqa: E402
+from support.doc_blocks import code_blocks, commands  # noqa: E402
 from support.ray_cluster import ray_cluster  # noqa: E402
 from support.servers import free_ports  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPLICA = "transerve-replica"
+RAY_PAGE = REPO_ROOT / "docs" / "ray.md"
 COUNTER = Path(__file__).resolve().parents[1] / "e2e" / "decoupled_bls_models" / "counter"
 
 
@@ -44,17 +47,27 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def page_commands(repository: Path) -> tuple[list[str], list[str], list[str]]:
+    """docs/ray.md's three commands as argument lists: `ray start` twice (GCS port as `{port}`), then serve-ray's."""
+    lines = [shlex.split(line.replace("6379", "{port}")) for line in commands(code_blocks(RAY_PAGE, "bash")[0])]
+    (ray_head, ray_node, serve_ray) = lines
+    assert ray_head[:2] == ray_node[:2] == ["ray", "start"] and serve_ray[:2] == ["transerve", "serve-ray"]
+    serve_ray = [str(repository) if arg == "examples/model_repository" else arg
+                 for arg in serve_ray[2:]]
+    return ray_head[2:], ray_node[2:], serve_ray
+
+
 @pytest.fixture(scope="module")
 def serve_ray(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The cluster and the application docs/ray.md starts, on free ports, with faster probes."""
     logs = tmp_path_factory.mktemp("ray_logs")
-    with ray_cluster({"transerve": 1}, {"transerve": 1}, env={"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}) \
-            as address:
+    head, node, flags = page_commands(repository)
+    with ray_cluster(head, node, env={"RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}) as address:
         (port,) = free_ports(1)
+        flags = [address if arg == "127.0.0.1:{port}" else str(port) if arg == "8000" else arg for arg in flags]
         server = ServerProcess(
             "transerve serve-ray",
-            [sys.executable, "-m", "transerve", "serve-ray", f"--model-repository={repository}", "--replicas=2",
-             f"--ray-address={address}", f"--http-port={port}", "--proxy-location=HeadOnly",
-             "--num-cpus-per-replica=0.5", '--replica-resources={"transerve": 1}', "--health-check-period-s=1",
+            [sys.executable, "-m", "transerve", "serve-ray", *flags, "--health-check-period-s=1",
              "--graceful-shutdown-timeout-s=20", f"--log-dir={logs}"],
             http_port=port, grpc_port=0, metrics_port=0, log_path=logs / "serve-ray.log")
         try:

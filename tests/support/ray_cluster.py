@@ -7,7 +7,6 @@ proxy, the replicas' servers) listens on loopback."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -19,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from support.servers import free_ports
+from .servers import free_ports
 
 
 def _ray(*args: str) -> list[str]:
@@ -34,7 +33,7 @@ class RayNode:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             env=env, start_new_session=True)
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM (`ray start --block` then stops what it started), then SIGKILL of the whole session."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -45,28 +44,31 @@ class RayNode:
         self.process.wait()
 
 
+HEAD = ["--head", "--port={port}", "--num-cpus=1", '--resources={"transerve": 1}', "--include-dashboard=false"]
+NODE = ["--address=127.0.0.1:{port}", "--num-cpus=2", '--resources={"transerve": 1}']
+"""docs/ray.md's cluster: one `transerve` resource per node, so that each node holds one replica."""
+
+
 @contextlib.contextmanager
-def ray_cluster(head_resources: dict[str, float], node_resources: dict[str, float], *, head_cpus: int = 1,
-                node_cpus: int = 2, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Yield the address of a two-node cluster (head, then a node joined with `ray start --address`)."""
+def ray_cluster(head: list[str] = HEAD, node: list[str] = NODE, *, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yield the address of a two-node cluster: `ray start` with `head`'s arguments, then `node`'s (`{port}` in
+    them is the GCS port, picked free). Each runs with `--block`, in a temporary directory removed after."""
     # Ray's unix sockets live under its temp dir, whose path must stay short (108 bytes on Linux).
     temp = Path(tempfile.mkdtemp(prefix="trray-", dir="/tmp"))
     environment = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     (port,) = free_ports(1)
-    address = f"127.0.0.1:{port}"
-    common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
-    nodes = [RayNode("head", _ray("start", "--head", f"--port={port}", f"--num-cpus={head_cpus}",
-                                  f"--resources={json.dumps(head_resources)}", "--include-dashboard=false",
-                                  f"--temp-dir={temp}", *common), temp / "head.log", environment)]
+    common = ["--block", "--disable-usage-stats"]
+    head = [arg.replace("{port}", str(port)) for arg in head]
+    node = [arg.replace("{port}", str(port)) for arg in node]
+    nodes = [RayNode("head", _ray("start", *head, f"--temp-dir={temp}", *common), temp / "head.log", environment)]
     try:
         _wait_for_gcs(nodes[0], port)
-        nodes.append(RayNode("node", _ray("start", f"--address={address}", f"--num-cpus={node_cpus}",
-                                          f"--resources={json.dumps(node_resources)}", *common),
+        nodes.append(RayNode("node", _ray("start", *node, *common),
                              temp / "node.log", environment))
-        yield address
+        yield f"127.0.0.1:{port}"
     finally:
-        for node in reversed(nodes):
-            node.stop()
+        for started in reversed(nodes):
+            started.stop()
         shutil.rmtree(temp, ignore_errors=True)
 
 

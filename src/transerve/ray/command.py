@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"transerve serve-ray: serving at http://{args.http_host}:{args.http_port}", flush=True)
         stop.wait()
         serve.delete(APP_NAME)  # Serve drains each replica, then the replica drains and stops its server
+        if not serve.status().applications:
+            serve.shutdown()  # Serve's proxy keeps its options while it runs: the next serve-ray may want others
     finally:
         ray.shutdown()
     return 0
