@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.servers import free_ports, http_status
+from .servers import free_ports, http_status
 
 _CREDENTIAL = re.compile(r"Credential=([^/]+)/")
 
@@ -60,12 +60,15 @@ class S3Server:
 
 
 @contextlib.contextmanager
-def start_s3_server() -> Iterator[S3Server]:
-    """Run `moto.server` on a free loopback port until the block exits."""
+def start_s3_server(require_keys: bool = False) -> Iterator[S3Server]:
+    """Run `moto.server` on a free loopback port until the block exits; with `require_keys`, it checks every
+    request's access key (moto's IAM: only keys created through it are accepted, and none is)."""
     with tempfile.TemporaryDirectory(prefix="transerve-s3-") as tmp:
         port = free_ports(1)[0]
         recording = Path(tmp) / "requests.jsonl"
         env = dict(os.environ, MOTO_ENABLE_RECORDING="1", MOTO_RECORDER_FILEPATH=str(recording))
+        if require_keys:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
         with open(Path(tmp) / "moto.log", "wb") as log:
             process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
