@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-from support import EXAMPLE_REPOSITORY, REPO_ROOT, start_transerve
+from support import EXAMPLE_REPOSITORY, REPO_ROOT, start_server, start_transerve
+from support.doc_blocks import code_blocks, commands
 from support.s3_server import S3Server, start_s3_server
 
 pytest.importorskip("s3fs", reason="the cloud extra (s3fs) is not installed")
@@ -48,13 +50,13 @@ def new_bucket(s3: S3Server, name: str) -> str:
     return s3.url(name, "repo")
 
 
-def add_sub(url: str, version: str = "") -> np.ndarray:
+def add_sub(url: str, version: str = "", model: str = "add_sub") -> np.ndarray:
     client = httpclient.InferenceServerClient(url)
     a, b = np.arange(4, dtype=np.float32).reshape(1, 4), np.ones((1, 4), dtype=np.float32)
     inputs = [httpclient.InferInput("INPUT0", [1, 4], "FP32"), httpclient.InferInput("INPUT1", [1, 4], "FP32")]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
-    return client.infer("add_sub", inputs, model_version=version).as_numpy("OUTPUT0")
+    return client.infer(model, inputs, model_version=version).as_numpy("OUTPUT0")
 
 
 def test_explicit_load_downloads_again_after_the_bucket_changes(
@@ -151,3 +153,34 @@ def test_refused_credentials_stop_the_start(hermetic_aws: None) -> None:
     assert refused.returncode == 1
     assert f"model repository {s3.url('models', 'repo')} cannot be read: The AWS Access Key Id you provided does " \
            "not exist" in refused.stderr
+
+
+PAGE = REPO_ROOT / "docs" / "object-storage.md"
+
+
+def test_the_pages_command(s3: S3Server, hermetic_aws: None, tmp_path: Path) -> None:
+    """docs/object-storage.md's `transerve serve` command as it shows it, moto's port for its 9000: a bucket's
+    model served beside the local example repository, with the keys the command sets."""
+    s3.client().create_bucket(Bucket="models")
+    client = s3.client()
+    client.put_object(Bucket="models", Key="repo/add_sub_remote/config.pbtxt",
+                      Body=(ADD_SUB / "config.pbtxt").read_text().replace('"add_sub"', '"add_sub_remote"'))
+    client.upload_file(str(ADD_SUB / "1" / "model.py"), "models", "repo/add_sub_remote/1/model.py")
+    (command,) = commands(code_blocks(PAGE, "bash")[0])
+    tokens = shlex.split(command.replace("127.0.0.1:9000", f"127.0.0.1:{s3.port}"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT / "src"),
+                                                                    os.environ.get("PYTHONPATH")])))
+    while "=" in tokens[0]:
+        name, _, value = tokens.pop(0).partition("=")
+        env[name] = value
+    assert tokens[:2] == ["transerve", "serve"]
+    loopback = ["--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--metrics-address", "127.0.0.1"]
+    server = start_server("transerve", lambda http, grpc, metrics: [
+        sys.executable, "-m", "transerve", *tokens[1:], "--http-port", str(http), "--grpc-port", str(grpc),
+        "--metrics-port", str(metrics), *loopback], log_dir=tmp_path, env=env, cwd=REPO_ROOT)
+    try:
+        assert add_sub(server.http_url, model="add_sub_remote").tolist() == [[1, 2, 3, 4]]
+        assert add_sub(server.http_url).tolist() == [[1, 2, 3, 4]]
+    finally:
+        server.stop()
+    assert "KEY" in s3.access_keys()

@@ -14,6 +14,8 @@ from transerve.repository.remote import RemoteRepository, StorageError
 from transerve.repository.storage_url import StorageUrlError, is_storage_url, parse_storage_url
 from transerve.server.options import parse_repository
 
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "object-storage.md"
+
 
 @pytest.mark.parametrize(("text", "parts"), [
     ("s3://bucket/a/b", ("s3", "bucket", "a/b", None, None)),
@@ -70,6 +72,20 @@ def test_credential_file_longest_prefix_wins(tmp_path: Path) -> None:
                                                                           "account_key": "a2V5"}
     # An account the URL names wins over the file's.
     assert storage_options(parse_storage_url("as://other/container"), env)["account_name"] == "other"
+
+
+def test_the_pages_credential_file(tmp_path: Path) -> None:
+    """docs/object-storage.md's example file, read as the page says."""
+    import re
+
+    (block,) = re.findall(r"^```json\n(.*?)^```$", PAGE.read_text(), re.MULTILINE | re.DOTALL)
+    path = tmp_path / "credentials.json"
+    path.write_text(block)
+    env = {"TRITON_CLOUD_CREDENTIAL_PATH": str(path)}
+    assert storage_options(parse_storage_url("s3://http://127.0.0.1:9000/models/repo"), env)["key"] == "OTHER_KEY"
+    assert storage_options(parse_storage_url("s3://elsewhere/repo"), env)["key"] == "KEY"
+    assert storage_options(parse_storage_url("gs://bucket/repo"), env) == {"token": "/keys/service-account.json"}
+    assert storage_options(parse_storage_url("as://acct/container"), env)["account_key"] == "KEY"
 
 
 def test_credential_file_without_a_matching_section_falls_back_to_the_environment(tmp_path: Path) -> None:

@@ -241,7 +241,9 @@ def start_server(
                 raise
 
 
-def transerve_argv(repository: str | os.PathLike[str], http_port: int, grpc_port: int, metrics_port: int, *extra: str) -> list[str]:
+def transerve_argv(
+    repository: str | os.PathLike[str], http_port: int, grpc_port: int, metrics_port: int, *extra: str
+) -> list[str]:
     """The `transerve serve` command line, with tritonserver's flag names, every service bound to loopback."""
     return [
         sys.executable,
