@@ -170,3 +170,19 @@ def test_missing_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.Mon
     remote = RemoteRepository(parse_storage_url("gs://bucket/repo"), tmp_path, 1)
     with pytest.raises(StorageError, match=r"needs the package 'gcsfs': pip install 'transerve\[cloud\]'"):
         remote.list_models()
+
+
+def test_an_object_that_grew_after_the_listing(tmp_path: Path) -> None:
+    remote, fs = mirror(tmp_path, {"bucket/repo/m/config.pbtxt": b"", "bucket/repo/m/1/w.bin": b"0" * 10}, limit=1000)
+    listing = fs.find
+
+    def grown(path: str, detail: bool, refresh: bool) -> dict[str, dict[str, Any]]:
+        found = listing(path, detail, refresh)
+        fs.objects["bucket/repo/m/1/w.bin"] = b"0" * 5000
+        return found
+
+    fs.find = grown
+    with pytest.raises(StorageError, match="grew past --model-repository-max-model-bytes"):
+        remote.download("m")
+    assert not (remote.local / "m").exists()
+    assert not list((remote.local / ".staging").iterdir())

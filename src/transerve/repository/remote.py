@@ -120,14 +120,14 @@ class RemoteRepository:
         staging = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=staging_root))
         try:
             written = 0
-            for relative, (size, _) in sorted(listing.items()):
+            for relative in sorted(listing):
                 target = staging / relative
                 target.parent.mkdir(parents=True, exist_ok=True)
-                written += size
-                if written > self.max_model_bytes:  # objects can grow between listing and download
+                fs.get_file(f"{self.url.root}/{name}/{relative}", str(target))
+                written += target.stat().st_size
+                if written > self.max_model_bytes:  # an object replaced by a larger one since the listing
                     raise StorageError(f"model '{name}' in {self.url} grew past --model-repository-max-model-bytes "
                                        "while it was downloaded")
-                fs.get_file(f"{self.url.root}/{name}/{relative}", str(target))
         except StorageError:
             shutil.rmtree(staging, ignore_errors=True)
             raise
