@@ -34,6 +34,7 @@ from transerve.ray import command as ray_command
 from transerve.scheduling.response_cache import parse_cache_config
 from transerve.server import ControlMode, Server, ServerOptions
 from transerve.server.metrics_config import parse_metrics_config
+from transerve.server.options import StorageUrl, parse_repository
 
 log = logging.getLogger("transerve")
 
@@ -45,6 +46,13 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _repository(text: str) -> Path | StorageUrl:
+    try:
+        return parse_repository(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _backend_config(text: str) -> tuple[str, str, str]:
@@ -73,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     add = serve.add_argument
     add("--model-repository", "--model-store", dest="model_repository", action="append", required=True,
-        type=Path, metavar="PATH", help="a model repository folder (repeatable)")
+        type=_repository, metavar="PATH",
+        help="a model repository folder, or s3://, gs://, as:// (az://) object storage (repeatable)")
+    add("--model-repository-cache", type=Path, metavar="DIR",
+        help="the folder under which object-storage models are downloaded (default: the temp dir); each server "
+             "makes its own folder there and removes it at exit")
+    add("--model-repository-max-model-bytes", type=int, default=32 << 30, metavar="N",
+        help="the most one model may download from object storage (default 32 GiB)")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=int, default=8000)
     add("--grpc-address", default="0.0.0.0")
@@ -254,7 +268,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     except TraceConfigError as exc:
         raise SystemExit(f"transerve serve: {exc}") from None
     return ServerOptions(
-        repositories=args.model_repository,
+        repositories=[path for path in args.model_repository if isinstance(path, Path)],
+        remote_repositories=[url for url in args.model_repository if isinstance(url, StorageUrl)],
+        repository_cache=args.model_repository_cache,
+        max_model_bytes=args.model_repository_max_model_bytes,
         control_mode=ControlMode(args.model_control_mode),
         load_models=args.load_model,
         strict_readiness=args.strict_readiness,
@@ -359,9 +376,15 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     from transerve.frontends.metrics import MetricsFrontend
 
     for path in args.model_repository:
-        if not path.is_dir():
+        if isinstance(path, Path) and not path.is_dir():
             log.error("model repository '%s' is not a folder", path)
             return 1
+    if args.model_repository_cache is not None and not args.model_repository_cache.is_dir():
+        log.error("--model-repository-cache '%s' is not a folder", args.model_repository_cache)
+        return 1
+    if args.model_repository_max_model_bytes <= 0:
+        log.error("--model-repository-max-model-bytes must be positive")
+        return 1
     keep_large_buffers()
     http_limits = http_limits_from_args(args, raise_file_limit())
     server = Server(options_from_args(args))
@@ -371,7 +394,12 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    await server.start()
+    try:
+        await server.start()
+    except ServerError as exc:  # a repository on object storage that cannot be read
+        log.error("%s", exc.message)
+        await server.stop()
+        return 1
     if args.exit_on_error and any(entry.get("state") == "UNAVAILABLE" for entry in server.repository_index()):
         log.error("a model failed to load and --exit-on-error is set")
         await server.stop()

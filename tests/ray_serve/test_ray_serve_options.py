@@ -25,6 +25,9 @@ def test_replicas_become_num_replicas_and_the_repository_an_absolute_path() -> N
     assert options["ray_actor_options"] == {"num_cpus": 0.5, "resources": {"transerve": 1}}
     assert options["max_ongoing_requests"] == 256
     assert replica.repositories == (str(Path("repo").resolve()),)
+    (url,) = settings_from_args(build_parser().parse_args(
+        ["serve-ray", "--model-repository", "s3://bucket/models"]))[0].repositories
+    assert url == "s3://bucket/models"
     assert replica.server_flags == ("--log-verbose=1",)
 
 

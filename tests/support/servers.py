@@ -241,7 +241,9 @@ def start_server(
                 raise
 
 
-def transerve_argv(repository: Path, http_port: int, grpc_port: int, metrics_port: int, *extra: str) -> list[str]:
+def transerve_argv(
+    repository: str | os.PathLike[str], http_port: int, grpc_port: int, metrics_port: int, *extra: str
+) -> list[str]:
     """The `transerve serve` command line, with tritonserver's flag names, every service bound to loopback."""
     return [
         sys.executable,
@@ -287,7 +289,8 @@ def start_transerve(
     with tempfile.TemporaryDirectory(prefix="transerve-test-") as tmp:
         server = start_server(
             "transerve",
-            lambda http, grpc, metrics: transerve_argv(Path(repository), http, grpc, metrics, *extra_args),
+            # As given: a Path would fold the '//' of an object-storage URL (s3://...).
+            lambda http, grpc, metrics: transerve_argv(repository, http, grpc, metrics, *extra_args),
             log_dir=Path(tmp),
             env=env,
             cwd=Path(tmp),

@@ -28,7 +28,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "the KServe v2 and /v1 routes are at the root of Serve's HTTP address.")
     add = parser.add_argument
     add("--model-repository", dest="model_repository", action="append", required=True, metavar="PATH",
-        help="a model repository (repeatable); the same path must exist on every node replicas may run on")
+        help="a model repository (repeatable): a local path, which must exist on every node replicas may run on, "
+             "or an object-storage URL (s3://, gs://, as://), which each replica's server reads into its own cache")
     scale = parser.add_mutually_exclusive_group()
     scale.add_argument("--replicas", type=int, default=1, metavar="N", help="fixed number of replicas (default 1)")
     scale.add_argument("--autoscaling-config", type=_json_object, metavar="JSON",
@@ -64,11 +65,16 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _absolute(repository: str) -> str:
+    """A local path made absolute (replicas start elsewhere); an object-storage URL as given."""
+    return repository if "://" in repository else str(Path(repository).resolve())
+
+
 def settings_from_args(args: argparse.Namespace) -> tuple[ReplicaSettings, DeploymentSettings]:
     if args.replicas < 1:
         raise ValueError("--replicas must be at least 1")
     replica = ReplicaSettings(
-        repositories=tuple(str(Path(path).resolve()) for path in args.model_repository),
+        repositories=tuple(_absolute(path) for path in args.model_repository),
         server_flags=tuple(args.server_flags), ready_timeout_s=args.ready_timeout_s,
         drain_timeout_s=args.graceful_shutdown_timeout_s, log_dir=args.log_dir)
     deployment = DeploymentSettings(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
 from transerve.config.model_config import ConfigError
+from transerve.repository.remote import RemoteRepository, StorageError
+
+log = logging.getLogger("transerve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,21 +33,48 @@ def is_plain_model_name(name: str) -> bool:
 
 
 class ModelRepository:
-    """One or more repository folders, read on demand (never cached, so polling sees changes)."""
+    """One or more repository folders, read on demand (never cached, so polling sees changes), and repositories on
+    object storage, whose models are read from their local mirrors (`refresh` and `fetch` bring them up to date)."""
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path], remotes: list[RemoteRepository] | None = None) -> None:
         self.paths = [path.resolve() for path in paths]
+        self.remotes = list(remotes or [])
+
+    def refresh(self, download: bool) -> None:
+        """List each remote repository's models (StorageError when one cannot be read); with `download`, bring
+        every local copy up to date, a model that fails to download keeping the copy it has."""
+        for remote in self.remotes:
+            for name in sorted(remote.list_models()):
+                if download:
+                    try:
+                        remote.download(name)
+                    except StorageError as exc:
+                        log.error("%s", exc)
+
+    def fetch(self, name: str) -> None:
+        """Bring one model's local copy up to date, if a remote repository holds it (StorageError if it fails)."""
+        for remote in self.remotes:
+            if name in remote.list_models():
+                remote.download(name)
+
+    def _folders(self) -> list[tuple[Path, list[str]]]:
+        """Each repository's local folder, with the model names it holds."""
+        folders = []
+        for repository in self.paths:
+            if repository.is_dir():
+                names = [entry.name for entry in sorted(repository.iterdir())
+                         if entry.is_dir() and not entry.name.startswith(".")]
+                folders.append((repository, names))
+        folders.extend((remote.local, sorted(remote.models)) for remote in self.remotes)
+        return folders
 
     def scan(self) -> tuple[dict[str, ModelLocation], dict[str, str]]:
         """All model folders by name, plus errors for names found in more than one repository."""
         found: dict[str, ModelLocation] = {}
         duplicates: dict[str, str] = {}
-        for repository in self.paths:
-            if not repository.is_dir():
-                continue
-            for entry in sorted(repository.iterdir()):
-                if not entry.is_dir() or entry.name.startswith("."):
-                    continue
+        for repository, names in self._folders():
+            for name in names:
+                entry = repository / name
                 if entry.name in found:
                     duplicates[entry.name] = (
                         f"model '{entry.name}' appears in two repositories: {found[entry.name].repository} "
@@ -59,7 +90,7 @@ class ModelRepository:
         """The folder of one model, or None."""
         if not is_plain_model_name(name):
             return None
-        matches = [repo / name for repo in self.paths if (repo / name).is_dir()]
+        matches = [repo / name for repo, names in self._folders() if name in names]
         if len(matches) > 1:
             raise DuplicateModelError(f"model '{name}' appears in more than one repository: {matches}")
         if not matches:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from transerve.core.log_settings import LogSettings
 from transerve.core.tracing import TraceOptions
+from transerve.repository.storage_url import StorageUrl, is_storage_url, parse_storage_url
 from transerve.server.metrics_config import MetricsConfig
+
+
+def parse_repository(text: str) -> Path | StorageUrl:
+    """A `--model-repository` value: a folder, or a repository on object storage (StorageUrlError, a ValueError,
+    for a URL that names no bucket)."""
+    return parse_storage_url(text) if is_storage_url(text) else Path(text)
 
 
 class ControlMode(enum.Enum):
@@ -37,3 +44,9 @@ class ServerOptions:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     #: The `--trace-*` flags: the trace extension's settings at start.
     trace: TraceOptions = field(default_factory=TraceOptions)
+    #: `--model-repository` values on object storage (`s3://`, `gs://`, `as://`, `az://`).
+    remote_repositories: list[StorageUrl] = field(default_factory=list)
+    #: `--model-repository-cache`: the folder under which this server mirrors them (None: the system's temp dir).
+    repository_cache: Path | None = None
+    #: `--model-repository-max-model-bytes`: the most one model may download.
+    max_model_bytes: int = 32 << 30

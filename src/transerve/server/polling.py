@@ -26,7 +26,10 @@ class Polled(Protocol):
 
 
 async def poll_once(server: Polled) -> None:
-    """Bring the loaded models in line with the repositories once."""
+    """Bring the loaded models in line with the repositories once (remote ones are downloaded first where their
+    listing changed, so the local fingerprints follow them; one that cannot be listed aborts this poll)."""
+    if server.repository.remotes:
+        await asyncio.to_thread(server.repository.refresh, True)
     found, _ = server.repository.scan()
     loaded = server.loaded_fingerprints()
     for name in [name for name in loaded if name not in found]:

@@ -15,6 +15,7 @@ from transerve.config.model_config import backend_name
 from transerve.core.errors import ServerError, invalid_arg, not_found, unavailable
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
+from transerve.repository.remote import RemoteRepository
 from transerve.repository.repository import ModelRepository
 from transerve.scheduling import Scheduler
 
@@ -67,8 +68,8 @@ class ModelRecord:
 class ModelRegistry:
     """The models by name and the questions asked of them; `Server` adds loading and the request path."""
 
-    def __init__(self, repositories: list[Path]) -> None:
-        self.repository = ModelRepository(repositories)
+    def __init__(self, repositories: list[Path], remotes: list[RemoteRepository] | None = None) -> None:
+        self.repository = ModelRepository(repositories, remotes)
         self._models: dict[str, ModelRecord] = {}
 
     def get_version(self, name: str, version: str = "") -> ModelVersion:

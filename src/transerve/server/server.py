@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2
@@ -22,6 +24,7 @@ from transerve.core.streams import ResponseStream
 from transerve.core.tracing import Tracer
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.overrides import write_model_files
+from transerve.repository.remote import RemoteRepository, StorageError
 from transerve.repository.repository import ModelLocation, is_plain_model_name
 from transerve.scheduling import OnDone
 from transerve.scheduling.response_cache import ResponseCache
@@ -55,7 +58,14 @@ class Server(ModelRegistry):
     """Owns the models; frontends call `infer` and the metadata/control methods."""
 
     def __init__(self, options: ServerOptions) -> None:
-        super().__init__(options.repositories)
+        #: Where the object-storage repositories are mirrored: this server's own folder, removed at stop.
+        self._mirror: Path | None = None
+        remotes = []
+        if options.remote_repositories:
+            self._mirror = Path(tempfile.mkdtemp(prefix="transerve-models-", dir=options.repository_cache))
+            remotes = [RemoteRepository(url, self._mirror / str(index), options.max_model_bytes)
+                       for index, url in enumerate(options.remote_repositories)]
+        super().__init__(options.repositories, remotes)
         self.options = options
         #: The system shared memory regions clients registered (Triton's shared memory extension).
         self.shared_memory = SharedMemoryRegistry()
@@ -92,8 +102,15 @@ class Server(ModelRegistry):
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the models the control mode asks for; broken ones are recorded, never fatal."""
+        """Load the models the control mode asks for; broken ones are recorded, never fatal (a remote repository
+        that cannot be read is: UNAVAILABLE)."""
         self._loop = asyncio.get_running_loop()
+        if self.repository.remotes:
+            # A repository that cannot be read stops the start, as in Triton; models download as they load.
+            try:
+                await asyncio.to_thread(self.repository.refresh, False)
+            except StorageError as exc:
+                raise unavailable(str(exc)) from None
         self._live = True
         found, duplicates = self.repository.scan()
         for name, reason in duplicates.items():
@@ -142,6 +159,8 @@ class Server(ModelRegistry):
         await self._tasks.join()
         self._models.clear()
         self.tracing.close()
+        if self._mirror is not None:
+            shutil.rmtree(self._mirror, ignore_errors=True)
         self._live = False
 
     # ---- health and metadata ---------------------------------------------------------------------
@@ -253,6 +272,7 @@ class Server(ModelRegistry):
                 override = write_model_files(name, files)
                 location = ModelLocation(name, override / name, override)
             else:
+                await self._fetch(name)
                 location = self.repository.locate(name)
                 if location is None:
                     raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
@@ -275,6 +295,19 @@ class Server(ModelRegistry):
                 self._tasks.start(self._loader.unload_record(old, self.options.exit_timeout_secs, "it was reloaded"),
                                   f"unloading the old versions of reloaded model '{name}'")
             log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
+
+    async def _fetch(self, name: str) -> None:
+        """Download a remote repository's model (again, if it changed) before it loads; a failure leaves a model
+        that was not serving UNAVAILABLE with the reason."""
+        if not self.repository.remotes:
+            return
+        try:
+            await asyncio.to_thread(self.repository.fetch, name)
+        except StorageError as exc:
+            old = self._models.get(name)
+            if old is None or not old.versions:
+                self._models[name] = ModelRecord(name, ModelState.UNAVAILABLE, str(exc))
+            raise invalid_arg(f"failed to load '{name}': {exc}") from None
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Unload a model; with `unload_dependents`, an ensemble's composing models too."""
