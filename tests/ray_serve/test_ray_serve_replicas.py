@@ -32,6 +32,8 @@ from support.doc_blocks import code_blocks, commands  # noqa: E402
 from support.ray_cluster import ray_cluster  # noqa: E402
 from support.servers import free_ports  # noqa: E402
 
+from transerve.ray.child import REPLICA_ENV  # noqa: E402
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPLICA = "transerve-replica"
@@ -160,22 +162,59 @@ def test_server_sent_events_stream_through(serve_ray: ServerProcess) -> None:
     assert len(events) == 5 and b'"OUT":4' in events[-1].replace(b" ", b""), events
 
 
-def replica_processes(repository: Path) -> dict[int, psutil.Process]:
-    """The replicas' actor processes, by the pid of the `transerve serve` child each owns (on `repository`)."""
+def replica_processes(repository: Path) -> dict[str, psutil.Process]:
+    """The replicas' actor processes, by replica: the parents of the `transerve serve` children on `repository`."""
     found = {}
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
         if cmdline[1:4] == ["-m", "transerve", "serve"] and f"--model-repository={repository}" in cmdline:
-            found[process.pid] = process.parent()
+            found[process.environ()[REPLICA_ENV]] = process
     return found
 
 
-def test_a_killed_replica_is_replaced(serve_ray: ServerProcess, repository: Path) -> None:
-    children = replica_processes(repository)
-    assert len(children) == 2, children
-    child_pid, actor = next(iter(children.items()))
+class Stream(threading.Thread):
+    """A `counter` stream of `count` events, read to its end; which replica held it, and whether it completed."""
+
+    def __init__(self, server: ServerProcess, count: int) -> None:
+        super().__init__()
+        self.server, self.count = server, count
+        self.replica: str | None = None
+        self.events = 0
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with requests.post(f"{self.server.base_url}/v2/models/counter/generate_stream", json={"N": self.count},
+                               stream=True, timeout=60) as response:
+                self.replica = response.headers.get(REPLICA)
+                for line in response.iter_lines():
+                    if line.startswith(b"data:"):
+                        self.events += 1
+                        self.started.set()
+        except requests.RequestException:
+            pass  # a broken stream is what is counted
+        finally:
+            self.started.set()
+
+    @property
+    def completed(self) -> bool:
+        return self.events == self.count
+
+
+def test_a_killed_replica_is_replaced_and_only_its_requests_fail(serve_ray: ServerProcess, repository: Path) -> None:
+    """Streams in flight on both replicas and add_sub load; one replica's process is killed. Only the streams
+    it held break; no add_sub request fails beyond the one each client may have had on it; Serve starts a new
+    replica and its server, and the killed one's server does not outlive it."""
     before = wait_for_replicas(serve_ray, 2, timeout=30)
-    outcomes: list[int] = []
+    streams = []
+    while len({stream.replica for stream in streams} - {None}) < 2 and len(streams) < 12:
+        stream = Stream(serve_ray, 150)  # 20 ms an event: 3 s
+        stream.start()
+        stream.started.wait(30)
+        streams.append(stream)
+    held = {stream.replica for stream in streams}
+    assert before <= held, f"streams on {held}, replicas {before}"
+    outcomes: list[bool] = []
     stop = threading.Event()
 
     def load() -> None:
@@ -183,26 +222,25 @@ def test_a_killed_replica_is_replaced(serve_ray: ServerProcess, repository: Path
         while not stop.is_set():
             try:
                 client.infer("add_sub", add_sub_inputs())
-                outcomes.append(200)
+                outcomes.append(True)
             except Exception:  # noqa: BLE001  (a failed request is what is counted)
-                outcomes.append(500)
+                outcomes.append(False)
 
     clients = [threading.Thread(target=load) for _ in range(2)]
     for thread in clients:
         thread.start()
-    time.sleep(1.0)
-    actor.send_signal(signal.SIGKILL)
-    killed_at = len(outcomes)
+    victim = streams[0].replica
+    child = replica_processes(repository)[victim]
+    child.parent().send_signal(signal.SIGKILL)
     # Its server follows it (parent-death signal), and Serve starts a new replica.
-    assert psutil.wait_procs([psutil.Process(child_pid)], timeout=30)[1] == [], "the orphaned server still runs"
+    assert psutil.wait_procs([child], timeout=30)[1] == [], "the killed replica's server still runs"
     after = wait_for_replicas(serve_ray, 1, timeout=120, besides=before)
-    time.sleep(1.0)
     stop.set()
-    for thread in clients:
+    for thread in [*clients, *streams]:
         thread.join()
-    failed = outcomes[killed_at:].count(500)
-    assert failed <= 2 * len(clients), f"{failed} failed of {len(outcomes) - killed_at} after the kill"
-    assert outcomes[-20:] == [200] * 20
+    assert all(not stream.completed for stream in streams if stream.replica == victim)
+    assert all(stream.completed for stream in streams if stream.replica != victim)
+    assert outcomes.count(False) <= len(clients) and outcomes[-10:] == [True] * 10, outcomes.count(False)
     assert len(after - before) == 1 and len(replica_processes(repository)) == 2
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 LOOPBACK = "127.0.0.1"
+REPLICA_ENV = "TRANSERVE_RAY_REPLICA"
+"""Names the replica in its child's environment, so that `ps e` or psutil can tell which server is whose."""
 
 
 class ChildError(RuntimeError):
@@ -48,7 +50,7 @@ def _die_with_parent() -> None:
 class ChildServer:
     """A `transerve serve` process on loopback; `http_port` is where the replica forwards to."""
 
-    def __init__(self, repositories: Sequence[str], server_flags: Sequence[str], log_path: Path) -> None:
+    def __init__(self, repositories: Sequence[str], server_flags: Sequence[str], log_path: Path, replica: str) -> None:
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.log_path = log_path
         self._command = [
@@ -59,6 +61,7 @@ class ChildServer:
             f"--metrics-address={LOOPBACK}", f"--metrics-port={self.metrics_port}",
             *server_flags,
         ]
+        self._env = {**os.environ, REPLICA_ENV: replica}
         self._started = threading.Event()
         self._process: subprocess.Popen[bytes] | None = None
         self._failure: BaseException | None = None
@@ -84,7 +87,8 @@ class ChildServer:
         try:
             with open(self.log_path, "ab") as log:
                 self._process = subprocess.Popen(self._command, stdin=subprocess.DEVNULL, stdout=log,
-                                                 stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                                 stderr=subprocess.STDOUT, env=self._env,
+                                                 preexec_fn=_die_with_parent)
         except OSError as error:
             self._failure = error
         finally:

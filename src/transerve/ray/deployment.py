@@ -31,7 +31,7 @@ class TranserveReplica:
         log_dir.mkdir(parents=True, exist_ok=True)
         self._settings = settings
         self._child = ChildServer(settings.repositories, settings.server_flags,
-                                  log_dir / f"transerve-ray-{self.replica}.log")
+                                  log_dir / f"transerve-ray-{self.replica}.log", self.replica)
         self._child.start(settings.ready_timeout_s)
         self._forwarder = Forwarder(self._child.http_port, self.replica)
         self._in_flight = 0
