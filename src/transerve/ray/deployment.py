@@ -21,6 +21,9 @@ from .child import ChildServer
 from .forwarding import Forwarder, unavailable
 from .settings import ReplicaSettings
 
+READY_PROBE_TIMEOUT_S = 5.0
+"""Under Serve's own health-check timeout (10 s by default), so that a slow answer reads as not ready."""
+
 
 class TranserveReplica:
     """One replica: a child server and the requests in flight to it."""
@@ -50,7 +53,7 @@ class TranserveReplica:
         """Serve's probe: healthy while the child runs and answers `/v2/health/ready` with 200."""
         if not self._child.alive:
             raise RuntimeError(f"transerve serve exited:\n{self._child.log_tail()}")
-        if not await asyncio.to_thread(self._child.ready, self._settings.exit_grace_s):
+        if not await asyncio.to_thread(self._child.ready, READY_PROBE_TIMEOUT_S):
             raise RuntimeError("transerve serve is not ready (/v2/health/ready)")
 
     async def __del__(self) -> None:
