@@ -5,7 +5,7 @@ chunk as the server writes them. Compressed bodies pass through untouched both w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
 from starlette.requests import Request
@@ -19,8 +19,8 @@ REPLICA_HEADER = "transerve-replica"
 """Names the replica that answered: requests' spread and per-replica statistics are read from it."""
 
 
-def _forwardable(headers: object) -> list[tuple[str, str]]:
-    return [(name, value) for name, value in headers.items() if name.lower() not in HOP_BY_HOP]  # type: ignore[attr-defined]
+def _forwardable(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    return [(name, value) for name, value in headers.items() if name.lower() not in HOP_BY_HOP]
 
 
 def unavailable(message: str) -> Response:
