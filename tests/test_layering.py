@@ -25,7 +25,9 @@ ALLOWED: dict[str, set[str]] = {
     "convert": {"core", "config", "export"},
     "perf": set(),  # a client of the server, over the network only
     "client": set(),  # likewise
-    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "scheduling", "perf", "client"},
+    "ray": {"core"},  # Ray Serve replicas run `transerve serve` as a child process: nothing of the server
+    "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "scheduling", "perf", "client",
+            "ray"},
     "__main__": {"cli"},
 }
 

@@ -30,6 +30,7 @@ from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
 from transerve.frontends.http.protocol import HttpLimits
 from transerve.frontends.tls import TlsError, TlsOptions
 from transerve.perf import command as perf_command
+from transerve.ray import command as ray_command
 from transerve.scheduling.response_cache import parse_cache_config
 from transerve.server import ControlMode, Server, ServerOptions
 from transerve.server.metrics_config import parse_metrics_config
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert_command.add_parser(commands)
     perf_command.add_parser(commands)
     client_command.add_parser(commands)
+    ray_command.add_parser(commands)
     return parser
 
 
@@ -475,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         return perf_command.run(args)
     if args.command == "client":
         return client_command.run(args)
+    if args.command == "serve-ray":
+        return ray_command.run(args)
     # The format and the per-level switches are the server's `ServerLog`'s, applied once it exists.
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         **({"filename": args.log_file} if args.log_file else {"stream": sys.stderr}))
