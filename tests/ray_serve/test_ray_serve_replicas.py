@@ -15,7 +15,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,14 +28,13 @@ pytest.importorskip("ray.serve", reason="the ray extra (pip install 'transerve[r
 import tritonclient.http as triton_http  # noqa: E402
 from support import EXAMPLE_REPOSITORY, REPO_ROOT, ServerProcess  # noqa: E402
 from support.doc_blocks import code_blocks, commands  # noqa: E402
-from support.ray_cluster import ray_cluster  # noqa: E402
+from support.ray_cluster import REPLICA, ray_cluster, replica_of, wait_for_replicas  # noqa: E402
 from support.servers import free_ports  # noqa: E402
 
 from transerve.ray.child import REPLICA_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-REPLICA = "transerve-replica"
 RAY_PAGE = REPO_ROOT / "docs" / "ray.md"
 COUNTER = Path(__file__).resolve().parents[1] / "e2e" / "decoupled_bls_models" / "counter"
 
@@ -78,25 +76,6 @@ def serve_ray(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             yield server
         finally:
             server.stop(timeout=60)
-
-
-def replica_of(server: ServerProcess) -> str | None:
-    try:
-        response = requests.get(f"{server.base_url}/v2/health/ready", timeout=10)
-    except requests.RequestException:
-        return None
-    return response.headers.get(REPLICA) if response.status_code == 200 else None
-
-
-def wait_for_replicas(server: ServerProcess, count: int, timeout: float, besides: set[str] = frozenset()) -> set[str]:
-    """Poll until `count` distinct replicas (not in `besides`) answered within the last 40 requests."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen = {replica_of(server) for _ in range(40)} - {None}
-        if len(seen - besides) >= count:
-            return seen
-        time.sleep(0.5)
-    raise AssertionError(f"fewer than {count} replicas answer after {timeout} s:\n{server.log_tail()}")
 
 
 def add_sub_inputs() -> list[triton_http.InferInput]:

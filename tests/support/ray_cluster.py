@@ -18,7 +18,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .servers import free_ports
+import requests
+
+from .servers import ServerProcess, free_ports
+
+#: The response header that names the replica which answered (transerve.ray).
+REPLICA = "transerve-replica"
 
 
 def _ray(*args: str) -> list[str]:
@@ -81,3 +86,22 @@ def _wait_for_gcs(head: RayNode, port: int, timeout: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"ray's GCS not listening on {port} after {timeout:.0f} s")
+
+
+def replica_of(server: ServerProcess) -> str | None:
+    try:
+        response = requests.get(f"{server.base_url}/v2/health/ready", timeout=10)
+    except requests.RequestException:
+        return None
+    return response.headers.get(REPLICA) if response.status_code == 200 else None
+
+
+def wait_for_replicas(server: ServerProcess, count: int, timeout: float, besides: set[str] = frozenset()) -> set[str]:
+    """Poll until `count` distinct replicas (not in `besides`) answered within the last 40 requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = {replica_of(server) for _ in range(40)} - {None}
+        if len(seen - besides) >= count:
+            return seen
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} replicas answer after {timeout} s:\n{server.log_tail()}")
