@@ -141,6 +141,15 @@ def test_server_sent_events_stream_through(serve_ray: ServerProcess) -> None:
     assert len(events) == 5 and b'"OUT":4' in events[-1].replace(b" ", b""), events
 
 
+def test_openai_routes_pass_through(serve_ray: ServerProcess) -> None:
+    """/v1 reaches the replicas' servers as /v2 does: this repository has no generation or embedding model, so the
+    list is empty, and an unknown model is OpenAI's 404."""
+    listing = requests.get(f"{serve_ray.base_url}/v1/models", timeout=30)
+    assert listing.status_code == 200 and listing.json() == {"object": "list", "data": []}, listing.text
+    unknown = requests.post(f"{serve_ray.base_url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found", unknown.text
+
+
 def replica_processes(repository: Path) -> dict[str, psutil.Process]:
     """The replicas' actor processes, by replica: the parents of the `transerve serve` children on `repository`."""
     found = {}
