@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import requests
 import yaml
-
-from tests.support.doc_blocks import code_blocks, commands
-from tests.support.servers import EXAMPLE_REPOSITORY, REPO_ROOT, http_status, start_server
+from support.doc_blocks import code_blocks, commands
+from support.servers import EXAMPLE_REPOSITORY, REPO_ROOT, http_status, start_server
 
 DEPLOY = REPO_ROOT / "deploy"
 CHART = DEPLOY / "helm" / "transerve"
