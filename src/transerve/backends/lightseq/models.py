@@ -38,6 +38,17 @@ def _size(weights: LightSeqWeights, path: str, per: int = 1) -> int:
     return value.size // per
 
 
+def _stack_sizes(weights: LightSeqWeights) -> tuple[int, int, int, int, int]:
+    """A Gpt or Bert file's sizes, read off its arrays: hidden, vocabulary, positions, layers, feed-forward inner."""
+    hidden = _size(weights, "src_embedding/norm_scale")
+    vocab = _size(weights, "src_embedding/token_embedding", hidden)
+    positions = _size(weights, "src_embedding/position_embedding", hidden)
+    layers = weights.layers.get("encoder_stack", 0)
+    if not layers:
+        raise FormatError(f"the {weights.model_type} file has no layers (encoder_stack)")
+    return hidden, vocab, positions, layers, _size(weights, "encoder_stack/0/ffn_first_bias")
+
+
 def _heads(weights: LightSeqWeights, hidden: int) -> int:
     heads = int(weights.conf.get("head_num") or 0)
     if heads <= 0 or hidden % heads:
@@ -165,13 +176,7 @@ def gpt_model(weights: LightSeqWeights) -> Any:
     import transformers
 
     conf = weights.conf
-    hidden = _size(weights, "src_embedding/norm_scale")
-    vocab = _size(weights, "src_embedding/token_embedding", hidden)
-    max_step = _size(weights, "src_embedding/position_embedding", hidden)
-    layers = weights.layers.get("encoder_stack", 0)
-    if not layers:
-        raise FormatError("the Gpt file has no layers (encoder_stack)")
-    inner = _size(weights, "encoder_stack/0/ffn_first_bias")
+    hidden, vocab, max_step, layers, inner = _stack_sizes(weights)
     eos = int(conf.get("eos_id", 0))
     pad = int(conf.get("src_padding_id", 0))
     config = transformers.GPT2Config(
@@ -211,13 +216,7 @@ def bert_model(weights: LightSeqWeights) -> Any:
         raise FormatError("pre-LN Bert files (is_post_ln false) are not served yet")
     if conf.get("multilg_type"):
         raise FormatError("multilingual Bert files (multilg_type) are not served")
-    hidden = _size(weights, "src_embedding/norm_scale")
-    vocab = _size(weights, "src_embedding/token_embedding", hidden)
-    positions = _size(weights, "src_embedding/position_embedding", hidden)
-    layers = weights.layers.get("encoder_stack", 0)
-    if not layers:
-        raise FormatError("the Bert file has no layers (encoder_stack)")
-    inner = _size(weights, "encoder_stack/0/ffn_first_bias")
+    hidden, vocab, positions, layers, inner = _stack_sizes(weights)
     config = transformers.BertConfig(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=_heads(weights, hidden),
         intermediate_size=inner, hidden_act="gelu" if conf.get("use_gelu", True) else "relu",
