@@ -181,9 +181,10 @@ def served_name(model: str, key: str) -> str:
 
 
 def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: int, device: str, dtype: str,
-                 warmup: float, duration: float) -> Measured:
+                 warmup: float, duration: float, profile: bool = False) -> Measured:
     """The torch engine in process, `rows` rows and as many sequences in a closed loop; the asked tokens of
-    sequences completed inside the window count (a short one is an error)."""
+    sequences completed inside the window count (a short one is an error). `profile`: the window runs under
+    torch's profiler (every thread), whose tables go to stderr: where a step's time goes, not a row to report."""
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
     from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine
@@ -222,7 +223,8 @@ def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: i
         time.sleep(warmup)
         with lock:
             window[:] = [time.perf_counter(), time.perf_counter() + duration]
-        time.sleep(duration)
+        with profiled(profile, device, f"{model.name}, engine alone, {scheduling}, {rows} rows, {duration:g} s"):
+            time.sleep(duration)
         stop.set()
         measured.seconds = duration
     finally:
@@ -230,6 +232,60 @@ def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: i
         engine.close()
         engine.join(30)
     return measured
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: str, title: str) -> Any:
+    """When `enabled`, the engine thread's decoding steps during the block run under torch's profiler (it records
+    the thread it starts on, so it starts and stops inside `BatchRunner.step`, on the engine thread): the ops by
+    their own CPU time and by device time, and the share of the profiled steps' wall time the device computed (on
+    a GPU, the idle share is what per-step CPU work costs). Joining work on the joining thread is left out of the
+    CPU table; its kernels count in the device's."""
+    if not enabled:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from transerve.backends.generation.torch_runner import BatchRunner
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    original = BatchRunner.step
+    state: dict[str, Any] = {"profiler": None, "started": 0.0, "stop": False, "wall": 0.0}
+    finished = threading.Event()
+
+    def step(runner: BatchRunner, new: Any) -> Any:
+        if state["profiler"] is None and not finished.is_set():
+            state["profiler"] = torch.profiler.profile(activities=activities)
+            state["profiler"].__enter__()
+            state["started"] = time.perf_counter()
+        result = original(runner, new)
+        if state["stop"] and state["profiler"] is not None and not finished.is_set():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            state["wall"] = time.perf_counter() - state["started"]
+            state["profiler"].__exit__(None, None, None)
+            finished.set()
+        return result
+
+    BatchRunner.step = step  # type: ignore[method-assign]
+    try:
+        yield
+        state["stop"] = True
+        finished.wait(60)
+    finally:
+        BatchRunner.step = original  # type: ignore[method-assign]
+    if not finished.is_set():
+        print(f"profile: {title}: no decoding step ran", file=sys.stderr)
+        return
+    averages = state["profiler"].key_averages()
+    print(f"\nprofile: {title}", file=sys.stderr)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+    if device == "cuda":
+        print(averages.table(sort_by="self_device_time_total", row_limit=15), file=sys.stderr)
+        busy = sum(event.self_device_time_total for event in averages) / 1e6
+        print(f"device busy {busy:.3f} s of {state['wall']:.3f} s ({100 * busy / state['wall']:.0f}%)",
+              file=sys.stderr)
 
 
 def generate_rows(model: Model, requests: list[Request], rows: int, device: str, dtype: str) -> list[Measured]:
@@ -381,6 +437,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--tests-timeout", type=float, default=240.0)
     parser.add_argument("--workdir", type=Path, help="build the models here (default: a temporary folder)")
+    parser.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                        help="after the engine-alone rows, profile SECONDS of each model's engine in-flight")
     add_json_option(parser)
     if "--dry-run" in sys.argv[1:]:  # smaller defaults; options given explicitly still win
         parser.set_defaults(rows=8, small_batch=4, clients=8, baseline_threads=2, requests=24, static_requests=16,
@@ -430,6 +488,9 @@ def main() -> None:
                                    args.duration)
                 print(f"  {scheduling}: {row.rate:.0f} tokens/s, errors {row.errors}", file=sys.stderr)
                 results[model.name][row.key] = row
+            if args.profile:
+                engine_alone(model, loads[model.name], "inflight", args.rows, device, dtype, args.warmup,
+                             args.profile, profile=True)
         served, ttft, notes = serve(args, models, loads, configs, workdir)
     for row in served:
         results[row.model][row.key] = row

@@ -25,7 +25,8 @@ def test_the_dry_run_goes_through_every_part_and_prints_the_issues_table(tmp_pat
     from benchmarks.gpu_check import ROWS
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)]))
-    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--workdir", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--workdir", str(tmp_path),
+                             "--profile", "0.5"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     report = result.stdout
@@ -40,3 +41,6 @@ def test_the_dry_run_goes_through_every_part_and_prints_the_issues_table(tmp_pat
     assert sum(line.startswith("| served in-flight") for line in lines) == 4  # two goals, two models
     assert "GPU tests: " in report and "collected" in report
     assert "not served" not in report
+    for model in ("t5", "gpt2"):  # --profile: each model's engine under torch's profiler, its ops on stderr
+        assert f"profile: {model}, engine alone, inflight, 8 rows" in result.stderr
+    assert "Self CPU time total" in result.stderr
