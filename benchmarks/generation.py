@@ -148,7 +148,7 @@ def baseline(model: Model, requests: list[Request], threads: int, torch_threads:
 
     class Stop(transformers.StoppingCriteria):
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool)
+            return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
 
     processors = transformers.LogitsProcessorList([Count()])
     criteria = transformers.StoppingCriteriaList([Stop()])

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from support.cuda import ctranslate2_cuda_problem
 from support.generation_models import ARCHITECTURES, build_generation_model
 
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest, GenerationResult
@@ -286,7 +287,7 @@ def test_close_fails_pending_sequences(models):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(ctranslate2.get_cuda_device_count() == 0, reason="no CUDA GPU")
+@pytest.mark.skipif(ctranslate2_cuda_problem() is not None, reason=str(ctranslate2_cuda_problem()))
 @pytest.mark.parametrize("compute_type", ["float32", "float16", "int8_float16"])
 def test_cuda(models, compute_type):
     model = models["t5"]
