@@ -20,14 +20,12 @@ layers the model extends by one step (`GrowingLayer`), and the grown tensors are
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows, select_rows
-from transerve.backends.generation.row_groups import GROUPED_SDPA, grouped, plan
 
 if TYPE_CHECKING:
     import torch
@@ -203,11 +201,6 @@ class ModelRunner:
         self.cache_keyword = _cache_keyword(model.forward)
         self.decoder_cache_keyword = _cache_keyword(model.get_decoder().forward) if self.encoder_decoder else ""
         self.cross_cache_keyword = _cache_keyword(self.cross_attention[0].forward) if self.cross_attention else ""
-        #: Whether a step's self-attention runs in groups of rows (`row_groups`: CPU models loaded with it), and
-        #: the modules that must not (cross-attention, whose single query attends to the encoder's states).
-        self.row_groups = getattr(model.config, "_attn_implementation", None) == GROUPED_SDPA and (
-            not self.encoder_decoder or bool(self.cross_attention))
-        self.ungrouped = frozenset(id(module) for module in self.cross_attention)
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -326,35 +319,25 @@ class ModelRunner:
 
         mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
         positions = batch.positions[:, None]
-        with self._attention_groups(mask):
-            if self.encoder_decoder:
-                if self.positions is not None:
-                    self.positions.position_ids = positions
-                out = self.model(
-                    encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
-                    attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None],
-                    decoder_attention_mask=mask, use_cache=True, **{self.cache_keyword: cache},
-                )
-                self_cache = cache.self_attention_cache
-            else:
-                out = self.model(
-                    input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
-                    **{self.cache_keyword: cache},
-                )
-                self_cache = cache
+        if self.encoder_decoder:
+            if self.positions is not None:
+                self.positions.position_ids = positions
+            out = self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
+                attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None], decoder_attention_mask=mask,
+                use_cache=True, **{self.cache_keyword: cache},
+            )
+            self_cache = cache.self_attention_cache
+        else:
+            out = self.model(
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                **{self.cache_keyword: cache},
+            )
+            self_cache = cache
         batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
         batch.mask = mask
         batch.positions = batch.positions + 1
         return out.logits[:, -1, :]
-
-
-    def _attention_groups(self, mask: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-        """The step's self-attention in groups of rows (`row_groups.plan` over each row's real steps, which the
-        left-padded `mask` holds at its right end) where that reads less; else as one call."""
-        if not self.row_groups or mask.shape[0] < 2:
-            return contextlib.nullcontext()
-        groups = plan(mask.sum(dim=1).tolist())
-        return grouped(groups, mask.shape[1], self.ungrouped) if len(groups) > 1 else contextlib.nullcontext()
 
 
 def _cache_keyword(function: Any) -> str:

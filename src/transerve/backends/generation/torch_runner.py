@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.row_groups import use_row_groups
 from transerve.backends.generation.sampling import ModelRules
 from transerve.backends.threaded import import_engine
 from transerve.backends.torch_attention import use_decoding_attention
@@ -204,7 +203,6 @@ def _load_model(loader: Any, model_dir: Path, device: str, compute_type: str, on
     use_decoding_attention(torch, torch.device(device))  # the key length changes every step
     model = loader.from_pretrained(model_dir, dtype=getattr(torch, compute_type))
     model.to(torch.device(device)).eval()
-    use_row_groups(model)  # on the CPU: decoding attention reads each group of rows' own window
     if not (onednn_linear and model.device.type == "cpu" and compute_type == "float32"):
         return model, False
     from transerve.backends.generation.onednn_linear import onednn_available, use_onednn_linears
