@@ -97,9 +97,10 @@ class RowSelection:
     sources: torch.Tensor | None
 
 
-def select_rows(index: torch.Tensor) -> RowSelection:
-    """The selection of the rows `index` [count] (in that order; rows may repeat)."""
-    moved = [row for row, source in enumerate(index.tolist()) if source != row]
+def select_rows(index: torch.Tensor, order: list[int] | None = None) -> RowSelection:
+    """The selection of the rows `index` [count] (in that order; rows may repeat); `order`: the same rows as a
+    list, where the caller has them (reading `index` back from a GPU waits for the device)."""
+    moved = [row for row, source in enumerate(index.tolist() if order is None else order) if source != row]
     if not moved:
         return RowSelection(index, len(index), None, None)
     destinations = index.new_tensor(moved)

@@ -55,11 +55,12 @@ class DecoderBatch:
     def rows(self) -> int:
         return self.positions.shape[0]
 
-    def select(self, index: torch.Tensor, decoder_only: bool = False) -> None:
+    def select(self, index: torch.Tensor, decoder_only: bool = False, order: list[int] | None = None) -> None:
         """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding; the
         caches change in place where they can (`cache_buffers.keep_rows`). `decoder_only`: rows only move among
-        rows with the same encoder states (one sequence's beams), which therefore stay as they are."""
-        rows = select_rows(index)
+        rows with the same encoder states (one sequence's beams), which therefore stay as they are. `order`:
+        `index` as a list, where the caller has one."""
+        rows = select_rows(index, order)
         self.self_kv = [(keep_rows(k, rows), keep_rows(v, rows)) for k, v in self.self_kv]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)

@@ -174,7 +174,7 @@ class BatchRunner:
             return
         if keep != list(range(self.batch.rows)):
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.batch.select(index, decoder_only=same_sequences)
+            self.batch.select(index, decoder_only=same_sequences, order=keep)
             if self.next_tokens is not None:
                 self.next_tokens = self.next_tokens.index_select(0, index)
 

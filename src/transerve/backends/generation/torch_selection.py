@@ -63,8 +63,9 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     # One log-softmax for every row: logsumexp alone costs several times more on CPU (its exp of the whole
     # vocabulary is slow where most values underflow); beams search on these log-probabilities.
     log_probs = torch.log_softmax(logits, dim=-1)
-    chosen_log_probs = log_probs.gather(1, choice[:, None])[:, 0].tolist()
-    tokens = choice.tolist()
+    # The step's one copy to the host (on a GPU each copy waits for the device): ids are exact in float64.
+    chosen = torch.stack((choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double())).tolist()
+    tokens, chosen_log_probs = [int(token) for token in chosen[0]], chosen[1]
     tops = _top_log_probs(running, log_probs, tokens)
 
     stays: list[Stay] = []
