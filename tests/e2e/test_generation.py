@@ -615,7 +615,8 @@ def test_gpu_instances_decode_as_transformers_does(gpu_server, references, model
 @pytest.mark.skipif(not torch.cuda.is_available() or "cuBLAS" not in str(ctranslate2_cuda_problem()),
                     reason="a CUDA GPU where CTranslate2 cannot load CUDA 12's cuBLAS")
 def test_a_gpu_model_whose_engine_cannot_decode_there_is_unavailable_at_load_with_the_reason(gpu_server):
-    """On a CUDA 13 host without the gpu extra (issue 22): never READY and failing each request."""
+    """On a CUDA 13 host without the gpu extra (issue 22): UNAVAILABLE at load with the reason, where it used to
+    be READY and fail every request."""
     index = requests.post(f"{gpu_server.base_url}/v2/repository/index", json={}, timeout=30).json()
     (entry,) = [entry for entry in index if entry["name"] == "t5_gpu"]
     assert entry["state"] == "UNAVAILABLE"
