@@ -183,8 +183,9 @@ def served_name(model: str, key: str) -> str:
 def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: int, device: str, dtype: str,
                  warmup: float, duration: float, profile: bool = False) -> Measured:
     """The torch engine in process, `rows` rows and as many sequences in a closed loop; the asked tokens of
-    sequences completed inside the window count (a short one is an error). `profile`: the window runs under
-    torch's profiler (every thread), whose tables go to stderr: where a step's time goes, not a row to report."""
+    sequences completed inside the window count (a short one is an error). `profile`: the window's decoding
+    steps run under torch's profiler (`profiled`), whose tables go to stderr: where a step's time goes, not a row
+    to report."""
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
     from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine

@@ -225,10 +225,10 @@ class ModelRunner:
         token), which the next `step` consumes together with every other row's token: joining costs one encoder
         call for all new sequences and no decoder step of its own (their self-attention cache starts empty)."""
         batch = self._encode(sources)
-        index = self._repeat(repeats)
-        if len(index) != len(sources):
-            batch.select(index)
-        return batch, self._tensor([self.decoder_start_id] * len(sources)).index_select(0, index)
+        rows = self._repeat(repeats)
+        if len(rows) != len(sources):
+            batch.select(self._tensor(rows), order=rows)
+        return batch, self._tensor([self.decoder_start_id] * len(rows))
 
     def prefill(self, prompts: list[list[int]], repeats: list[int]) -> tuple[DecoderBatch, torch.Tensor]:
         """New decoder-only sequences' rows (sequence i gets `repeats[i]` identical rows) with their whole prompts
@@ -252,14 +252,17 @@ class ModelRunner:
             token_budget=self.token_budget,
         )
         logits = out.logits[:, -1, :]
-        index = self._repeat(repeats)
-        if len(index) != len(prompts):
-            batch.select(index)
+        rows = self._repeat(repeats)
+        if len(rows) != len(prompts):
+            index = self._tensor(rows)
+            batch.select(index, order=rows)
             logits = logits.index_select(0, index)
         return batch, logits
 
-    def _repeat(self, repeats: list[int]) -> torch.Tensor:
-        return self._tensor([i for i, count in enumerate(repeats) for _ in range(count)])
+    @staticmethod
+    def _repeat(repeats: list[int]) -> list[int]:
+        """The batch rows of sequences that get `repeats[i]` rows each."""
+        return [i for i, count in enumerate(repeats) for _ in range(count)]
 
     def _encode(self, sources: list[list[int]]) -> DecoderBatch:
         """One encoder call for all `sources` (right-padded, masked), and their cross-attention keys/values; the
