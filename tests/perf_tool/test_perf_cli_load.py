@@ -80,9 +80,12 @@ def test_http_concurrency_range_prints_perf_analyzers_summary_and_csv(server, ca
     assert rows[0] == CSV_HEADER
     assert [row[0] for row in rows[1:]] == ["1", "2"]
     assert [float(row[1]) for row in rows[1:]] == numbers(out, "Throughput")
-    # The server handled what the client sent: its successes cover the client's answered requests.
-    assert all(s >= c for s, c in zip(numbers(out, "Successful request count"), numbers(out, "Request count"),
-                                      strict=True))
+    # The server handled what the client sent: its successes cover the client's answered requests, but for those
+    # in flight when a window opened (the server may count one before the window's first statistics read and the
+    # client receive it after): at most the concurrency in each of the three merged windows.
+    for level, s, c in zip((1, 2), numbers(out, "Successful request count"), numbers(out, "Request count"),
+                           strict=True):
+        assert s >= c - 3 * level, (level, s, c)
 
 
 def test_grpc_request_rate_with_batches_poisson_and_a_percentile(server, capsys, tmp_path):
