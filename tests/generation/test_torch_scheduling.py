@@ -94,6 +94,52 @@ def test_rows_join_and_leave_in_place_in_the_cache_buffers(models, arch):
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_the_hosts_row_lengths_follow_the_masks_and_trimming_keeps_no_unneeded_padding(models, arch):
+    """The batch trims padding from the host's copy of each row's history and source lengths (no read from the
+    device): through prefill or encoding, steps, joins, leaves (by a host list or an index tensor alone) and
+    splits, the copies equal the masks' counts, and the windows keep only what the longest row needs."""
+    engine = TorchEngine(models[arch].path, max_batch_rows=4)
+    runner = engine.runner.forward
+
+    def check(batch):
+        assert batch.lengths == batch.mask.sum(dim=1).tolist()
+        assert batch.mask.shape[1] == max(batch.lengths, default=0)
+        assert all(k.shape[2] == batch.mask.shape[1] for k, _ in batch.self_kv)
+        if runner.encoder_decoder:
+            assert batch.sources == batch.encoder_mask.sum(dim=1).tolist()
+            assert batch.encoder_mask.shape[1] == max(batch.sources)
+            assert all(k.shape[2] == max(batch.sources) for k, _ in batch.cross_kv)
+
+    def first_inputs(first):
+        return first if runner.encoder_decoder else first.argmax(-1)
+
+    try:
+        with torch.inference_mode():
+            batch, first = runner.new_rows([[5, 6, 7, 8, 9, 10], [8, 9]], [1, 2])
+            check(batch)
+            inputs = first_inputs(first)
+            for _ in range(3):
+                inputs = runner.step(batch, inputs).argmax(-1)
+            check(batch)
+            joining, first = runner.new_rows([[10, 11, 12]], [1])
+            batch.extend(joining)
+            inputs = torch.cat((inputs, first_inputs(first)))
+            check(batch)
+            inputs = runner.step(batch, inputs).argmax(-1)
+            batch.select(torch.tensor([3, 1, 2]), order=[3, 1, 2])  # the longest row (and source) leaves
+            check(batch)
+            inputs = runner.step(batch, inputs[[3, 1, 2]]).argmax(-1)
+            batch.select(torch.tensor([1, 0]))  # no host list: the index is read once
+            check(batch)
+            runner.step(batch, inputs[[1, 0]])
+            check(batch)
+            for start, stop in ((0, 1), (1, 2)):
+                check(batch.rows_range(start, stop, own=start == 0))
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("join_group", [4, 1])
 def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group):

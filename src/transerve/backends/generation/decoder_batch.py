@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows, select_rows
@@ -50,6 +50,11 @@ class DecoderBatch:
     capacity: int = 0
     #: The engine's `kv_cache_tokens`: a (re)allocated buffer holds no more rows than this many tokens at its length.
     token_budget: int = 0
+    #: The host's copy of each row's real self-attention steps (`mask`'s ones, at its right end) and, encoder-decoder
+    #: only, of its source's length (`encoder_mask`'s ones, at its left end): trimming padding after rows leave
+    #: reads these instead of the masks, which on a GPU would wait for the device.
+    lengths: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -60,7 +65,9 @@ class DecoderBatch:
         caches change in place where they can (`cache_buffers.keep_rows`). `decoder_only`: rows only move among
         rows with the same encoder states (one sequence's beams), which therefore stay as they are. `order`:
         `index` as a list, where the caller has one."""
+        order = index.tolist() if order is None else order
         rows = select_rows(index, order)
+        self.lengths = [self.lengths[row] for row in order]
         self.self_kv = [(keep_rows(k, rows), keep_rows(v, rows)) for k, v in self.self_kv]
         self.mask = self.mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
@@ -68,6 +75,7 @@ class DecoderBatch:
             self.cross_kv = [(keep_rows(k, rows), keep_rows(v, rows)) for k, v in self.cross_kv]
             self.encoder_hidden = self.encoder_hidden.index_select(0, index)
             self.encoder_mask = self.encoder_mask.index_select(0, index)
+            self.sources = [self.sources[row] for row in order]
         self._trim()
 
     def rows_range(self, start: int, stop: int, own: bool = False) -> DecoderBatch:
@@ -87,20 +95,19 @@ class DecoderBatch:
             part(self.cross_kv) if self.cross_kv is not None else None,
             rows(self.encoder_hidden) if encoder else None,
             rows(self.encoder_mask) if encoder else None,
-            self.capacity, self.token_budget,
+            self.capacity, self.token_budget, self.lengths[start:stop], self.sources[start:stop],
         )
         batch._trim()
         return batch
 
     def _trim(self) -> None:
-        used = self.mask.any(dim=0).nonzero()
-        start = int(used[0]) if used.numel() else self.mask.shape[1]
+        """Drop the padding steps no row needs: those before the longest history, those after the longest source."""
+        start = self.mask.shape[1] - max(self.lengths, default=0)
         if start > 0:
             self.self_kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self.self_kv]
             self.mask = self.mask[:, start:]
         if self.cross_kv is not None:
-            used = self.encoder_mask.any(dim=0).nonzero()
-            end = int(used[-1]) + 1 if used.numel() else 0
+            end = max(self.sources, default=0)
             if end < self.encoder_mask.shape[1]:
                 self.cross_kv = [(k[:, :, :end], v[:, :, :end]) for k, v in self.cross_kv]
                 self.encoder_hidden = self.encoder_hidden[:, :end]
@@ -127,6 +134,8 @@ class DecoderBatch:
         self.mask = torch.cat([pad(batch.mask, (time - batch.mask.shape[1], 0)) for batch in (self, other)])
         self.positions = torch.cat((self.positions, other.positions))
         self.capacity, self.token_budget = capacity, budget
+        self.lengths = self.lengths + other.lengths
+        self.sources = self.sources + other.sources
         if self.cross_kv is None:
             return
         source = max(self.encoder_mask.shape[1], other.encoder_mask.shape[1])
@@ -249,7 +258,7 @@ class ModelRunner:
         )
         batch = DecoderBatch(
             [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity,
-            token_budget=self.token_budget,
+            token_budget=self.token_budget, lengths=[len(ids) for ids in prompts],
         )
         logits = out.logits[:, -1, :]
         rows = self._repeat(repeats)
@@ -276,7 +285,8 @@ class ModelRunner:
         rows = len(sources)
         empty = self._tensor([[]] * rows)
         positions = torch.zeros(rows, dtype=torch.long, device=self.device)
-        batch = DecoderBatch([], empty, positions, None, hidden, mask, self.capacity, self.token_budget)
+        batch = DecoderBatch([], empty, positions, None, hidden, mask, self.capacity, self.token_budget, [0] * rows,
+                             [len(ids) for ids in sources])
         batch.cross_kv = self._cross_kv(batch)
         return batch
 
@@ -341,6 +351,7 @@ class ModelRunner:
         batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
         batch.mask = mask
         batch.positions = batch.positions + 1
+        batch.lengths = [length + 1 for length in batch.lengths]
         return out.logits[:, -1, :]
 
 
