@@ -94,12 +94,17 @@ def test_rows_join_and_leave_in_place_in_the_cache_buffers(models, arch):
         engine.close()
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="no CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("arch", ["t5", "gpt2"])
-def test_the_hosts_row_lengths_follow_the_masks_and_trimming_keeps_no_unneeded_padding(models, arch):
+def test_the_hosts_row_lengths_follow_the_masks_and_trimming_keeps_no_unneeded_padding(models, arch, device):
     """The batch trims padding from the host's copy of each row's history and source lengths (no read from the
     device): through prefill or encoding, steps, joins, leaves (by a host list or an index tensor alone) and
     splits, the copies equal the masks' counts, and the windows keep only what the longest row needs."""
-    engine = TorchEngine(models[arch].path, max_batch_rows=4)
+    engine = TorchEngine(models[arch].path, max_batch_rows=4, device=device)
     runner = engine.runner.forward
 
     def check(batch):
@@ -127,10 +132,10 @@ def test_the_hosts_row_lengths_follow_the_masks_and_trimming_keeps_no_unneeded_p
             inputs = torch.cat((inputs, first_inputs(first)))
             check(batch)
             inputs = runner.step(batch, inputs).argmax(-1)
-            batch.select(torch.tensor([3, 1, 2]), order=[3, 1, 2])  # the longest row (and source) leaves
+            batch.select(torch.tensor([3, 1, 2], device=device), order=[3, 1, 2])  # the longest row (and source) leaves
             check(batch)
             inputs = runner.step(batch, inputs[[3, 1, 2]]).argmax(-1)
-            batch.select(torch.tensor([1, 0]))  # no host list: the index is read once
+            batch.select(torch.tensor([1, 0], device=device))  # no host list: the index is read once
             check(batch)
             runner.step(batch, inputs[[1, 0]])
             check(batch)
