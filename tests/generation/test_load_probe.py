@@ -136,7 +136,7 @@ def test_engines_whose_library_fails_at_the_first_decode_are_unavailable_and_the
     def breaking_init(self, model_dir, *args, **kwargs):
         torch_init(self, model_dir, *args, **kwargs)
         if "broken" in str(model_dir):
-            def step(new):
+            def step(new, prompts=None):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
             self.runner.step = step

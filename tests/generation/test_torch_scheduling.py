@@ -150,13 +150,19 @@ def test_the_hosts_row_lengths_follow_the_masks_and_trimming_keeps_no_unneeded_p
 def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group):
     """Under in-flight batching, the call that computes a joining sequence's rows computes those of the
     sequences waiting behind it too (up to `join_group` in all), beams included; they join later with those rows
-    and their outputs are still generate's. `join_group` 1 computes each sequence's rows on its own."""
+    and their outputs are still generate's. `join_group` 1 computes each sequence's rows on its own. A model that
+    prefills joining prompts in the step's own forward (decoder-only on the CPU) has no joining call once rows
+    run: every sequence after the first call's joins that way."""
     model = models[arch]
     # decoding on every core: no joining thread, which could prepare the waiting sequences first
     engine = TorchEngine(model.path, max_batch_rows=3, join_group=join_group, intra_op_threads=cpu_count())
     calls: list[int] = []
-    new_rows = engine.runner.forward.new_rows
-    engine.runner.forward.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)
+    fused: list[int] = []
+    runner = engine.runner.forward
+    new_rows, step_with_prompts = runner.new_rows, runner.step_with_prompts
+    runner.new_rows = lambda inputs, repeats: calls.append(len(inputs)) or new_rows(inputs, repeats)
+    runner.step_with_prompts = lambda batch, tokens, prompts, repeats: (
+        fused.append(len(prompts)) or step_with_prompts(batch, tokens, prompts, repeats))
     texts = [model.ids(text) for text in TEXTS]
     # C (1 row) joins when B's 2 rows leave; D (2 rows) and E (1 row) wait behind it. Beam search keeps its end
     # tokens (generate's beam search needs one), greedy decoding runs to max_new_tokens.
@@ -185,6 +191,10 @@ def test_a_joining_call_prepares_waiting_sequences_too(models, arch, join_group)
             assert tokens(future.result(timeout=60)) == want, name
     finally:
         engine.close()
+    if runner.fuses_joins:
+        assert len(calls) == 1 and sum(calls) + sum(fused) == 5  # A (and B), then the rest in steps
+        return
+    assert not fused
     assert sum(calls) == 5  # each sequence's rows computed once (A and B together, or each as it came)
     assert max(calls) == (3 if join_group == 4 else 2 if calls[0] == 2 else 1)  # C's call: C, D and E, or C alone
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows, select_rows
+from transerve.backends.generation.fused_joins import Fused, fused, fused_layer_class, use_fused_joins
 
 if TYPE_CHECKING:
     import torch
@@ -211,6 +212,12 @@ class ModelRunner:
         self.cache_keyword = _cache_keyword(model.forward)
         self.decoder_cache_keyword = _cache_keyword(model.get_decoder().forward) if self.encoder_decoder else ""
         self.cross_cache_keyword = _cache_keyword(self.cross_attention[0].forward) if self.cross_attention else ""
+        #: Whether joining prompts are prefilled in the running rows' step (`fused_joins`): decoder-only models on
+        #: the CPU, where a step is bound by reading the weights, whose positions reach the model per token.
+        self.fuses_joins = (
+            not self.encoder_decoder and self.device.type == "cpu" and self.per_row_positions
+            and self.logits_to_keep and not self.mutable_forward and use_fused_joins(model)
+        )
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -326,6 +333,67 @@ class ModelRunner:
         cross = DynamicCache()
         cross.layers = [_layer(k, v) for k, v in batch.cross_kv]
         return self._decode(batch, tokens, EncoderDecoderCache(cache, cross))
+
+    def step_with_prompts(
+        self, batch: DecoderBatch, tokens: torch.Tensor, prompts: list[list[int]], repeats: list[int],
+    ) -> tuple[torch.Tensor, DecoderBatch, torch.Tensor]:
+        """`step` and `prefill` in one forward pass (`fused_joins`, where `fuses_joins`): feeds each running row its
+        next token and grows `batch` by one step, and computes the new sequences' rows (sequence i gets
+        `repeats[i]` rows). Returns the running rows' next-token logits, the new rows' batch and their logits."""
+        import torch
+        from transformers import DynamicCache
+
+        rows = batch.rows
+        spans, start = [], rows
+        for ids in prompts:
+            spans.append((start, start + len(ids)))
+            start += len(ids)
+        ids = torch.cat((tokens, self._tensor([token for prompt in prompts for token in prompt])))[None]
+        positions = torch.cat([batch.positions] + [torch.arange(len(ids_), device=self.device) for ids_ in prompts])
+        mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
+        plan = Fused(rows, spans, mask.bool()[:, None, None, :])
+        layer_class = fused_layer_class()
+        cache = DynamicCache()
+        cache.layers = [layer_class(plan, index, k, v, batch.capacity, batch.token_budget)
+                        for index, (k, v) in enumerate(batch.self_kv)]
+        keep = self._tensor(list(range(rows)) + [stop - 1 for _, stop in spans])
+        with fused(plan):
+            # A prepared (4-D) mask ends transformers' mask building at once; the fused attention ignores it.
+            out = self.model(
+                input_ids=ids, attention_mask=plan.mask[:1, :, :, :1], position_ids=positions[None], use_cache=True,
+                logits_to_keep=keep, **{self.cache_keyword: cache},
+            )
+        batch.self_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        batch.mask = mask
+        batch.positions = batch.positions + 1
+        batch.lengths = [length + 1 for length in batch.lengths]
+        logits = out.logits[0]
+        new = self._prompt_rows(prompts, cache.layers)
+        new_logits = logits[rows:]
+        repeated = self._repeat(repeats)
+        if len(repeated) != len(prompts):
+            index = self._tensor(repeated)
+            new.select(index, order=repeated)
+            new_logits = new_logits.index_select(0, index)
+        return logits[:rows], new, new_logits
+
+    def _prompt_rows(self, prompts: list[list[int]], layers: list[Any]) -> DecoderBatch:
+        """The rows of `prompts` from a fused forward's cache `layers`: each prompt's keys/values left-padded to
+        the longest, as `prefill` leaves them."""
+        longest = max(len(ids) for ids in prompts)
+        mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
+
+        def left_padded(computed: torch.Tensor) -> torch.Tensor:  # [1, heads, tokens, dim] -> [prompts, ...]
+            padded = computed.new_zeros((len(prompts), computed.shape[1], longest, computed.shape[3]))
+            start = 0
+            for row, ids in enumerate(prompts):
+                padded[row, :, longest - len(ids):] = computed[0, :, start:start + len(ids)]
+                start += len(ids)
+            return padded
+
+        kv = [(left_padded(layer.prompt_keys), left_padded(layer.prompt_values)) for layer in layers]
+        return DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
+                            lengths=[len(ids) for ids in prompts])
 
     def _decode(self, batch: DecoderBatch, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
         import torch

@@ -277,11 +277,16 @@ class TorchEngine:
         self._drop_cancelled()
         admitted = self._admit()
         new: tuple[DecoderBatch, torch.Tensor] | None = None
+        prompts: tuple[list[list[int]], list[int]] | None = None
         if admitted:
             admitted = self._await_prepared(admitted)
             self.scheduler.running.extend(admitted)  # from here on a failure reaches them too
-            new = self._new_rows(admitted)
-        logits = self.runner.step(new)
+            if self.runner.forward.fuses_joins and self.runner.batch is not None:
+                fresh = [s for s in admitted if s.prepared is None]  # prefilled in the step's forward, after the rest
+                prompts = ([s.input_ids for s in fresh], [s.rows for s in fresh]) if fresh else None
+                admitted = [s for s in admitted if s.prepared is not None]
+            new = self._new_rows(admitted) if admitted else None
+        logits = self.runner.step(new, prompts)
         if logits is not None:
             self._advance(logits)
 

@@ -131,9 +131,12 @@ class BatchRunner:
         self.batch: DecoderBatch | None = None
         self.next_tokens: torch.Tensor | None = None
 
-    def step(self, new: tuple[DecoderBatch, torch.Tensor] | None) -> torch.Tensor | None:
+    def step(self, new: tuple[DecoderBatch, torch.Tensor] | None,
+             prompts: tuple[list[list[int]], list[int]] | None = None) -> torch.Tensor | None:
         """One step: the running rows and the `new` ones (their batch, and first decoder inputs or first logits)
-        merged; returns every row's logits (float32, batch order), None when no row runs."""
+        merged, then those of `prompts` (decoder-only, inputs and rows per sequence, with rows running: prefilled
+        in the step's own forward, `ModelRunner.step_with_prompts`); returns every row's logits (float32, batch
+        order), None when no row runs."""
         import torch
 
         if self.forward.encoder_decoder:  # new rows' first decoder inputs go through this step with the others'
@@ -144,13 +147,17 @@ class BatchRunner:
                 return None
             self.threads.set(joining=False, used_rows=0)
             return self.forward.step(self.batch, self.next_tokens).float()
-        logits = None
+        logits, fresh = None, None
         if self.batch is not None:
             self.threads.set(joining=False, used_rows=0)
-            logits = self.forward.step(self.batch, self.next_tokens)
-        if new is not None:  # their prompts are in the cache already, and `new[1]` holds their first logits
-            self._merge(new[0])
-            logits = new[1] if logits is None else torch.cat((logits, new[1]))
+            if prompts:
+                logits, *fresh = self.forward.step_with_prompts(self.batch, self.next_tokens, *prompts)
+            else:
+                logits = self.forward.step(self.batch, self.next_tokens)
+        for rows in (new, fresh):  # their prompts are in the cache already, and `rows[1]` holds their first logits
+            if rows:
+                self._merge(rows[0])
+                logits = rows[1] if logits is None else torch.cat((logits, rows[1]))
         return None if logits is None else logits.float()
 
     def feed(self, keep: list[int], next_tokens: list[int], same_sequences: bool) -> None:

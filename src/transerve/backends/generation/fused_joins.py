@@ -1,0 +1,139 @@
+"""A decoder-only model's decoding step and the prefill of joining prompts in one forward pass.
+
+On the CPU a float32 step is bound by memory: a 32-row GPT-2 small step reads every weight once (about 0.5 GB), and
+a joining sequence's prefill, run as a forward of its own, reads them all again. Under a mixed in-flight load a
+sequence joins about every other step, so that second read is a large part of the work: a 32-row step took 95 ms
+and a 52-id prefill 70 ms, where one forward over their 84 tokens takes about 89 ms plus the step's attention
+(benchmarks/README.md, "The lever left"). This module lets one forward do both: the step's tokens (one per running
+row) and the prompts' tokens go through the model as one sequence of tokens, each with its own position; the
+linear layers see them as rows and read the weights once. Only attention needs to know which token belongs to
+what: the step's tokens attend to their rows' caches (grown by one step, as a step grows them), each prompt's
+tokens to themselves, causally. `Fused`, active on the calling thread during that forward, says so; the
+attention implementation registered here (`FUSED_ATTENTION`, transformers' "sdpa" whenever no fused forward runs)
+and the cache layers (`FusedLayer`) read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from transerve.backends.generation.cache_buffers import append
+
+if TYPE_CHECKING:
+    import torch
+
+#: The attention implementation's name in transformers' registry.
+FUSED_ATTENTION = "transerve_fused_joins"
+
+
+@dataclass(slots=True)
+class Fused:
+    """One fused forward: `rows` running rows' tokens first, then the prompts' tokens at `spans` (start, stop) of
+    the token axis (the rows' tokens included); `mask` [rows, 1, 1, time + 1] says which of the grown caches'
+    steps are real."""
+
+    rows: int
+    spans: list[tuple[int, int]]
+    mask: torch.Tensor
+    #: Per layer, the layer's cache (`FusedLayer`), registered as the forward reaches it.
+    layers: dict[int, Any] = field(default_factory=dict)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def fused(plan: Fused) -> Iterator[None]:
+    """During the block, on this thread, the model's forward is the fused one `plan` describes."""
+    _local.plan = plan
+    try:
+        yield
+    finally:
+        _local.plan = None
+
+
+def _active() -> Fused | None:
+    return getattr(_local, "plan", None)
+
+
+def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    """transformers' "sdpa" attention; in a fused forward, the running rows' queries against their caches and
+    each prompt's queries against its own keys, causally. `query`/`key`/`value` are [1, heads, tokens, dim] there;
+    the output is [1, tokens, heads, dim], as "sdpa" gives."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan = _active()
+    if plan is None or query.shape[0] != 1 or module.layer_idx not in plan.layers:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer, rows = plan.layers[module.layer_idx], plan.rows
+    parts = []
+    if rows:
+        step_query = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+        output, _ = sdpa_attention_forward(module, step_query, layer.keys, layer.values, plan.mask, **kwargs)
+        parts.append(output.reshape(1, rows, *output.shape[2:]))
+    kwargs.pop("is_causal", None)
+    for start, stop in plan.spans:
+        output, _ = sdpa_attention_forward(
+            module, query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], None, is_causal=True,
+            **kwargs,
+        )
+        parts.append(output)
+    return torch.cat(parts, dim=1), None
+
+
+def fused_mask(*args: Any, **kwargs: Any) -> Any:
+    """transformers' "sdpa" mask (fused forwards pass a prepared mask, which never reaches this)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_fused_joins(model: Any) -> bool:
+    """Make `model`'s attention `fused_attention` where it runs transformers' "sdpa"; whether it does now."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+    AttentionMaskInterface.register(FUSED_ATTENTION, fused_mask)
+    model.set_attn_implementation(FUSED_ATTENTION)
+    return model.config._attn_implementation == FUSED_ATTENTION
+
+
+@functools.cache
+def fused_layer_class() -> type:
+    """`FusedLayer`, made on first use (transformers is imported lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class FusedLayer(DynamicLayer):
+        """A layer's cache in a fused forward: the running rows' keys/values (views of our buffers), grown by their
+        step's tokens in place; the prompts' keys/values kept as computed, for their rows' caches."""
+
+        def __init__(self, plan: Fused, index: int, keys: torch.Tensor, values: torch.Tensor, capacity: int,
+                     token_budget: int) -> None:
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+            self.plan, self.index, self.capacity, self.token_budget = plan, index, capacity, token_budget
+            self.prompt_keys: torch.Tensor | None = None
+            self.prompt_values: torch.Tensor | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rows = self.plan.rows
+            if rows:
+                step_keys = key_states[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, dim]
+                step_values = value_states[0, :, :rows].transpose(0, 1).unsqueeze(2)
+                self.keys = append(self.keys, step_keys, self.capacity, self.token_budget)
+                self.values = append(self.values, step_values, self.capacity, self.token_budget)
+            self.prompt_keys, self.prompt_values = key_states[:, :, rows:], value_states[:, :, rows:]
+            self.plan.layers[self.index] = self
+            return key_states, value_states
+
+    return FusedLayer
