@@ -10,7 +10,8 @@ Encoder-decoder rows also carry their encoder output and its mask, and their cro
 right-padded to the longest source. New encoder-decoder rows join with an empty history (all padding) and consume
 the decoder start token in the next step together with every other row, so joining runs no decoder step of its
 own; new decoder-only rows join with their whole prompt in the cache and the logits after it (one forward pass
-for all of them). Rows leave by index selection, after which padding no remaining row needs is trimmed away.
+for all of them, or, on the CPU while rows run, the running rows' step itself: `fused_joins`). Rows leave by
+index selection, after which padding no remaining row needs is trimmed away.
 
 The cache tensors are our own: views of buffers with spare rows and time steps (`cache_buffers`), so that joining
 rows are written into spare rows, leaving rows are replaced by moving only the rows that change places, and each
