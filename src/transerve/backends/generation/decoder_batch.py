@@ -364,6 +364,9 @@ class ModelRunner:
                 input_ids=ids, attention_mask=plan.mask[:1, :, :, :1], position_ids=positions[None], use_cache=True,
                 logits_to_keep=keep, **{self.cache_keyword: cache},
             )
+        if len(plan.attended) != len(cache.layers):  # the caches grew, but what attention computed is not ours
+            raise RuntimeError(f"{len(cache.layers) - len(plan.attended)} of the model's attention layers did not "
+                               "run the fused attention: joining prompts cannot be prefilled in the step")
         batch.self_kv = [(layer.keys, layer.values) for layer in cache.layers]
         batch.mask = mask
         batch.positions = batch.positions + 1

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 #: The attention implementation's name in transformers' registry.
 FUSED_ATTENTION = "transerve_fused_joins"
+#: The model types whose forward passes this is known to compute exactly as a step and a prefill (tested): their
+#: attention layers all call transformers' attention interface and update the cache through its layers, and
+#: positions reach them only as `position_ids` (no mask-derived positions or biases, as ALiBi models have).
+FUSED_MODEL_TYPES = frozenset({"gpt2"})
 
 
 @dataclass(slots=True)
@@ -42,6 +46,8 @@ class Fused:
     mask: torch.Tensor
     #: Per layer, the layer's cache (`FusedLayer`), registered as the forward reaches it.
     layers: dict[int, Any] = field(default_factory=dict)
+    #: The layers whose attention ran fused: all of them, or the forward was not the fused one.
+    attended: set[int] = field(default_factory=set)
 
 
 _local = threading.local()
@@ -84,6 +90,7 @@ def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
             **kwargs,
         )
         parts.append(output)
+    plan.attended.add(module.layer_idx)
     return torch.cat(parts, dim=1), None
 
 
@@ -99,11 +106,14 @@ def use_fused_joins(model: Any) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if model.config.model_type not in FUSED_MODEL_TYPES or model.config._attn_implementation != "sdpa":
         return False
     AttentionInterface.register(FUSED_ATTENTION, fused_attention)
     AttentionMaskInterface.register(FUSED_ATTENTION, fused_mask)
-    model.set_attn_implementation(FUSED_ATTENTION)
+    try:
+        model.set_attn_implementation(FUSED_ATTENTION)
+    except ValueError:  # transformers refuses a custom implementation for this model
+        return False
     return model.config._attn_implementation == FUSED_ATTENTION
 
 

@@ -1,0 +1,76 @@
+"""Joining prompts prefilled in the running rows' step (`fused_joins`): the same numbers as a step and a prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+
+
+@pytest.fixture
+def gpt2_runner(models):
+    engine = TorchEngine(models["gpt2"].path, max_batch_rows=8)
+    yield engine.runner.forward
+    engine.close()
+
+
+def running_batch(runner, prompts):
+    """A running batch of `prompts` (one row each), two steps in, and its next tokens."""
+    batch, logits = runner.new_rows(prompts, [1] * len(prompts))
+    tokens = logits.argmax(-1)
+    for _ in range(2):
+        tokens = runner.step(batch, tokens).argmax(-1)
+    return batch, tokens
+
+
+@pytest.mark.parametrize("repeats", [[1, 1], [2, 1]])
+def test_a_step_with_prompts_equals_a_step_and_a_prefill(gpt2_runner, repeats):
+    """Logits of the running rows and of the new ones, the grown caches and the new rows' caches, masks and
+    positions: those of a step and a separate prefill (beams' repeated rows included); the running rows' bitwise,
+    the new rows' within float rounding (the separate prefill pads the shorter prompt and masks the padding)."""
+    runner = gpt2_runner
+    assert runner.fuses_joins
+    running, prompts = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
+    with torch.inference_mode():
+        apart, apart_tokens = running_batch(runner, running)
+        together, together_tokens = running_batch(runner, running)
+        step_logits = runner.step(apart, apart_tokens)
+        new, new_logits = runner.new_rows(prompts, repeats)
+        fused_logits, fused_new, fused_new_logits = runner.step_with_prompts(
+            together, together_tokens, prompts, repeats)
+    assert torch.equal(step_logits, fused_logits)
+    torch.testing.assert_close(new_logits, fused_new_logits, rtol=1e-5, atol=1e-5)
+    for mine, theirs in ((apart, together), (new, fused_new)):
+        assert torch.equal(mine.mask, theirs.mask) and torch.equal(mine.positions, theirs.positions)
+        assert mine.lengths == theirs.lengths
+        for (k, v), (fk, fv) in zip(mine.self_kv, theirs.self_kv, strict=True):
+            if mine is apart:
+                assert torch.equal(k, fk) and torch.equal(v, fv)
+            else:  # the real steps (the separate prefill's padding holds the pad token's keys, ours zeros)
+                for row, length in enumerate(mine.lengths):
+                    torch.testing.assert_close((k[row, :, -length:], v[row, :, -length:]),
+                                               (fk[row, :, -length:], fv[row, :, -length:]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_whose_attention_did_not_run_fused_fails_instead_of_answering(gpt2_runner):
+    """Should a model's attention layers bypass the fused attention (here: switched to transformers' eager one),
+    the step fails loudly rather than return what attention over the whole token axis computed."""
+    runner = gpt2_runner
+    with torch.inference_mode():
+        batch, tokens = running_batch(runner, [[5, 6, 7]])
+        runner.model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match="did not run the fused attention"):
+            runner.step_with_prompts(batch, tokens, [[8, 9]], [1])
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_encoder_decoder_models_join_as_before(models, arch):
+    """Their new rows decode their first token in the next step anyway: nothing to fuse."""
+    engine = TorchEngine(models[arch].path, max_batch_rows=4)
+    try:
+        assert not engine.runner.forward.fuses_joins
+    finally:
+        engine.close()
