@@ -5,9 +5,37 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+
+#: Tiny decoder-only configurations of the other model types fused joins are allowed for (grouped-query
+#: attention: fewer key heads than query heads), and one whose sliding window a sequence could outgrow.
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 256, "vocab_size": 300}
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+    "mistral_window": lambda: transformers.MistralConfig(**SMALL, sliding_window=64),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(models, tmp_path_factory):
+    torch.manual_seed(0)
+    dirs = {"gpt2": models["gpt2"].path}
+    for name, config in CONFIGS.items():
+        dirs[name] = tmp_path_factory.mktemp(name)
+        transformers.AutoModelForCausalLM.from_config(config()).save_pretrained(dirs[name])
+    return dirs
+
+
+@pytest.fixture(params=["gpt2", "llama", "qwen2", "mistral"])
+def runner(request, model_dirs):
+    engine = TorchEngine(model_dirs[request.param], max_batch_rows=8)
+    yield engine.runner.forward
+    engine.close()
 
 
 @pytest.fixture
@@ -27,11 +55,10 @@ def running_batch(runner, prompts):
 
 
 @pytest.mark.parametrize("repeats", [[1, 1], [2, 1]])
-def test_a_step_with_prompts_equals_a_step_and_a_prefill(gpt2_runner, repeats):
+def test_a_step_with_prompts_equals_a_step_and_a_prefill(runner, repeats):
     """Logits of the running rows and of the new ones, the grown caches and the new rows' caches, masks and
     positions: those of a step and a separate prefill (beams' repeated rows included); the running rows' bitwise,
     the new rows' within float rounding (the separate prefill pads the shorter prompt and masks the padding)."""
-    runner = gpt2_runner
     assert runner.fuses_joins
     running, prompts = [[5, 6, 7, 8, 9], [10, 11]], [[12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
     with torch.inference_mode():
@@ -64,6 +91,15 @@ def test_a_forward_whose_attention_did_not_run_fused_fails_instead_of_answering(
         runner.model.set_attn_implementation("eager")
         with pytest.raises(RuntimeError, match="did not run the fused attention"):
             runner.step_with_prompts(batch, tokens, [[8, 9]], [1])
+
+
+def test_a_sliding_window_model_joins_as_before(model_dirs):
+    """The fused attention sees every key: a model whose window a sequence could outgrow keeps separate prefills."""
+    engine = TorchEngine(model_dirs["mistral_window"], max_batch_rows=4)
+    try:
+        assert not engine.runner.forward.fuses_joins
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("arch", ["t5", "bart"])

@@ -32,7 +32,7 @@ FUSED_ATTENTION = "transerve_fused_joins"
 #: The model types whose forward passes this is known to compute exactly as a step and a prefill (tested): their
 #: attention layers all call transformers' attention interface and update the cache through its layers, and
 #: positions reach them only as `position_ids` (no mask-derived positions or biases, as ALiBi models have).
-FUSED_MODEL_TYPES = frozenset({"gpt2"})
+FUSED_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2"})
 
 
 @dataclass(slots=True)
@@ -106,7 +106,10 @@ def use_fused_joins(model: Any) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if model.config.model_type not in FUSED_MODEL_TYPES or model.config._attn_implementation != "sdpa":
+    config = model.config
+    if config.model_type not in FUSED_MODEL_TYPES or config._attn_implementation != "sdpa":
+        return False
+    if not _full_attention_only(config):  # the fused attention has no window: every key is seen
         return False
     AttentionInterface.register(FUSED_ATTENTION, fused_attention)
     AttentionMaskInterface.register(FUSED_ATTENTION, fused_mask)
@@ -115,6 +118,17 @@ def use_fused_joins(model: Any) -> bool:
     except ValueError:  # transformers refuses a custom implementation for this model
         return False
     return model.config._attn_implementation == FUSED_ATTENTION
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Whether every layer attends to the whole history: no sliding window that a sequence could outgrow."""
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return False
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return True
+    positions = getattr(config, "max_position_embeddings", None)
+    return isinstance(positions, int) and window >= positions
 
 
 @functools.cache
