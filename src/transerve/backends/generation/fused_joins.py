@@ -94,17 +94,10 @@ def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
     return torch.cat(parts, dim=1), None
 
 
-def fused_mask(*args: Any, **kwargs: Any) -> Any:
-    """transformers' "sdpa" mask (fused forwards pass a prepared mask, which never reaches this)."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
 def use_fused_joins(model: Any) -> bool:
     """Make `model`'s attention `fused_attention` where it runs transformers' "sdpa"; whether it does now."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     config = model.config
     if config.model_type not in FUSED_MODEL_TYPES or config._attn_implementation != "sdpa":
@@ -112,7 +105,7 @@ def use_fused_joins(model: Any) -> bool:
     if not _full_attention_only(config):  # the fused attention has no window: every key is seen
         return False
     AttentionInterface.register(FUSED_ATTENTION, fused_attention)
-    AttentionMaskInterface.register(FUSED_ATTENTION, fused_mask)
+    AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)  # fused forwards pass a prepared mask instead
     try:
         model.set_attn_implementation(FUSED_ATTENTION)
     except ValueError:  # transformers refuses a custom implementation for this model
