@@ -16,7 +16,8 @@ load of benchmarks/generation.py (prompts 8-64 ids, 8-128 new tokens, seeded):
   with `max_batch_rows` `--rows` and with the default rows (sized from free GPU memory), `scheduling: static` with
   `--rows`; CTranslate2 float16 and int8_float16 with `--rows` where they load (a model that does not is reported
   with its reason from the repository index); time to first token at concurrency 1 over gRPC streaming (torch);
-- the torch engine alone (no server), in-flight and static, `--rows` rows and as many sequences in a closed loop;
+- the torch engine alone (no server), in-flight (its steps recorded as CUDA graphs, and eager ones to compare)
+  and static, `--rows` rows and as many sequences in a closed loop;
 - transformers' `generate`: static batches of `--rows` sorted by length (with cuDNN's attention on and off: the
   baseline is the faster), static batches of 16, and per request from `--baseline-threads` threads;
 - CTranslate2's `generate_batch`/`translate_batch` called directly at batch `--rows`, float16 and int8_float16.
@@ -70,6 +71,7 @@ ROWS = (
                                 "clients"),
     ("served_static_rows", "served, torch engine, `scheduling: static`, {rows} rows, {clients} clients"),
     ("engine_inflight", "engine alone (no server), in-flight, {rows} sequences in a closed loop"),
+    ("engine_inflight_eager", "  (eager steps, no CUDA graphs: `cuda_graphs` false)"),
     ("engine_static", "engine alone, static, {rows} sequences"),
     ("generate_rows", "transformers `generate`, static batches of {rows} sorted by length (the faster SDPA setting)"),
     ("generate_rows_cudnn", "  (cuDNN's attention on)"),
@@ -181,18 +183,20 @@ def served_name(model: str, key: str) -> str:
 
 
 def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: int, device: str, dtype: str,
-                 warmup: float, duration: float, profile: bool = False) -> Measured:
+                 warmup: float, duration: float, profile: bool = False, graphs: bool = True) -> Measured:
     """The torch engine in process, `rows` rows and as many sequences in a closed loop; the asked tokens of
     sequences completed inside the window count (a short one is an error). `profile`: the window's decoding
     steps run under torch's profiler (`profiled`), whose tables go to stderr: where a step's time goes, not a row
-    to report."""
+    to report. `graphs`: the engine's default steps (CUDA graphs on a GPU), else eager ones."""
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
     from transerve.backends.generation.static_scheduling import scheduling_named
     from transerve.backends.generation.torch_engine import TorchEngine
 
     engine = TorchEngine(model.hf_dir, device=device, compute_type=dtype, max_batch_rows=rows,
-                         scheduling=scheduling_named(scheduling) if scheduling != "inflight" else None)
-    measured = Measured(model.name, f"engine_{scheduling}", f"engine alone, {scheduling}")
+                         scheduling=scheduling_named(scheduling) if scheduling != "inflight" else None,
+                         static_steps=None if graphs else False)
+    suffix = "" if graphs else "_eager"
+    measured = Measured(model.name, f"engine_{scheduling}{suffix}", f"engine alone, {scheduling}{suffix}")
     lock = threading.Lock()
     stop = threading.Event()
     window: list[float] = []
@@ -228,6 +232,11 @@ def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: i
             time.sleep(duration)
         stop.set()
         measured.seconds = duration
+        steps = engine.runner.forward.graphs
+        if steps is not None:
+            print(f"  steps: {len(steps.graphs)} shapes kept"
+                  f"{', recorded as CUDA graphs' if steps.capture else ', eager'}"
+                  f"{'; turned off: ' + steps.off if steps.off else ''}", file=sys.stderr)
     finally:
         stop.set()
         engine.close()
@@ -484,10 +493,10 @@ def main() -> None:
                 results[model.name][f"direct_ct2_{precision}"] = row
         for model in models:
             print(f"{model.name}: the torch engine alone...", file=sys.stderr)
-            for scheduling in ("inflight", "static"):
+            for scheduling, graphs in (("inflight", True), ("inflight", False), ("static", True)):
                 row = engine_alone(model, loads[model.name], scheduling, args.rows, device, dtype, args.warmup,
-                                   args.duration)
-                print(f"  {scheduling}: {row.rate:.0f} tokens/s, errors {row.errors}", file=sys.stderr)
+                                   args.duration, graphs=graphs)
+                print(f"  {row.key}: {row.rate:.0f} tokens/s, errors {row.errors}", file=sys.stderr)
                 results[model.name][row.key] = row
             if args.profile:
                 engine_alone(model, loads[model.name], "inflight", args.rows, device, dtype, args.warmup,

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from support.generation_models import ARCHITECTURES  # noqa: E402
-from support.torch_engine import TEXTS, Model, run, submit, tokens  # noqa: E402
+from support.torch_engine import TEXTS, joining_load, run, submit, tokens  # noqa: E402
 
 from transerve.backends.generation.engine import (  # noqa: E402
     DecodingOptions,
@@ -27,21 +27,6 @@ from transerve.backends.generation.torch_scheduler import RequestLevel  # noqa: 
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 
 
-def _joining_load(model: Model) -> list[tuple[list[int], DecodingOptions, dict]]:
-    """Sequences of different lengths and options, with the `generate` arguments that give their output."""
-    load = []
-    for index, text in enumerate(TEXTS * 2):
-        ids = model.ids(text)[: 4 + 5 * index]
-        if index % 3 == 2:
-            options = DecodingOptions(max_new_tokens=6 + index, beam_width=3, num_return_sequences=2)
-            kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6 + index}
-        else:
-            options = DecodingOptions(max_new_tokens=5 + 3 * index)
-            kwargs = {"max_new_tokens": 5 + 3 * index}
-        load.append((ids, options, kwargs))
-    return load
-
-
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_sequences_joining_a_running_batch_get_their_own_output(models, arch):
     model = models[arch]
@@ -50,7 +35,7 @@ def test_sequences_joining_a_running_batch_get_their_own_output(models, arch):
     first = submit(model.engine, first_ids, DecodingOptions(max_new_tokens=40, end_ids=[]),
                    on_tokens=lambda new: steps.release())
     futures = []
-    for ids, options, kwargs in _joining_load(model):
+    for ids, options, kwargs in joining_load(model):
         assert steps.acquire(timeout=30)  # each joins at a later step of the first one
         futures.append((submit(model.engine, ids, options), model.reference(ids, **kwargs)))
     for future, expected in futures:

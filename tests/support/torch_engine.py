@@ -53,6 +53,21 @@ class Model:
         return sequences
 
 
+def joining_load(model: Model) -> list[tuple[list[int], DecodingOptions, dict]]:
+    """Sequences of different lengths and options, with the `generate` arguments that give their output."""
+    load = []
+    for index, text in enumerate(TEXTS * 2):
+        ids = model.ids(text)[: 4 + 5 * index]
+        if index % 3 == 2:
+            options = DecodingOptions(max_new_tokens=6 + index, beam_width=3, num_return_sequences=2)
+            kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6 + index}
+        else:
+            options = DecodingOptions(max_new_tokens=5 + 3 * index)
+            kwargs = {"max_new_tokens": 5 + 3 * index}
+        load.append((ids, options, kwargs))
+    return load
+
+
 def submit(engine: TorchEngine, ids: list[int], options: DecodingOptions, on_tokens=None) -> Future:
     future: Future = Future()
     engine.submit(GenerationRequest(ids, options, stream=on_tokens is not None), on_tokens, future.set_result)

@@ -32,6 +32,8 @@ from transerve.backends.generation.fused_joins import Fused, fused, fused_layer_
 if TYPE_CHECKING:
     import torch
 
+    from transerve.backends.generation.step_graphs import StepGraphs
+
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
@@ -219,6 +221,9 @@ class ModelRunner:
             not self.encoder_decoder and self.device.type == "cpu" and self.per_row_positions
             and self.logits_to_keep and not self.mutable_forward and use_fused_joins(model)
         )
+        #: Steps at bucketed shapes over fixed buffers, recorded as CUDA graphs on a GPU (`step_graphs`), where the
+        #: engine set them up; None: every step runs eagerly.
+        self.graphs: StepGraphs | None = None
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -324,6 +329,11 @@ class ModelRunner:
     def step(self, batch: DecoderBatch, tokens: torch.Tensor) -> torch.Tensor:
         """Feed each row's next token ([rows]); grow `batch` by one step; return next-token logits [rows, vocab]."""
         from transformers import DynamicCache, EncoderDecoderCache
+
+        if self.graphs is not None:
+            logits = self.graphs.step(batch, tokens)
+            if logits is not None:
+                return logits
 
         cache = DynamicCache()
         cache.layers = [_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]

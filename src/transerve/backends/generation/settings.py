@@ -45,6 +45,8 @@ class GenerationSettings:
     onednn_linear: bool = True
     #: Torch engine, in-flight scheduling: sequences one joining call (encoder call or prefill) computes at most.
     join_group: int = 4
+    #: Torch engine on a GPU: decoding steps recorded as CUDA graphs (`step_graphs`).
+    cuda_graphs: bool = True
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path,
@@ -81,6 +83,7 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path,
         latency_rows=_integer(parameters, "latency_rows", 1, minimum=0),
         onednn_linear=_boolean(parameters, "onednn_linear", True),
         join_group=_integer(parameters, "join_group", 4, minimum=1),
+        cuda_graphs=_boolean(parameters, "cuda_graphs", True),
     )
 
 

@@ -35,6 +35,7 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
 )
+from transerve.backends.generation.step_graphs import step_graphs_for
 from transerve.backends.generation.torch_runner import BatchRunner, ThreadPolicy, load
 from transerve.backends.generation.torch_scheduler import RequestLevel, Scheduler, Scheduling
 from transerve.backends.generation.torch_selection import choose, result
@@ -74,7 +75,9 @@ class _Refused:
 
 class TorchEngine:
     """A transformers model on one device, decoded by one thread of its own (see the module docstring).
-    `scheduling` is in-flight batching unless another is passed in (`static_scheduling`, to compare against)."""
+    `scheduling` is in-flight batching unless another is passed in (`static_scheduling`, to compare against).
+    `static_steps`: decoding steps at bucketed shapes over fixed buffers (`step_graphs`), recorded as CUDA graphs
+    on a GPU and run eagerly elsewhere (for tests); None: on a GPU only."""
 
     def __init__(
         self,
@@ -89,6 +92,7 @@ class TorchEngine:
         onednn_linear: bool = True,
         join_group: int = JOIN_GROUP,
         scheduling: Scheduling | None = None,
+        static_steps: bool | None = None,
     ) -> None:
         if (max_batch_rows is not None and max_batch_rows < 1) or kv_cache_tokens < 1:
             raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
@@ -115,6 +119,8 @@ class TorchEngine:
         from transerve.backends.generation.decoder_batch import ModelRunner
 
         forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows, kv_cache_tokens)
+        if self.device.type == "cuda" if static_steps is None else static_steps:
+            forward.graphs = step_graphs_for(forward, facts, max_batch_rows, kv_cache_tokens)
         scheduling = scheduling or Scheduling()
         if scheduling.joins_running_batch and not forward.per_row_positions:
             logger.warning(
