@@ -209,3 +209,43 @@ def test_recorded_cuda_graphs_decode_as_eager_steps_do(models, arch):
     finally:
         recorded.close()
         eager.close()
+
+
+#: Operators that read a tensor's values back to the host (or shape a result by them), or make a tensor of host
+#: data (a copy to the device): a recorded CUDA graph can hold none of them.
+READS_BACK = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "equal", "unique", "masked_select",
+              "lift_fresh", "lift_fresh_copy"}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_steps_forward_reads_nothing_back(models, arch):
+    """What a GPU records must not read values back to the host nor copy host data in: every operator a step's
+    forward dispatches is checked (on the CPU, where the same operators run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Operators(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    engine = TorchEngine(models[arch].path, max_batch_rows=16, static_steps=True)
+    runner = engine.runner.forward
+    graphs = runner.graphs
+    try:
+        with torch.inference_mode():
+            batch, first = runner.new_rows([[5, 6, 7, 8], [8, 9]], [1, 1])
+            inputs = _first_inputs(runner, first)
+            for _ in range(2):
+                inputs = runner.step(batch, inputs).argmax(-1)
+            seen = set()
+            for key, graph in graphs.graphs.items():
+                with Operators() as operators:
+                    graphs._forward(key, graph)
+                seen |= operators.names
+        assert "index_copy_" in seen and not seen & READS_BACK
+    finally:
+        engine.close()
