@@ -249,3 +249,33 @@ def test_a_steps_forward_reads_nothing_back(models, arch):
         assert "index_copy_" in seen and not seen & READS_BACK
     finally:
         engine.close()
+
+
+def _runner(attention="sdpa", per_row_positions=True, mutable_forward=False, **config):
+    from types import SimpleNamespace
+
+    text = SimpleNamespace(**config)
+    model_config = SimpleNamespace(_attn_implementation=attention, get_text_config=lambda decoder: text)
+    return SimpleNamespace(model=SimpleNamespace(config=model_config), per_row_positions=per_row_positions,
+                           mutable_forward=mutable_forward)
+
+
+@pytest.mark.parametrize(
+    ("runner", "why"),
+    [
+        (_runner(), None),
+        (_runner(attention="transerve_fused_joins"), None),
+        (_runner(attention="eager"), "takes masks of another kind"),
+        (_runner(sliding_window=4096, max_position_embeddings=32768), "a sliding window could be outgrown"),
+        (_runner(sliding_window=4096, max_position_embeddings=4096), None),
+        (_runner(layer_types=["full_attention", "sliding_attention"]), "a sliding window could be outgrown"),
+        (_runner(per_row_positions=False), "positions cannot be set per row"),
+        (_runner(mutable_forward=True), "changes the model"),
+    ],
+)
+def test_models_the_fixed_shape_steps_would_get_wrong_step_eagerly(runner, why):
+    """Boolean masks over the whole history, and the write position taken for the query's: a model that wants
+    other masks, a sliding window, positions from the cache's length, or that changes in its forward, is left to
+    eager steps."""
+    found = step_graphs._unsuited(runner)
+    assert found == why if why is None else why in found

@@ -102,7 +102,7 @@ def use_fused_joins(model: Any) -> bool:
     config = model.config
     if config.model_type not in FUSED_MODEL_TYPES or config._attn_implementation != "sdpa":
         return False
-    if not _full_attention_only(config):  # the fused attention has no window: every key is seen
+    if not full_attention_only(config):  # the fused attention has no window: every key is seen
         return False
     AttentionInterface.register(FUSED_ATTENTION, fused_attention)
     AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)  # fused forwards pass a prepared mask instead
@@ -113,7 +113,7 @@ def use_fused_joins(model: Any) -> bool:
     return model.config._attn_implementation == FUSED_ATTENTION
 
 
-def _full_attention_only(config: Any) -> bool:
+def full_attention_only(config: Any) -> bool:
     """Whether every layer attends to the whole history: no sliding window that a sequence could outgrow."""
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
         return False

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.cache_buffers import window
-from transerve.backends.generation.fused_joins import FUSED_ATTENTION
+from transerve.backends.generation.fused_joins import FUSED_ATTENTION, full_attention_only
 
 if TYPE_CHECKING:
     import torch
@@ -88,9 +88,11 @@ class StepGraphs:
         #: The encoder output's width (encoder-decoder models).
         self.width = 0
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        implementation = runner.model.config._attn_implementation
         #: Why steps run eagerly from now on (None: they do not).
-        self.off: str | None = None if implementation in BOOLEAN_MASKS else f"attention {implementation!r}"
+        self.off: str | None = None
+        why = _unsuited(runner)
+        if why:
+            self._turn_off(why)
 
     def step(self, batch: DecoderBatch, tokens: torch.Tensor) -> torch.Tensor | None:
         """What `ModelRunner.step` does, at a bucketed shape: feeds each row its next token, grows `batch` by one
@@ -263,6 +265,22 @@ def step_graphs_for(runner: ModelRunner, facts: ModelFacts, rows: int, kv_cache_
     history = min(facts.max_positions or facts.max_input_length, kv_cache_tokens)
     source = _round_up(facts.max_input_length) if facts.is_encoder_decoder else 0
     return StepGraphs(runner, rows, _round_up(history + 1), source, capture=runner.device.type == "cuda")
+
+
+def _unsuited(runner: ModelRunner) -> str | None:
+    """Why `runner`'s model cannot step here, None when it can. The prepared masks are boolean and attend to the
+    whole history; the query's position is the write position in the buffers, which only relative positions and
+    positions given per row leave right; and a recording keeps what the forward computed of the model itself."""
+    config = runner.model.config
+    if config._attn_implementation not in BOOLEAN_MASKS:
+        return f"its attention ({config._attn_implementation!r}) takes masks of another kind"
+    if not full_attention_only(config.get_text_config(decoder=True)):
+        return "a sliding window could be outgrown"
+    if not runner.per_row_positions:
+        return "its decoder's positions cannot be set per row"
+    if runner.mutable_forward:
+        return "its forward changes the model (dynamic RoPE)"
+    return None
 
 
 def _row_bucket(rows: int, most: int) -> int:

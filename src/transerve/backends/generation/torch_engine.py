@@ -119,7 +119,9 @@ class TorchEngine:
         from transerve.backends.generation.decoder_batch import ModelRunner
 
         forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows, kv_cache_tokens)
-        if self.device.type == "cuda" if static_steps is None else static_steps:
+        if static_steps is None:
+            static_steps = self.device.type == "cuda"
+        if static_steps:
             forward.graphs = step_graphs_for(forward, facts, max_batch_rows, kv_cache_tokens)
         scheduling = scheduling or Scheduling()
         if scheduling.joins_running_batch and not forward.per_row_positions:
