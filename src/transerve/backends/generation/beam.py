@@ -5,25 +5,26 @@ transformers keeps, per batch item, `k` running beams and `k` finished hypothese
 finish, and lets the first `k` candidates that did finish compete for the finished slots with their score divided by
 `generated_length ** length_penalty` (the end token counted). It stops when no running beam can beat the worst
 finished hypothesis (the `early_stopping` heuristic of the model's generation config), or when every candidate
-finished. The same tensor operations run here on one item (`[1, ...]` tensors), so ties and rounding fall exactly as
-in `generate`; the engine owns the model's rows and reorders their cache by `step`'s answer.
+finished. The same tensor operations run here on one item (`[1, ...]` tensors), so rounding falls exactly as in
+`generate`; the engine owns the model's rows and reorders their cache by `step`'s answer.
+
+The search runs on the host, on each beam's `keep` likeliest tokens, which the step copies back with the chosen
+tokens of every other row (`torch_selection.choose`): the best `keep` sums over all beams are among those, since a
+beam's running score shifts all its tokens alike. So a step of beam search reads nothing more from a GPU. The
+candidates are taken in the flattened order (beam, then token) that transformers' `topk` over the whole
+`[width * vocab]` sees, so that equal sums are ranked alike where the two `topk`s break ties alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import Hypothesis
-
-if TYPE_CHECKING:
-    import torch
 
 
 class BeamSearch:
     def __init__(
         self, width: int, length_penalty: float, end_count: int, max_new_tokens: int, early_stopping: bool | str,
-        device: torch.device,
     ) -> None:
         import torch
 
@@ -31,43 +32,43 @@ class BeamSearch:
         self.length_penalty = length_penalty
         self.max_new_tokens = max_new_tokens
         self.early_stopping = early_stopping
+        #: Candidates each step ranks: the likeliest tokens of each beam that `step` is given.
         self.keep = max(2, 1 + end_count) * width
         self.top_mask = torch.cat(
             (torch.ones(width, dtype=torch.bool), torch.zeros(self.keep - width, dtype=torch.bool))
-        ).to(device)
-        self.running_scores = torch.zeros((1, width), dtype=torch.float, device=device)
+        )
+        self.running_scores = torch.zeros((1, width), dtype=torch.float)
         self.running_scores[:, 1:] = -1e9
         self.running_tokens: list[list[int]] = [[] for _ in range(width)]
         self.running_log_probs: list[list[float]] = [[] for _ in range(width)]
-        self.finished_scores = torch.full((1, width), -1e9, dtype=torch.float, device=device)
+        self.finished_scores = torch.full((1, width), -1e9, dtype=torch.float)
         self.finished_tokens: list[list[int]] = [[] for _ in range(width)]
         self.finished_log_probs: list[list[float]] = [[] for _ in range(width)]
-        self.is_finished = torch.zeros((1, width), dtype=torch.bool, device=device)
-        self.can_improve = torch.ones((1, 1), dtype=torch.bool, device=device)
+        self.is_finished = torch.zeros((1, width), dtype=torch.bool)
+        self.can_improve = torch.ones((1, 1), dtype=torch.bool)
         #: New tokens of every running beam so far.
         self.generated = 0
 
     def step(
-        self, log_probs: torch.Tensor, ends: Callable[[list[int]], bool], with_log_probs: bool,
+        self, top_tokens: list[list[int]], top_log_probs: list[list[float]], ends: Callable[[list[int]], bool],
     ) -> list[int] | None:
-        """Advance with `log_probs` ([width, vocab], processed) of the running beams; `ends(tokens)` says whether a
-        candidate's new tokens end it (an end token or a stop sequence; the length limit is checked here).
-        Returns, for each next running beam, the row (beam) it continues, or None when the search is over."""
+        """Advance with each running beam's `keep` likeliest next tokens and their (processed) log-probabilities;
+        `ends(tokens)` says whether a candidate's new tokens end it (an end token or a stop sequence; the length
+        limit is checked here). Returns, for each next running beam, the row (beam) it continues, or None when the
+        search is over."""
         import torch
 
-        vocab = log_probs.shape[-1]
-        scores = (log_probs + self.running_scores[0, :, None]).reshape(1, -1)
-        top_scores, top_indices = torch.topk(scores, k=self.keep)
-        flat = top_indices[0].tolist()
-        beams = [index // vocab for index in flat]
-        tokens = [index % vocab for index in flat]
-        candidates = [self.running_tokens[beam] + [token] for beam, token in zip(beams, tokens, strict=True)]
-        token_log_probs = log_probs.view(-1)[top_indices[0]].tolist() if with_log_probs else [0.0] * self.keep
-        candidate_log_probs = [
-            self.running_log_probs[beam] + [value] for beam, value in zip(beams, token_log_probs, strict=True)
-        ]
+        pairs = [(beam, token, value) for beam in range(self.width)
+                 for token, value in sorted(zip(top_tokens[beam], top_log_probs[beam], strict=True))]
+        log_probs = torch.tensor([value for _, _, value in pairs], dtype=torch.float)
+        shift = self.running_scores[0].repeat_interleave(len(pairs) // self.width)
+        top_scores, top_indices = torch.topk((log_probs + shift).reshape(1, -1), k=self.keep)
+        picked = [pairs[index] for index in top_indices[0].tolist()]
+        beams = [beam for beam, _, _ in picked]
+        candidates = [self.running_tokens[beam] + [token] for beam, token, _ in picked]
+        candidate_log_probs = [self.running_log_probs[beam] + [value] for beam, _, value in picked]
         at_limit = self.generated + 1 >= self.max_new_tokens
-        hits = torch.tensor([[at_limit or ends(tokens) for tokens in candidates]], device=scores.device)
+        hits = torch.tensor([[at_limit or ends(tokens) for tokens in candidates]])
 
         # The best `width` candidates that did not just finish run on.
         running_candidates = top_scores + hits.to(torch.float32) * -1.0e9

@@ -141,7 +141,7 @@ class Scheduler:
 
             sequence.beam = BeamSearch(
                 options.beam_width, options.length_penalty, len(end_ids), options.max_new_tokens,
-                model.early_stopping, self.device,
+                model.early_stopping,
             )
         elif sampling:
             sequence.generator = torch.Generator(device=self.device)

@@ -63,10 +63,22 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     # One log-softmax for every row: logsumexp alone costs several times more on CPU (its exp of the whole
     # vocabulary is slow where most values underflow); beams search on these log-probabilities.
     log_probs = torch.log_softmax(logits, dim=-1)
-    # The step's one copy to the host (on a GPU each copy waits for the device): ids are exact in float64.
-    chosen = torch.stack((choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double())).tolist()
-    tokens, chosen_log_probs = [int(token) for token in chosen[0]], chosen[1]
-    tops = _top_log_probs(running, log_probs, tokens)
+    beam_rows, keep = _beam_rows(running, log_probs)
+    asking = _asking_top(running)
+    top_k = min(max((wanted for _, wanted in asking), default=0), log_probs.shape[-1])
+    # The step's one copy to the host (on a GPU each copy waits for the device), ids exact in float64: every row's
+    # chosen token and its log-probability, then the likeliest `keep` tokens of each beam and theirs, then those
+    # of the rows that ask for `top_logprobs`.
+    parts = [choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double()]
+    for rows, k in ((beam_rows, keep), ([row for row, _ in asking], top_k)):
+        if rows:
+            values, ids = torch.topk(log_probs[rows], k)
+            parts += [ids.double().flatten(), values.double().flatten()]
+    copied = torch.cat(parts).tolist()
+    count = logits.shape[0]
+    tokens, chosen_log_probs = [int(token) for token in copied[:count]], copied[count:2 * count]
+    beam_tops, start = _likeliest(copied, 2 * count, beam_rows, keep)
+    tops = _top_log_probs(asking, _likeliest(copied, start, [row for row, _ in asking], top_k)[0], tokens)
 
     stays: list[Stay] = []
     finished: list[tuple[Sequence, str, int]] = []
@@ -74,7 +86,10 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     row = 0
     for sequence in running:
         if sequence.beam is not None:
-            rows = _beam_step(sequence, log_probs[row:row + sequence.rows])
+            keep = sequence.beam.keep
+            ids, values = zip(*(beam_tops[row + beam] for beam in range(sequence.rows)), strict=True)
+            rows = sequence.beam.step([top[:keep] for top in ids], [top[:keep] for top in values],
+                                      lambda candidate, sequence=sequence: _ends(sequence, candidate))
             if rows is None:
                 finished.append((sequence, "end", row))
             else:
@@ -116,24 +131,25 @@ def result(sequence: Sequence, reason: str) -> GenerationResult:
     return GenerationResult(hypotheses, reason)
 
 
-def _top_log_probs(running: list[Sequence], log_probs: torch.Tensor, tokens: list[int]) -> dict[int, TopLogProbs]:
-    """The likeliest tokens of each row whose sequence asks for `top_logprobs`, by row: one `topk` of the largest
-    k asked over those rows. Where the chosen token ties with the first entry, it comes first."""
+def _asking_top(running: list[Sequence]) -> list[tuple[int, int]]:
+    """The rows whose sequence asks for `top_logprobs`, with how many each asks for."""
     asking, row = [], 0
     for sequence in running:
         if sequence.beam is None and sequence.request.options.top_logprobs:
             asking.append((row, sequence.request.options.top_logprobs))
         row += sequence.rows
-    if not asking:
-        return {}
-    import torch
+    return asking
 
-    rows = [row for row, _ in asking]
-    k = min(max(k for _, k in asking), log_probs.shape[-1])
-    values, indices = torch.topk(log_probs[rows], k)
+
+def _top_log_probs(asking: list[tuple[int, int]], likeliest: dict[int, tuple[list[int], list[float]]],
+                   tokens: list[int]) -> dict[int, TopLogProbs]:
+    """By row, the `top_logprobs` of each asking row (`asking`: row and count; `likeliest`: by row, the likeliest
+    ids and log-probabilities, as many as the most any row asks). Where the chosen token ties with the first
+    entry, it comes first."""
     tops = {}
-    for (row, wanted), ids, lps in zip(asking, indices.tolist(), values.tolist(), strict=True):
-        top = list(zip(ids[:wanted], lps[:wanted], strict=True))
+    for row, wanted in asking:
+        ids, values = likeliest[row]
+        top = list(zip(ids[:wanted], values[:wanted], strict=True))
         chosen = tokens[row]
         place = next((i for i, (token, _) in enumerate(top) if token == chosen), None)
         if place and top[place][1] == top[0][1]:
@@ -142,14 +158,34 @@ def _top_log_probs(running: list[Sequence], log_probs: torch.Tensor, tokens: lis
     return tops
 
 
-def _beam_step(sequence: Sequence, scores: torch.Tensor) -> list[int] | None:
-    """Beam search processes log-probabilities (`scores`, the sequence's rows), not logits, as transformers' does;
-    the rules apply to them in place."""
-    beam = sequence.beam
-    if sequence.rules.active:
-        contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
-        apply_rules(scores, contexts, beam.generated, sequence.rules)
-    return beam.step(scores, lambda tokens: _ends(sequence, tokens), sequence.request.options.return_log_probs)
+def _beam_rows(running: list[Sequence], log_probs: torch.Tensor) -> tuple[list[int], int]:
+    """The rows of beam searches, with the rules applied to their log-probabilities (in place: beam search
+    processes log-probabilities, not logits, as transformers' does), and how many of each row's likeliest tokens
+    the searches rank (the most any of them keeps)."""
+    rows, keep, row = [], 0, 0
+    for sequence in running:
+        beam = sequence.beam
+        if beam is not None:
+            if sequence.rules.active:
+                contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
+                apply_rules(log_probs[row:row + sequence.rows], contexts, beam.generated, sequence.rules)
+            rows.extend(range(row, row + sequence.rows))
+            keep = max(keep, beam.keep)
+        row += sequence.rows
+    return rows, min(keep, log_probs.shape[-1])
+
+
+def _likeliest(copied: list[float], start: int, rows: list[int], k: int,
+               ) -> tuple[dict[int, tuple[list[int], list[float]]], int]:
+    """By row of `rows`, its `k` likeliest ids and their log-probabilities, read from the step's copy at `start`
+    (the ids of all rows, then their values); and where the copy goes on after them."""
+    size = len(rows) * k
+    likeliest = {
+        row: ([int(token) for token in copied[start + index * k:start + (index + 1) * k]],
+              copied[start + size + index * k:start + size + (index + 1) * k])
+        for index, row in enumerate(rows)
+    }
+    return likeliest, start + 2 * size
 
 
 def _ends(sequence: Sequence, tokens: list[int]) -> bool:
