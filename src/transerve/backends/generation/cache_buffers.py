@@ -63,7 +63,7 @@ def allocate(like: torch.Tensor, rows: int, time: int) -> torch.Tensor:
     return like.new_zeros((rows, like.shape[1], time, like.shape[3]))
 
 
-def _span(cache: torch.Tensor, rows: int, start: int, time: int) -> torch.Tensor:
+def span(cache: torch.Tensor, rows: int, start: int, time: int) -> torch.Tensor:
     """The view of `cache`'s buffer of its first `rows` rows and `time` steps from step `start`."""
     _, heads, _, dim = cache.shape
     return cache.as_strided((rows, heads, time, dim), cache.stride(), start * dim)
@@ -75,7 +75,7 @@ def append(cache: torch.Tensor, new: torch.Tensor, rows_wanted: int, token_budge
     rows, _, time, _ = cache.shape
     grown_time = time + new.shape[2]
     if room(cache) >= grown_time:
-        grown = _span(cache, rows, window(cache)[0], grown_time)
+        grown = span(cache, rows, window(cache)[0], grown_time)
     else:
         steps = grown_time + HEADROOM
         buffer = allocate(cache, buffer_rows(rows, rows_wanted, steps, token_budget), steps)
@@ -159,7 +159,7 @@ def _in_place_target(mine: torch.Tensor, rows: int, time: int, left_padded: bool
     start = first + mine.shape[2] - time if left_padded else first
     if start < 0 or start + time > capacity:
         return None
-    return _span(mine, rows, start, time)
+    return span(mine, rows, start, time)
 
 
 def _place(target: torch.Tensor, source: torch.Tensor, left_padded: bool) -> None:
