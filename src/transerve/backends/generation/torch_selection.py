@@ -72,7 +72,8 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     parts = [choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double()]
     for rows, k in ((beam_rows, keep), ([row for row, _ in asking], top_k)):
         if rows:
-            values, ids = torch.topk(log_probs[rows], k)
+            # Slices joined, not a list index: indexing by a list copies it to the device, which waits for it.
+            values, ids = torch.topk(torch.cat([log_probs[row:row + 1] for row in rows]), k)
             parts += [ids.double().flatten(), values.double().flatten()]
     copied = torch.cat(parts).tolist()
     count = logits.shape[0]
