@@ -14,7 +14,7 @@ hides; padding written inside a window is zeroed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,15 @@ def buffer_rows(rows: int, rows_wanted: int, time: int, token_budget: int) -> in
     if token_budget:
         rows_wanted = min(rows_wanted, token_budget // max(1, time))
     return max(rows, rows_wanted)
+
+
+def hold(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """`layer` (a transformers cache layer) holding `keys`/`values`, set as its `lazy_initialization` would but
+    without the empty tensors that makes first (a tensor made from host data has no place in a CUDA graph)."""
+    layer.dtype, layer.device = keys.dtype, keys.device
+    layer.keys, layer.values = keys, values
+    layer.is_initialized = True
+    return layer
 
 
 def allocate(like: torch.Tensor, rows: int, time: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import append, join_rows, keep_rows, select_rows
+from transerve.backends.generation.cache_buffers import append, hold, join_rows, keep_rows, select_rows
 from transerve.backends.generation.fused_joins import Fused, fused, fused_layer_class, use_fused_joins
 
 if TYPE_CHECKING:
@@ -63,6 +63,19 @@ class DecoderBatch:
     @property
     def rows(self) -> int:
         return self.positions.shape[0]
+
+    def next_mask(self) -> torch.Tensor:
+        """`mask` with the step being fed: one more real step for every row."""
+        import torch
+
+        return torch.cat((self.mask, torch.ones_like(self.positions)[:, None]), dim=1)
+
+    def grew(self, self_kv: KV, mask: torch.Tensor) -> None:
+        """After a step: the caches `self_kv` it grew, its `mask` (`next_mask`), and each row a position and a
+        step further."""
+        self.self_kv, self.mask = self_kv, mask
+        self.positions = self.positions + 1
+        self.lengths = [length + 1 for length in self.lengths]
 
     def select(self, index: torch.Tensor, decoder_only: bool = False, order: list[int] | None = None) -> None:
         """Keep the rows `index` (in that order; a row may repeat, as beams do), then trim unneeded padding; the
@@ -336,13 +349,13 @@ class ModelRunner:
                 return logits
 
         cache = DynamicCache()
-        cache.layers = [_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]
+        cache.layers = [cache_layer(k, v, _growing_layer_class()) for k, v in batch.self_kv]
         for layer in cache.layers:
             layer.capacity, layer.token_budget = batch.capacity, batch.token_budget
         if not self.encoder_decoder:
             return self._decode(batch, tokens, cache)
         cross = DynamicCache()
-        cross.layers = [_layer(k, v) for k, v in batch.cross_kv]
+        cross.layers = [cache_layer(k, v) for k, v in batch.cross_kv]
         return self._decode(batch, tokens, EncoderDecoderCache(cache, cross))
 
     def step_with_prompts(
@@ -361,7 +374,7 @@ class ModelRunner:
             start += len(ids)
         ids = torch.cat((tokens, self._tensor([token for prompt in prompts for token in prompt])))[None]
         positions = torch.cat([batch.positions] + [torch.arange(len(ids_), device=self.device) for ids_ in prompts])
-        mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
+        mask = batch.next_mask()
         plan = Fused(rows, spans, mask.bool()[:, None, None, :])
         layer_class = fused_layer_class()
         cache = DynamicCache()
@@ -377,10 +390,7 @@ class ModelRunner:
         if len(plan.attended) != len(cache.layers):  # the caches grew, but what attention computed is not ours
             raise RuntimeError(f"{len(cache.layers) - len(plan.attended)} of the model's attention layers did not "
                                "run the fused attention: joining prompts cannot be prefilled in the step")
-        batch.self_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        batch.mask = mask
-        batch.positions = batch.positions + 1
-        batch.lengths = [length + 1 for length in batch.lengths]
+        batch.grew([(layer.keys, layer.values) for layer in cache.layers], mask)
         logits = out.logits[0]
         new = self._prompt_rows(prompts, cache.layers)
         new_logits = logits[rows:]
@@ -410,30 +420,34 @@ class ModelRunner:
                             lengths=[len(ids) for ids in prompts])
 
     def _decode(self, batch: DecoderBatch, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
-        import torch
+        mask = batch.next_mask()
+        logits = self.decoder_logits(tokens, mask, batch.positions[:, None], cache, batch.encoder_hidden,
+                                     batch.encoder_mask)
+        self_cache = cache.self_attention_cache if self.encoder_decoder else cache
+        batch.grew([(layer.keys, layer.values) for layer in self_cache.layers], mask)
+        return logits
+
+    def decoder_logits(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                       encoder_hidden: torch.Tensor | None = None, encoder_mask: torch.Tensor | None = None,
+                       ) -> torch.Tensor:
+        """The model's forward on one token per row (`tokens` [rows]) at `positions` ([rows, 1]) with `cache` (an
+        `EncoderDecoderCache` for encoder-decoder models, which take the encoder's output and mask too) and the
+        decoder's `mask` (2-D, or prepared 4-D); the next-token logits [rows, vocab]."""
         from transformers.modeling_outputs import BaseModelOutput
 
-        mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
-        positions = batch.positions[:, None]
         if self.encoder_decoder:
             if self.positions is not None:
                 self.positions.position_ids = positions
             out = self.model(
-                encoder_outputs=BaseModelOutput(last_hidden_state=batch.encoder_hidden),
-                attention_mask=batch.encoder_mask, decoder_input_ids=tokens[:, None], decoder_attention_mask=mask,
-                use_cache=True, **{self.cache_keyword: cache},
+                encoder_outputs=BaseModelOutput(last_hidden_state=encoder_hidden), attention_mask=encoder_mask,
+                decoder_input_ids=tokens[:, None], decoder_attention_mask=mask, use_cache=True,
+                **{self.cache_keyword: cache},
             )
-            self_cache = cache.self_attention_cache
         else:
             out = self.model(
                 input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
                 **{self.cache_keyword: cache},
             )
-            self_cache = cache
-        batch.self_kv = [(layer.keys, layer.values) for layer in self_cache.layers]
-        batch.mask = mask
-        batch.positions = batch.positions + 1
-        batch.lengths = [length + 1 for length in batch.lengths]
         return out.logits[:, -1, :]
 
 
@@ -468,13 +482,11 @@ def _cross_attention_modules(model: Any) -> list[Any]:
     return found
 
 
-def _layer(keys: torch.Tensor, values: torch.Tensor, kind: type | None = None) -> Any:
+def cache_layer(keys: torch.Tensor, values: torch.Tensor, kind: type | None = None) -> Any:
+    """A transformers cache layer (`kind`, else `DynamicLayer`) holding `keys`/`values`."""
     from transformers.cache_utils import DynamicLayer
 
-    layer = (kind or DynamicLayer)()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return layer
+    return hold((kind or DynamicLayer)(), keys, values)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import append
+from transerve.backends.generation.cache_buffers import append, hold
 
 if TYPE_CHECKING:
     import torch
@@ -136,8 +136,7 @@ def fused_layer_class() -> type:
         def __init__(self, plan: Fused, index: int, keys: torch.Tensor, values: torch.Tensor, capacity: int,
                      token_budget: int) -> None:
             super().__init__()
-            self.lazy_initialization(keys, values)
-            self.keys, self.values = keys, values
+            hold(self, keys, values)
             self.plan, self.index, self.capacity, self.token_budget = plan, index, capacity, token_budget
             self.prompt_keys: torch.Tensor | None = None
             self.prompt_values: torch.Tensor | None = None

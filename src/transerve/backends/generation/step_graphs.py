@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import span, window
+from transerve.backends.generation.cache_buffers import hold, span, window
 from transerve.backends.generation.fused_joins import FUSED_ATTENTION, full_attention_only
 
 if TYPE_CHECKING:
@@ -122,11 +122,8 @@ class StepGraphs:
         else:
             graph.logits = self._forward(key, graph)
         logits = graph.logits[:rows].to(torch.float32, copy=True)  # the next step overwrites the graph's output
-        batch.self_kv = [(span(k, rows, start, time + 1), span(v, rows, start, time + 1))
-                         for k, v in zip(self.keys, self.values, strict=True)]
-        batch.mask = torch.cat((batch.mask, torch.ones_like(batch.positions)[:, None]), dim=1)
-        batch.positions = batch.positions + 1
-        batch.lengths = [length + 1 for length in batch.lengths]
+        batch.grew([(span(k, rows, start, time + 1), span(v, rows, start, time + 1))
+                    for k, v in zip(self.keys, self.values, strict=True)], batch.next_mask())
         return logits
 
     def _allocate(self, batch: DecoderBatch) -> bool:
@@ -223,7 +220,8 @@ class StepGraphs:
     def _forward(self, key: tuple[int, int, int], graph: _Graph) -> torch.Tensor:
         """The model's forward over the buffers at `key`'s shape, from `graph`'s inputs: logits [rows, vocab]."""
         from transformers import DynamicCache, EncoderDecoderCache
-        from transformers.modeling_outputs import BaseModelOutput
+
+        from transerve.backends.generation.decoder_batch import cache_layer
 
         rows, time, source = key
         runner = self.runner
@@ -232,24 +230,14 @@ class StepGraphs:
         cache.layers = [pinned(k[:rows, :, :time], v[:rows, :, :time], graph.write_at)
                         for k, v in zip(self.keys, self.values, strict=True)]
         if not runner.encoder_decoder:
-            keep = {"logits_to_keep": 1} if runner.logits_to_keep else {}
-            out = runner.model(input_ids=graph.tokens[:, None], attention_mask=graph.mask,
-                               position_ids=graph.positions[:, None], use_cache=True,
-                               **{runner.cache_keyword: cache}, **keep)
-            return out.logits[:, -1, :]
+            return runner.decoder_logits(graph.tokens, graph.mask, graph.positions[:, None], cache)
         cross = DynamicCache()
-        cross.layers = [_plain_layer(k[:rows, :, :source], v[:rows, :, :source])
+        cross.layers = [cache_layer(k[:rows, :, :source], v[:rows, :, :source])
                         for k, v in zip(self.cross_keys, self.cross_values, strict=True)]
-        if runner.positions is not None:
-            runner.positions.position_ids = graph.positions[:, None]
         # Only the shape of the encoder's output is read: every cross-attention layer takes its keys from `cross`.
         hidden = self.keys[0].new_zeros(()).expand(rows, source, self.width)
-        out = runner.model(
-            encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=graph.encoder_mask,
-            decoder_input_ids=graph.tokens[:, None], decoder_attention_mask=graph.mask, use_cache=True,
-            **{runner.cache_keyword: EncoderDecoderCache(cache, cross)},
-        )
-        return out.logits[:, -1, :]
+        return runner.decoder_logits(graph.tokens, graph.mask, graph.positions[:, None],
+                                     EncoderDecoderCache(cache, cross), hidden, graph.encoder_mask)
 
     def _turn_off(self, why: str) -> None:
         self.off = why
@@ -326,22 +314,6 @@ def _place(tensor: torch.Tensor, buffer: torch.Tensor, start: int) -> torch.Tens
     return target
 
 
-def _plain_layer(keys: torch.Tensor, values: torch.Tensor) -> Any:
-    from transformers.cache_utils import DynamicLayer
-
-    layer = DynamicLayer()
-    _initialized(layer, keys, values)
-    return layer
-
-
-def _initialized(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """`layer` holding `keys`/`values`, set as transformers' `lazy_initialization` would, without the empty
-    tensors it makes first (a tensor made from host data has no place in a recording)."""
-    layer.dtype, layer.device = keys.dtype, keys.device
-    layer.keys, layer.values = keys, values
-    layer.is_initialized = True
-
-
 @functools.cache
 def _pinned_layer_class() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
     from transformers.cache_utils import DynamicLayer
@@ -353,7 +325,7 @@ def _pinned_layer_class() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor]
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor) -> None:
             super().__init__()
-            _initialized(self, keys, values)
+            hold(self, keys, values)
             self.write_at = write_at
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -65,12 +65,13 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     log_probs = torch.log_softmax(logits, dim=-1)
     beam_rows, keep = _beam_rows(running, log_probs)
     asking = _asking_top(running)
+    asking_rows = [row for row, _ in asking]
     top_k = min(max((wanted for _, wanted in asking), default=0), log_probs.shape[-1])
     # The step's one copy to the host (on a GPU each copy waits for the device), ids exact in float64: every row's
     # chosen token and its log-probability, then the likeliest `keep` tokens of each beam and theirs, then those
     # of the rows that ask for `top_logprobs`.
     parts = [choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double()]
-    for rows, k in ((beam_rows, keep), ([row for row, _ in asking], top_k)):
+    for rows, k in ((beam_rows, keep), (asking_rows, top_k)):
         if rows:
             # Slices joined, not a list index: indexing by a list copies it to the device, which waits for it.
             values, ids = torch.topk(torch.cat([log_probs[row:row + 1] for row in rows]), k)
@@ -79,7 +80,7 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     count = logits.shape[0]
     tokens, chosen_log_probs = [int(token) for token in copied[:count]], copied[count:2 * count]
     beam_tops, start = _likeliest(copied, 2 * count, beam_rows, keep)
-    tops = _top_log_probs(asking, _likeliest(copied, start, [row for row, _ in asking], top_k)[0], tokens)
+    tops = _top_log_probs(asking, _likeliest(copied, start, asking_rows, top_k)[0], tokens)
 
     stays: list[Stay] = []
     finished: list[tuple[Sequence, str, int]] = []
@@ -87,9 +88,9 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     row = 0
     for sequence in running:
         if sequence.beam is not None:
-            keep = sequence.beam.keep
+            ranked = sequence.beam.keep
             ids, values = zip(*(beam_tops[row + beam] for beam in range(sequence.rows)), strict=True)
-            rows = sequence.beam.step([top[:keep] for top in ids], [top[:keep] for top in values],
+            rows = sequence.beam.step([top[:ranked] for top in ids], [top[:ranked] for top in values],
                                       lambda candidate, sequence=sequence: _ends(sequence, candidate))
             if rows is None:
                 finished.append((sequence, "end", row))
