@@ -98,8 +98,12 @@ def test_grpc_request_rate_with_batches_poisson_and_a_percentile(server, capsys,
     assert "Inferences/Second vs. Client p95 Batch Latency" in out
     assert [line.split(",")[0] for line in out.splitlines() if line.startswith("Request Rate: ")][-2:] == [
         "Request Rate: 40", "Request Rate: 80"]
-    # Batch 2: two inferences per request, on the server as in the client's throughput.
-    assert numbers(out, "Inference count") == [2 * n for n in numbers(out, "Successful request count")]
+    # Batch 2: two inferences per request, on the server as in the client's throughput. The server counts a
+    # request's inferences as its model runs and its success as its answer is sent, so a statistics read between the
+    # two (at either end of each of the three merged windows) sees a request in one count and not the other.
+    for inferences, successes in zip(numbers(out, "Inference count"), numbers(out, "Successful request count"),
+                                     strict=True):
+        assert inferences % 2 == 0 and abs(inferences - 2 * successes) <= 2 * 6, (inferences, successes)
     rows = list(csv.reader(csv_file.open()))
     assert rows[0][0] == "Request Rate" and rows[0][1:] == CSV_HEADER[1:]
     rate = [float(row[1]) / 2 for row in rows[1:]]  # requests per second
