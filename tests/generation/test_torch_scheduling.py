@@ -558,24 +558,34 @@ def test_thread_settings_are_checked(models):
         TorchEngine(models["t5"].path, latency_threads=-1)
 
 
+ON_CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("arch", ["t5", "gpt2"])
-def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
+def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch, device):
     """The joining thread computes a waiting sequence's rows (encoder call or prefill) while the engine thread
-    decodes; the sequence joins with them and its output is still generate's."""
-    if cpu_count() < 2:
+    decodes (on a GPU, on a CUDA stream of its own: `join_stream`); the sequence joins with them and its output
+    is still generate's."""
+    if device == "cpu" and cpu_count() < 2:
         pytest.skip("the joining thread needs a core that decoding leaves idle")
     model = models[arch]
-    engine = TorchEngine(model.path, max_batch_rows=1, intra_op_threads=1)
+    engine = TorchEngine(model.path, device=device, max_batch_rows=1, intra_op_threads=1)
     prepared = threading.Event()
+    streams = []
     new_rows = engine.runner.forward.new_rows
 
     def spy(inputs, repeats):
         rows = new_rows(inputs, repeats)
         if threading.current_thread() is engine.joining_thread:
+            streams.append(torch.cuda.current_stream() if device == "cuda" else None)
             prepared.set()
         return rows
 
     engine.runner.forward.new_rows = spy
+    model.hf.to(device)
     try:
         first_ids, second_ids = model.ids(TEXTS[2]), model.ids(TEXTS[0])
         steps = threading.Semaphore(0)
@@ -587,7 +597,11 @@ def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch):
         assert not first.done()  # prepared while the first one still ran: max_batch_rows 1 kept it waiting
         assert tokens(second.result(timeout=60)) == model.reference(second_ids, end_ids=[], max_new_tokens=6)
         assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=30)
+        assert streams == [engine.join_stream.stream]  # None on the CPU
+        if device == "cuda":
+            assert engine.join_stream.stream != torch.cuda.default_stream()
     finally:
+        model.hf.to("cpu")
         engine.close()
         engine.join(30)
     assert engine.joining_thread is None or not engine.joining_thread.is_alive()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,17 @@ class DecoderBatch:
     @property
     def rows(self) -> int:
         return self.positions.shape[0]
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor the batch holds (what `join_stream` marks as used by the decoding stream)."""
+        for k, v in (self.self_kv or []) + (self.cross_kv or []):
+            yield k
+            yield v
+        yield self.mask
+        yield self.positions
+        if self.encoder_hidden is not None:
+            yield self.encoder_hidden
+            yield self.encoder_mask
 
     def next_mask(self) -> torch.Tensor:
         """`mask` with the step being fed: one more real step for every row."""

@@ -35,6 +35,7 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
 )
+from transerve.backends.generation.join_stream import JoinStream, Prepared
 from transerve.backends.generation.step_graphs import step_graphs_for
 from transerve.backends.generation.torch_runner import BatchRunner, ThreadPolicy, load
 from transerve.backends.generation.torch_scheduler import RequestLevel, Scheduler, Scheduling
@@ -132,6 +133,8 @@ class TorchEngine:
             scheduling = RequestLevel()
         self.scheduling = scheduling
         self.runner = BatchRunner(forward, ThreadPolicy(self.device, intra_op_threads, latency_threads, latency_rows))
+        #: Where the joining thread's device work runs (a CUDA stream of its own on a GPU).
+        self.join_stream = JoinStream(self.device)
         self.scheduler = Scheduler(facts, self.device, max_batch_rows, kv_cache_tokens, join_group, scheduling)
         self._name = model_dir.name
         #: The engine thread, while there is work (`_await_work`): None when idle.
@@ -265,7 +268,9 @@ class TorchEngine:
                     sequence.preparing = True
                 prepared = None
                 try:
-                    prepared = self.runner.forward.new_rows([sequence.input_ids], [sequence.rows])
+                    with self.join_stream.joining():
+                        batch, first = self.runner.forward.new_rows([sequence.input_ids], [sequence.rows])
+                        prepared = self.join_stream.prepared(batch, first)
                 except Exception:  # the engine thread tries again, and reports a failure to the sequence
                     logger.exception("preparing a sequence failed")
                 with scheduler.cond:
@@ -341,14 +346,14 @@ class TorchEngine:
         (encoder-decoder) or first logits (decoder-only)."""
         import torch
 
-        parts = [s.prepared for s in admitted if s.prepared is not None]
+        parts = [self.join_stream.receive(s.prepared) for s in admitted if s.prepared is not None]
         fresh = [s for s in admitted if s.prepared is None]
         for sequence in admitted:
             sequence.prepared = None
         if fresh:
             self.runner.threads.set(joining=True, used_rows=self.scheduler.used_rows)
             ahead = self._join_ahead(fresh)
-            prepared: list[tuple[DecoderBatch, torch.Tensor] | None] = [None] * len(ahead)
+            prepared: list[Prepared | None] = [None] * len(ahead)
             try:
                 group = fresh + ahead
                 batch, first = self.runner.forward.new_rows([s.input_ids for s in group], [s.rows for s in group])
@@ -356,7 +361,7 @@ class TorchEngine:
                     rows = row = sum(s.rows for s in fresh)
                     for index, sequence in enumerate(ahead):
                         end = row + sequence.rows
-                        prepared[index] = (batch.rows_range(row, end, own=True), first[row:end].clone())
+                        prepared[index] = Prepared(batch.rows_range(row, end, own=True), first[row:end].clone())
                         row = end
                     batch, first = batch.rows_range(0, rows), first[:rows]
             finally:

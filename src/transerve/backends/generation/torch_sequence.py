@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from transerve.backends.generation.beam import BeamSearch
-    from transerve.backends.generation.decoder_batch import DecoderBatch
+    from transerve.backends.generation.join_stream import Prepared
 
 
 @dataclass(eq=False)
@@ -33,9 +33,9 @@ class Sequence:
     prefix: list[int]
     generator: torch.Generator | None = None
     beam: BeamSearch | None = None
-    #: Its rows, prepared ahead by the joining thread (batch, first decoder inputs or first logits), and whether
-    #: that thread is at it now.
-    prepared: tuple[DecoderBatch, torch.Tensor] | None = None
+    #: Its rows, prepared ahead (by the joining thread, or by an earlier joining call), and whether the joining
+    #: thread is at it now.
+    prepared: Prepared | None = None
     preparing: bool = False
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
