@@ -17,7 +17,9 @@ load of benchmarks/generation.py (prompts 8-64 ids, 8-128 new tokens, seeded):
   `--rows`; CTranslate2 float16 and int8_float16 with `--rows` where they load (a model that does not is reported
   with its reason from the repository index); time to first token at concurrency 1 over gRPC streaming (torch);
 - the torch engine alone (no server), in-flight (its steps recorded as CUDA graphs, and eager ones to compare)
-  and static, `--rows` rows and as many sequences in a closed loop;
+  and static, `--rows` rows and as many sequences in a closed loop; then a short run of its own that records
+  which of torch's attention kernels each kind of call can take and why not the fused ones
+  (`common/attention_kernels.py`: to stderr and the JSON, not a row);
 - transformers' `generate`: static batches of `--rows` sorted by length (with cuDNN's attention on and off: the
   baseline is the faster), static batches of 16, and per request from `--baseline-threads` threads;
 - CTranslate2's `generate_batch`/`translate_batch` called directly at batch `--rows`, float16 and int8_float16.
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.attention_kernels import attention_calls
 from benchmarks.common.generation_models import (
     QUICK_SHAPES,
     SHAPES,
@@ -491,6 +494,7 @@ def main() -> None:
                     print(f"  CTranslate2 {precision} called directly failed: {exc}", file=sys.stderr)
                     continue
                 results[model.name][f"direct_ct2_{precision}"] = row
+        attention: dict[str, list[str]] = {}
         for model in models:
             print(f"{model.name}: the torch engine alone...", file=sys.stderr)
             for scheduling, graphs in (("inflight", True), ("inflight", False), ("static", True)):
@@ -498,6 +502,11 @@ def main() -> None:
                                    args.duration, graphs=graphs)
                 print(f"  {row.key}: {row.rate:.0f} tokens/s, errors {row.errors}", file=sys.stderr)
                 results[model.name][row.key] = row
+            with attention_calls() as report:  # a short run of its own: the recording costs host time per call
+                engine_alone(model, loads[model.name], "inflight", args.rows, device, dtype, 0.5, 1.0)
+            attention[model.name] = report.lines()
+            print(f"{model.name}: attention kernels by call (engine alone, in-flight, {args.rows} rows)\n  "
+                  + "\n  ".join(attention[model.name]), file=sys.stderr)
             if args.profile:
                 engine_alone(model, loads[model.name], "inflight", args.rows, device, dtype, args.warmup,
                              args.profile, profile=True)
@@ -521,7 +530,7 @@ def main() -> None:
         print(f"not served: {note}")
     write_json(args.json, "gpu_check", {"started": started.isoformat(), "machine": machine(device), "tests": tests,
                                         "results": [row for rows in results.values() for row in rows.values()],
-                                        "ttft": ttft, "not_served": notes}, args)
+                                        "ttft": ttft, "not_served": notes, "attention_kernels": attention}, args)
 
 
 if __name__ == "__main__":

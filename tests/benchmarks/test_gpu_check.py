@@ -44,3 +44,6 @@ def test_the_dry_run_goes_through_every_part_and_prints_the_issues_table(tmp_pat
     for model in ("t5", "gpt2"):  # --profile: each model's engine under torch's profiler, its ops on stderr
         assert f"profile: {model}, engine alone, inflight, 8 rows" in result.stderr
     assert "Self CPU time total" in result.stderr
+    for model in ("t5", "gpt2"):  # each model's attention calls by kind, with the kernel torch can take
+        assert f"{model}: attention kernels by call (engine alone, in-flight, 8 rows)" in result.stderr
+    assert " calls  math " in result.stderr  # on the CPU torch's CUDA checks refuse every call
