@@ -535,7 +535,9 @@ def test_joining_work_of_few_rows_runs_on_the_latency_threads(models, arch, join
         second = submit(engine, model.ids(TEXTS[0]), DecodingOptions(max_new_tokens=3, end_ids=[]))
         second.result(timeout=60)
         first.result(timeout=60)
-        assert seen[0] == ("join", 3) and seen.count(("join", 1)) == 1
+        # Its rows: one joining call (the joining thread's or the engine thread's), or, for GPT-2 on the CPU, none
+        # when the engine admits it before the joining thread got to it (prefilled in the step: `fused_joins`).
+        assert seen[0] == ("join", 3) and seen.count(("join", 1)) in ((0, 1) if joining == "prefill" else (1,))
         assert all(threads == 1 for name, threads in seen[1:])
     finally:
         engine.close()
