@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transerve.backends.generation.host_copies import to_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -112,7 +114,7 @@ def select_rows(index: torch.Tensor, order: list[int] | None = None) -> RowSelec
     moved = [row for row, source in enumerate(index.tolist() if order is None else order) if source != row]
     if not moved:
         return RowSelection(index, len(index), None, None)
-    destinations = index.new_tensor(moved)
+    destinations = to_device(moved, index.device, index.dtype)
     return RowSelection(index, len(index), destinations, index.index_select(0, destinations))
 
 

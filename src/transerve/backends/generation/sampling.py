@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import DecodingOptions
+from transerve.backends.generation.host_copies import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -76,8 +77,11 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
     the prompt or the decoder start token, then the new tokens); `generated` new tokens exist so far."""
     import torch
 
+    def ids(values: list[int] | list[list[int]]) -> torch.Tensor:  # a list index would wait for a GPU
+        return to_device(values, scores.device, torch.long)
+
     if rules.repetition_penalty != 1.0:
-        index = torch.tensor(contexts, dtype=torch.long, device=scores.device)
+        index = ids(contexts)
         picked = torch.gather(scores, 1, index)
         penalty = rules.repetition_penalty
         scores.scatter_(1, index, torch.where(picked < 0, picked * penalty, picked / penalty))
@@ -85,15 +89,15 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
         for row, context in enumerate(contexts):
             repeated = _repeated_ngram_ends(context, rules.no_repeat_ngram_size)
             if repeated:
-                scores[row, repeated] = -math.inf
+                scores[row].index_fill_(0, ids(repeated), -math.inf)
     if rules.banned:
-        scores[:, rules.banned] = -math.inf
+        scores.index_fill_(1, ids(rules.banned), -math.inf)
     for row, context in enumerate(contexts):
         for prefix, last in rules.banned_after:
             if len(context) >= len(prefix) and tuple(context[len(context) - len(prefix):]) == prefix:
                 scores[row, last] = -math.inf
-    if generated < rules.min_new_tokens:
-        scores[:, rules.end_ids] = -math.inf
+    if generated < rules.min_new_tokens and rules.end_ids:
+        scores.index_fill_(1, ids(rules.end_ids), -math.inf)
     if rules.forced_first is not None and generated == 0:
         scores.fill_(-math.inf)
         scores[:, rules.forced_first] = 0

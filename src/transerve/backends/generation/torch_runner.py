@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from transerve.backends.generation.host_copies import to_device
 from transerve.backends.generation.sampling import ModelRules
 from transerve.backends.threaded import import_engine
 from transerve.backends.torch_attention import use_decoding_attention
@@ -168,7 +169,7 @@ class BatchRunner:
         self.next_tokens = None
         self.select(keep, same_sequences)
         if self.batch is not None:
-            self.next_tokens = torch.tensor(next_tokens, dtype=torch.long, device=self.device)
+            self.next_tokens = to_device(next_tokens, self.device, torch.long)
 
     def select(self, keep: list[int], same_sequences: bool = False) -> None:
         """Keep the batch rows `keep`, in that order (no-op when nothing changes)."""
@@ -180,7 +181,7 @@ class BatchRunner:
             self.clear()
             return
         if keep != list(range(self.batch.rows)):
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            index = to_device(keep, self.device, torch.long)
             self.batch.select(index, decoder_only=same_sequences, order=keep)
             if self.next_tokens is not None:
                 self.next_tokens = self.next_tokens.index_select(0, index)
