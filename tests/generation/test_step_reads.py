@@ -61,6 +61,15 @@ RULES = [
 ]
 
 
+def ruled_sequences(engine):
+    """Sequences of `RULES`, each also with a model's rule (from its generation config): no repeated bigrams."""
+    running = [engine.scheduler.new_sequence(GenerationRequest([5, 6, 7], options), None, lambda outcome: None)
+               for options in RULES]
+    for sequence in running:
+        sequence.rules = dataclasses.replace(sequence.rules, no_repeat_ngram_size=2)
+    return running
+
+
 class HostCopies:
     """Records the ways host data reaches the meta device (our stand-in for a GPU) that would wait for a GPU: a
     tensor made on the device from host values (`torch.tensor(..., device=)`, `new_tensor`), a list or host tensor
@@ -89,9 +98,8 @@ class HostCopies:
         tensor = torch.tensor
         monkeypatch.setattr(torch, "tensor", watched("torch.tensor", tensor, lambda *a, device=None, **k: (
             device is not None and torch.device(device).type == "meta")))
-        for name in ("new_tensor",):
-            monkeypatch.setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name),
-                                                            lambda self, *a, **k: on_device(self)))
+        monkeypatch.setattr(torch.Tensor, "new_tensor", watched("new_tensor", torch.Tensor.new_tensor,
+                                                                lambda self, *a, **k: on_device(self)))
         for name in ("__getitem__", "__setitem__"):
             monkeypatch.setattr(torch.Tensor, name, watched(name, getattr(torch.Tensor, name),
                                                             lambda self, index, *a: on_device(self)
@@ -130,10 +138,7 @@ def test_a_steps_copies_to_the_device_do_not_wait_for_it(models, monkeypatch):
     from transerve.backends.generation.torch_runner import BatchRunner
 
     engine = models["t5"].engine
-    running = [engine.scheduler.new_sequence(GenerationRequest([5, 6, 7], options), None, lambda outcome: None)
-               for options in RULES]
-    for sequence in running:  # a model's rule (its generation config), here for every sequence
-        sequence.rules = dataclasses.replace(sequence.rules, no_repeat_ngram_size=2)
+    running = ruled_sequences(engine)
     rows = sum(sequence.rows for sequence in running)
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: tolist(tensor) if tensor.device.type != "meta"
@@ -165,8 +170,7 @@ def test_on_a_gpu_a_step_synchronises_only_for_its_one_read(models, monkeypatch)
     from transerve.backends.generation.torch_runner import BatchRunner
 
     engine = models["t5"].engine
-    running = [engine.scheduler.new_sequence(GenerationRequest([5, 6, 7], options), None, lambda outcome: None)
-               for options in RULES]
+    running = ruled_sequences(engine)
     rows = sum(sequence.rows for sequence in running)
     cuda = torch.device("cuda")
     tolist = torch.Tensor.tolist
