@@ -590,15 +590,16 @@ def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch, de
     model.hf.to(device)
     try:
         first_ids, second_ids = model.ids(TEXTS[2]), model.ids(TEXTS[0])
+        long = 30 if device == "cpu" else 120  # a GPU decodes a tiny model's steps in a millisecond or two
         steps = threading.Semaphore(0)
-        first = submit(engine, first_ids, DecodingOptions(max_new_tokens=30, end_ids=[]),
+        first = submit(engine, first_ids, DecodingOptions(max_new_tokens=long, end_ids=[]),
                        on_tokens=lambda _: steps.release())
         assert steps.acquire(timeout=30)
         second = submit(engine, second_ids, DecodingOptions(max_new_tokens=6, end_ids=[]))
         assert prepared.wait(30)
         assert not first.done()  # prepared while the first one still ran: max_batch_rows 1 kept it waiting
         assert tokens(second.result(timeout=60)) == model.reference(second_ids, end_ids=[], max_new_tokens=6)
-        assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=30)
+        assert tokens(first.result(timeout=60)) == model.reference(first_ids, end_ids=[], max_new_tokens=long)
         assert streams == [engine.join_stream.stream]  # None on the CPU
         if device == "cuda":
             assert engine.join_stream.stream != torch.cuda.default_stream()
