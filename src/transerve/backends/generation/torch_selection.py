@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
+from transerve.backends.generation.host_copies import to_device
 from transerve.backends.generation.sampling import apply_rules, sample, warp
 from transerve.backends.generation.torch_sequence import Sequence
 
@@ -73,8 +74,7 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     parts = [choice.double(), log_probs.gather(1, choice[:, None])[:, 0].double()]
     for rows, k in ((beam_rows, keep), (asking_rows, top_k)):
         if rows:
-            # Slices joined, not a list index: indexing by a list copies it to the device, which waits for it.
-            values, ids = torch.topk(torch.cat([log_probs[row:row + 1] for row in rows]), k)
+            values, ids = torch.topk(log_probs.index_select(0, to_device(rows, log_probs.device, torch.long)), k)
             parts += [ids.double().flatten(), values.double().flatten()]
     copied = torch.cat(parts).tolist()
     count = logits.shape[0]
