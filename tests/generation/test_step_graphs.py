@@ -185,6 +185,22 @@ def test_a_model_with_masks_of_another_kind_steps_eagerly(models, tmp_path):
         engine.close()
 
 
+def test_a_recording_that_fails_in_any_way_leaves_eager_steps_and_releases_the_buffers(models):
+    """Whatever a recording raises (here a ValueError: a CPU device handed to CUDA's calls), the step runs eagerly
+    at once, every later step too, and the buffers are let go: the sequence still gets `generate`'s tokens."""
+    engine = TorchEngine(models["gpt2"].path, max_batch_rows=8, static_steps=True)
+    graphs = engine.runner.forward.graphs
+    graphs.capture = True  # record: on the CPU the recording's first CUDA call fails
+    try:
+        ids = models["gpt2"].ids(TEXTS[1])
+        result = submit(engine, ids, DecodingOptions(max_new_tokens=8)).result(timeout=60)
+        assert tokens(result) == models["gpt2"].reference(ids, max_new_tokens=8)
+        assert graphs.off and "could not be recorded" in graphs.off and "ValueError" in graphs.off
+        assert not graphs.graphs and not graphs.keys and not graphs.values
+    finally:
+        engine.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("arch", ["t5", "gpt2"])
@@ -206,6 +222,48 @@ def test_recorded_cuda_graphs_decode_as_eager_steps_do(models, arch):
         graphs = recorded.runner.forward.graphs
         assert graphs.off is None and graphs.graphs
         assert all(graph.recording is not None for graph in graphs.graphs.values())
+    finally:
+        recorded.close()
+        eager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_engines_sharing_a_gpu_record_their_graphs_at_the_same_time(models):
+    """Two engines on one GPU, first used together (as a model's instances are): starting a recording empties
+    torch's cache of free memory, which fails while another recording is underway, so they take turns, and both
+    keep their graphs."""
+    archs = ("t5", "gpt2")
+    engines = [TorchEngine(models[arch].path, device="cuda", max_batch_rows=16) for arch in archs]
+    try:
+        futures = [submit(engine, models[arch].ids(text), DecodingOptions(max_new_tokens=12, end_ids=[]))
+                   for text in TEXTS for engine, arch in zip(engines, archs, strict=True)]
+        for future in futures:
+            assert [len(beam) for beam in tokens(future.result(timeout=120))] == [12]
+        for engine in engines:
+            graphs = engine.runner.forward.graphs
+            assert graphs.off is None and graphs.graphs
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="fewer than 2 GPUs")
+def test_an_engine_on_a_second_gpu_records_its_steps_there(models):
+    """torch's current device is per thread, cuda:0 until set: an engine on cuda:1 makes it its threads' own, or
+    its recordings would capture none of its kernels (queued on cuda:1's streams) and replay stale logits."""
+    model = models["gpt2"]
+    recorded = TorchEngine(model.path, device="cuda:1", max_batch_rows=16)
+    eager = TorchEngine(model.path, device="cuda:1", max_batch_rows=16, static_steps=False)
+    try:
+        results = []
+        for engine in (recorded, eager):
+            futures = [submit(engine, model.ids(text), DecodingOptions(max_new_tokens=10)) for text in TEXTS]
+            results.append([tokens(future.result(timeout=120)) for future in futures])
+        assert results[0] == results[1]
+        graphs = recorded.runner.forward.graphs
+        assert graphs.off is None and graphs.graphs and graphs.keys[0].device == torch.device("cuda", 1)
     finally:
         recorded.close()
         eager.close()

@@ -555,6 +555,30 @@ def test_no_joining_thread_when_decoding_uses_every_core(models):
         engine.join(30)
 
 
+def test_each_engine_thread_makes_the_engines_gpu_its_current_device(monkeypatch):
+    """torch keeps the current CUDA device per thread (cuda:0 until set): each thread of an engine on cuda:1 sets
+    it, so that the streams and graph recordings that name no device are on the engine's GPU; the joining thread
+    also takes its own thread count."""
+    from transerve.backends.generation.torch_runner import ThreadPolicy
+
+    policy = ThreadPolicy(torch.device("cuda", 1), intra_op_threads=1, latency_threads=2, latency_rows=1)
+    seen = []
+
+    def thread(joining: bool) -> None:
+        policy.start_thread(joining)
+        seen.append((joining, torch.get_num_threads() if joining else None))
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.append(device))
+    for joining in (False, True):
+        worker = threading.Thread(target=thread, args=(joining,))
+        worker.start()
+        worker.join(10)
+    assert seen == [torch.device("cuda", 1), (False, None), torch.device("cuda", 1), (True, policy.joining_threads)]
+    assert policy.current == 0
+    ThreadPolicy(torch.device("cpu"), 1, 2, 1).start_thread(joining=False)
+    assert len(seen) == 4  # the CPU has no current device to set
+
+
 def test_thread_settings_are_checked(models):
     with pytest.raises(ServerError, match="must not be negative"):
         TorchEngine(models["t5"].path, latency_threads=-1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ LEFT_ROOM = 64
 MAX_GRAPHS = 64
 #: Attention implementations whose masks are boolean (True: attend), as the prepared masks here are.
 BOOLEAN_MASKS = ("sdpa", FUSED_ATTENTION)
+#: Held while any engine of the process records a graph: starting a recording empties torch's cache of free device
+#: memory, which fails while another recording is underway (several engines, or instances, on one GPU).
+_RECORDING = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -88,6 +92,8 @@ class StepGraphs:
         #: The encoder output's width (encoder-decoder models).
         self.width = 0
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        #: The stream graphs are warmed up and recorded on (each engine its own: torch's default one is shared).
+        self.side_stream = torch.cuda.Stream(device=runner.device) if capture else None
         #: Why steps run eagerly from now on (None: they do not).
         self.off: str | None = None
         why = _unsuited(runner)
@@ -141,7 +147,6 @@ class StepGraphs:
                 self.cross_values = [buffer(v, self.source) for _, v in batch.cross_kv]
                 self.width = batch.encoder_hidden.shape[2]
         except torch.OutOfMemoryError:
-            self.keys, self.values, self.cross_keys, self.cross_values = [], [], [], []
             self._turn_off(f"no memory for {self.rows} rows of {self.time} steps")
             return False
         size = sum(buffer.nbytes for buffer in (*self.keys, *self.values, *self.cross_keys, *self.cross_values))
@@ -199,18 +204,21 @@ class StepGraphs:
         import torch
 
         if self.capture:
+            device = self.keys[0].device
             try:
-                stream = torch.cuda.Stream(device=self.keys[0].device)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._forward(key, graph)
-                torch.cuda.current_stream().wait_stream(stream)
-                recording = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(recording, pool=self.pool, capture_error_mode="thread_local"):
-                    graph.logits = self._forward(key, graph)
-                graph.recording = recording
-            except RuntimeError as error:
-                self._turn_off(f"its forward could not be recorded as a CUDA graph ({error})")
+                with _RECORDING, torch.cuda.device(device):
+                    decoding = torch.cuda.current_stream(device)
+                    self.side_stream.wait_stream(decoding)
+                    with torch.cuda.stream(self.side_stream):
+                        self._forward(key, graph)
+                    decoding.wait_stream(self.side_stream)
+                    recording = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(recording, pool=self.pool, stream=self.side_stream,
+                                          capture_error_mode="thread_local"):
+                        graph.logits = self._forward(key, graph)
+                    graph.recording = recording
+            except Exception as error:  # noqa: BLE001 - any failure means eager steps, which still work
+                self._turn_off(f"its forward could not be recorded as a CUDA graph ({error!r})")
                 return False
         self.graphs[key] = graph
         while len(self.graphs) > MAX_GRAPHS:
@@ -240,8 +248,11 @@ class StepGraphs:
                                      EncoderDecoderCache(cache, cross), hidden, graph.encoder_mask)
 
     def _turn_off(self, why: str) -> None:
+        """Eager steps from now on. The buffers go with the graphs: a batch living in them keeps them only until it
+        moves out (its next reallocation) or ends."""
         self.off = why
         self.graphs.clear()
+        self.keys, self.values, self.cross_keys, self.cross_values = [], [], [], []
         logger.warning("decoding steps run eagerly, not as recorded graphs: %s", why)
 
 

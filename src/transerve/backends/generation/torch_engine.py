@@ -219,8 +219,7 @@ class TorchEngine:
         """The engine thread: iterations while there is work; on close, every sequence it holds fails."""
         import torch
 
-        torch.get_num_threads()  # torch's lazy per-thread setup first, so that it cannot undo ThreadPolicy.set later
-        self.runner.threads.current = 0  # a new thread: nothing set yet
+        self.runner.threads.start_thread(joining=False)
         scheduler = self.scheduler
         with torch.inference_mode():
             while True:
@@ -254,8 +253,7 @@ class TorchEngine:
         sequence in one batched call, and on `latency_threads` while few rows run."""
         import torch
 
-        torch.get_num_threads()
-        torch.set_num_threads(self.runner.threads.joining_threads)
+        self.runner.threads.start_thread(joining=True)
         scheduler = self.scheduler
         with torch.inference_mode():
             while True:

@@ -99,6 +99,7 @@ class ThreadPolicy:
     def __init__(self, device: torch.device, intra_op_threads: int, latency_threads: int, latency_rows: int) -> None:
         import torch
 
+        self.device = device
         self.load_threads = intra_op_threads or torch.get_num_threads()
         self.latency_threads = latency_threads or cpu_count()
         self.latency_rows = latency_rows
@@ -110,6 +111,21 @@ class ThreadPolicy:
         self.joining_threads = (
             self.load_threads if device.type != "cpu" else min(self.load_threads, cpu_count() - self.load_threads)
         )
+
+    def start_thread(self, joining: bool) -> None:
+        """At the start of an engine thread (`joining`: the joining thread, which keeps `joining_threads`). torch's
+        lazy per-thread setup runs first, so that it cannot undo a count set later; and the thread's current CUDA
+        device, which torch also keeps per thread (cuda:0 until set), becomes the engine's, so that the streams and
+        graph recordings that name no device are on it."""
+        import torch
+
+        torch.get_num_threads()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if joining:
+            torch.set_num_threads(self.joining_threads)
+        else:
+            self.current = 0  # a new thread: nothing set yet
 
     def set(self, joining: bool, used_rows: int) -> None:
         """On the engine thread: the count for joining work (`joining`) or a step, with `used_rows` rows running."""
