@@ -103,7 +103,7 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
         scores[:, rules.forced_first] = 0
     if rules.forced_last is not None and generated == rules.max_new_tokens - 1:
         scores.fill_(-math.inf)
-        scores[:, rules.forced_last] = 0
+        scores.index_fill_(1, ids(rules.forced_last), 0)
 
 
 def _repeated_ngram_ends(context: list[int], size: int) -> list[int]:
