@@ -13,6 +13,7 @@ from transerve.backends.generation.batch_rows import (
     default_batch_rows,
     gpu_batch_rows,
     kv_bytes_per_token,
+    kv_width,
     longest_row_tokens,
 )
 
@@ -53,6 +54,27 @@ def test_a_row_is_counted_at_most_at_the_whole_budget():
 )
 def test_cache_bytes_per_token_count_every_decoder_layer(config, expected):
     assert kv_bytes_per_token(config, element_bytes=2) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "width"),
+    [
+        ("GPT2Config", {"n_embd": 768, "n_head": 12}, 768),
+        ("BartConfig", {"d_model": 1024, "encoder_attention_heads": 16}, 1024),
+        ("T5Config", {"d_model": 1024, "num_heads": 128, "d_kv": 128}, 128 * 128),  # t5-11b: not its d_model
+        ("LlamaConfig", {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}, 8 * 128),  # GQA
+        ("LlamaConfig", {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+         8 * 64),
+    ],
+)
+def test_the_cache_width_is_key_value_heads_times_head_size(name, settings, width):
+    """Counted at the model's width, a grouped-query model's rows would be sized 4x too few, a T5 whose heads are
+    wider than its d_model many times too many (more than the memory holds)."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, name)(**settings)
+    assert kv_width(config) == width
+    layers = config.get_text_config(decoder=True).num_hidden_layers if name != "T5Config" else config.num_decoder_layers
+    assert kv_bytes_per_token(config, element_bytes=2) == 2 * layers * width * 2
 
 
 def test_the_longest_row_by_kind_of_model():

@@ -39,12 +39,22 @@ def gpu_batch_rows(free_bytes: int, bytes_per_token: int, longest_row_tokens: in
 
 
 def kv_bytes_per_token(config: Any, element_bytes: int) -> int:
-    """The cache bytes one token of history takes: keys and values of every decoder layer, at the model's width
-    (which overstates models whose keys have fewer heads than their queries: a bound, not a measure)."""
+    """The cache bytes one token of history takes: keys and values of every decoder layer (`kv_width` each)."""
     layers = next(value for value in (getattr(config, "decoder_layers", None),
                                       getattr(config, "num_decoder_layers", None),
                                       config.num_hidden_layers) if isinstance(value, int) and value > 0)
-    return 2 * layers * config.hidden_size * element_bytes
+    return 2 * layers * kv_width(config) * element_bytes
+
+
+def kv_width(config: Any) -> int:
+    """One token's keys (or values) in one layer: key/value heads times the head size. Not the model's width:
+    grouped-query attention keeps fewer key/value heads than query heads (Llama 3 8B: a quarter of the width), and
+    T5's heads times `d_kv` need not be its `d_model` (t5-11b: 16 times it)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_size = (getattr(config, "head_dim", None) or getattr(config, "d_kv", None)
+                 or (config.hidden_size // heads if heads else None))
+    return kv_heads * head_size if kv_heads and head_size else config.hidden_size
 
 
 def longest_row_tokens(is_encoder_decoder: bool, max_input_length: int, max_positions: int | None) -> int:
