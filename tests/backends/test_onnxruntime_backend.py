@@ -341,3 +341,44 @@ def test_a_cuda_provider_that_raises_at_session_creation_is_unavailable_and_a_ba
     assert missing in caught.value.message and "onnxruntime-gpu[cuda,cudnn]" in caught.value.message
     with pytest.raises(RuntimeError, match="Protobuf parsing failed"):
         _open_session(FakeOrt("Protobuf parsing failed"), tmp_path / "model.onnx", None, gpu, config)
+
+
+def test_the_cuda_libraries_of_onnxruntime_gpu_are_preloaded_once_before_the_first_gpu_session(tmp_path: Path):
+    """onnxruntime-gpu's `[cuda,cudnn]` extras install CUDA 12 and cuDNN outside the loader's path (and torch cu130
+    brings CUDA 13): `preload_dlls` loads them, once, before a GPU session; a preload that fails is only logged, so
+    that the session's start says what is missing; an onnxruntime without `preload_dlls` (before 1.21) is fine."""
+    from transerve.backends.base import Placement
+    from transerve.backends.onnxruntime.backend import _open_session
+
+    class FakeOrt:
+        def __init__(self, preload_error: Exception | None = None) -> None:
+            self.preloads = 0
+            self.preload_error = preload_error
+
+        def preload_dlls(self):
+            self.preloads += 1
+            if self.preload_error:
+                raise self.preload_error
+
+        def get_available_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+        def InferenceSession(self, path, sess_options, providers):  # noqa: N802 - onnxruntime's name
+            names = [provider[0] if isinstance(provider, tuple) else provider for provider in providers]
+            if "CUDAExecutionProvider" in names:
+                assert self.preloads == 1, "the session started before the libraries were preloaded"
+            return type("Session", (), {"get_providers": lambda _: names})()
+
+    gpu = Placement("m_0_0", "GPU", 0)
+    config = type("Config", (), {"optimization": type("O", (), {"execution_accelerators": type(
+        "A", (), {"gpu_execution_accelerator": []})()})()})()
+    ort = FakeOrt()
+    for _ in range(2):
+        _open_session(ort, tmp_path / "model.onnx", None, gpu, config)
+    assert ort.preloads == 1
+    failing = FakeOrt(OSError("libcudnn.so.9: cannot open shared object file"))
+    _open_session(failing, tmp_path / "model.onnx", None, gpu, config)
+    assert failing.preloads == 1
+    cpu = FakeOrt()
+    _open_session(cpu, tmp_path / "model.onnx", None, Placement("m_0_0", "CPU", 0), config)
+    assert cpu.preloads == 0

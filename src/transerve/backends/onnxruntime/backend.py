@@ -12,6 +12,8 @@ instances on the CPU provider.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import re
 from concurrent.futures import Executor
 from pathlib import Path
@@ -27,6 +29,8 @@ from transerve.backends.threaded import ThreadedInstance, import_engine, load_fa
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg, unavailable
 from transerve.repository.paths import inside
+
+logger = logging.getLogger(__name__)
 
 _PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "execution_mode")
 #: onnxruntime session settings whose value is a file or folder, by their last word (e.g.
@@ -173,6 +177,7 @@ def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement:
     if "CUDAExecutionProvider" not in available:
         raise unavailable(f"instance '{placement.name}' is KIND_GPU but this onnxruntime has no CUDA execution "
                           f"provider: {CUDA_INSTALL}")
+    _preload_cuda_libraries(ort)
     device = {"device_id": placement.device_id}
     providers: list[Any] = [("CUDAExecutionProvider", device), "CPUExecutionProvider"]
     accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
@@ -181,6 +186,22 @@ def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement:
             raise unavailable("the config asks for the tensorrt execution accelerator, which this onnxruntime lacks")
         providers.insert(0, ("TensorrtExecutionProvider", device))
     return providers
+
+
+@functools.cache
+def _preload_cuda_libraries(ort: ModuleType) -> None:
+    """The CUDA and cuDNN libraries of onnxruntime-gpu's `[cuda,cudnn]` extras, loaded before its first GPU session
+    (once per process). Their PyPI packages put them outside the loader's search path, and beside a torch built for
+    another CUDA (cu130 brings CUDA 13, onnxruntime-gpu wants 12) nothing else loads them; `preload_dlls`
+    (onnxruntime 1.21 on) finds them. Older versions lack it, and a failure here is only logged: the session's own
+    start then says what is missing (`_open_session`)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is None:
+        return
+    try:
+        preload()
+    except Exception as exc:  # noqa: BLE001 - onnxruntime reports the missing library when the session starts
+        logger.warning("onnxruntime could not preload its CUDA libraries: %s", exc)
 
 
 def _open_session(
