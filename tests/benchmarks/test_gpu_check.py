@@ -47,3 +47,18 @@ def test_the_dry_run_goes_through_every_part_and_prints_the_issues_table(tmp_pat
     for model in ("t5", "gpt2"):  # each model's attention calls by kind, with the kernel torch can take
         assert f"{model}: attention kernels by call (engine alone, in-flight, 8 rows)" in result.stderr
     assert " calls  math " in result.stderr  # on the CPU torch's CUDA checks refuse every call
+
+
+def test_configs_of_an_engine_not_installed_are_left_out(monkeypatch, capsys):
+    """The GPU machine has no CTranslate2 unless its wheel is carried there: the check then runs the torch rows
+    instead of failing when it converts the first CTranslate2 model."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import gpu_check
+
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ctranslate2" else real(name, *a))
+    configs = gpu_check.installed(gpu_check.served_configs(64, "float16"))
+    assert {served.engine for served in configs.values()} == {"torch"}
+    assert set(configs) == {"served_inflight_rows", "served_inflight_default", "served_static_rows", "torch_stream"}
+    assert "ctranslate2 is not installed" in capsys.readouterr().err
