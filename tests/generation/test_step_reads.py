@@ -62,11 +62,13 @@ RULES = [
 
 
 def ruled_sequences(engine):
-    """Sequences of `RULES`, each also with a model's rule (from its generation config): no repeated bigrams."""
+    """Sequences of `RULES`, each also with a model's rules (from its generation config): no repeated bigrams, a
+    forced first token, and forced end tokens at the last step (the second of two here)."""
     running = [engine.scheduler.new_sequence(GenerationRequest([5, 6, 7], options), None, lambda outcome: None)
                for options in RULES]
     for sequence in running:
-        sequence.rules = dataclasses.replace(sequence.rules, no_repeat_ngram_size=2)
+        sequence.rules = dataclasses.replace(sequence.rules, no_repeat_ngram_size=2, forced_first=5,
+                                             forced_last=[2, 3], max_new_tokens=2)
     return running
 
 
