@@ -120,7 +120,7 @@ class ThreadPolicy:
         import torch
 
         torch.get_num_threads()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:  # bare "cuda" is the current one
             torch.cuda.set_device(self.device)
         if joining:
             torch.set_num_threads(self.joining_threads)
