@@ -1,4 +1,4 @@
-"""The torch engine's default `max_batch_rows` (`batch_rows`): 16 on the CPU; on a GPU what the free memory holds
+"""The torch engine's default `max_batch_rows` (`batch_rows`): 32 on the CPU; on a GPU what the free memory holds
 at the longest history a row can have, within the `kv_cache_tokens` budget and a cap."""
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def test_the_longest_row_by_kind_of_model():
     assert longest_row_tokens(True, max_input_length=512, max_positions=512) == 1024  # Marian
 
 
-def test_the_engine_picks_16_on_the_cpu_and_sizes_on_a_gpu(models, monkeypatch):
-    """On the CPU an engine without `max_batch_rows` decodes 16 rows; the GPU path reads the device's free memory
+def test_the_engine_picks_32_on_the_cpu_and_sizes_on_a_gpu(models, monkeypatch):
+    """On the CPU an engine without `max_batch_rows` decodes 32 rows; the GPU path reads the device's free memory
     (faked here) and the model's shape: the tiny GPT-2 (2 layers of 64, float32) at its 1024 positions."""
     import torch
 
