@@ -315,6 +315,12 @@ def test_a_gpu_instance_whose_cuda_provider_fails_to_start_is_unavailable_naming
     with_server(tmp_path, check)
 
 
+def _no_accelerators():
+    """A stand-in config for `_open_session`: only the execution accelerators are read, and it asks for none."""
+    return type("Config", (), {"optimization": type("O", (), {"execution_accelerators": type(
+        "A", (), {"gpu_execution_accelerator": []})()})()})()
+
+
 def test_a_cuda_provider_that_raises_at_session_creation_is_unavailable_and_a_bad_model_stays_invalid(
     tmp_path: Path,
 ):
@@ -331,9 +337,7 @@ def test_a_cuda_provider_that_raises_at_session_creation_is_unavailable_and_a_ba
         def InferenceSession(self, *args, **kwargs):  # noqa: N802 - onnxruntime's name
             raise RuntimeError(self.error)
 
-    gpu = Placement("m_0_0", "GPU", 0)
-    config = type("Config", (), {"optimization": type("O", (), {"execution_accelerators": type(
-        "A", (), {"gpu_execution_accelerator": []})()})()})()
+    gpu, config = Placement("m_0_0", "GPU", 0), _no_accelerators()
     missing = "libcudnn.so.9: cannot open shared object file: No such file or directory"
     with pytest.raises(ServerError) as caught:
         _open_session(FakeOrt(missing), tmp_path / "model.onnx", None, gpu, config)
@@ -369,9 +373,7 @@ def test_the_cuda_libraries_of_onnxruntime_gpu_are_preloaded_once_before_the_fir
                 assert self.preloads == 1, "the session started before the libraries were preloaded"
             return type("Session", (), {"get_providers": lambda _: names})()
 
-    gpu = Placement("m_0_0", "GPU", 0)
-    config = type("Config", (), {"optimization": type("O", (), {"execution_accelerators": type(
-        "A", (), {"gpu_execution_accelerator": []})()})()})()
+    gpu, config = Placement("m_0_0", "GPU", 0), _no_accelerators()
     ort = FakeOrt()
     for _ in range(2):
         _open_session(ort, tmp_path / "model.onnx", None, gpu, config)

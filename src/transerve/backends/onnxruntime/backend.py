@@ -177,7 +177,6 @@ def _providers(ort: ModuleType, config: model_config_pb2.ModelConfig, placement:
     if "CUDAExecutionProvider" not in available:
         raise unavailable(f"instance '{placement.name}' is KIND_GPU but this onnxruntime has no CUDA execution "
                           f"provider: {CUDA_INSTALL}")
-    _preload_cuda_libraries(ort)
     device = {"device_id": placement.device_id}
     providers: list[Any] = [("CUDAExecutionProvider", device), "CPUExecutionProvider"]
     accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
@@ -211,6 +210,8 @@ def _open_session(
     install: onnxruntime either raises or, when its CUDA or cuDNN libraries do not load, logs the failure and runs
     the session on the CPU, which would serve a KIND_GPU instance from the CPU without a word."""
     providers = _providers(ort, config, placement)
+    if placement.kind == "GPU":
+        _preload_cuda_libraries(ort)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:
