@@ -20,7 +20,7 @@ from test_export import cli, config_of
 from transerve.export.command import export
 from transerve.export.convert import TASKS
 from transerve.export.hf import ExportError, read_folder
-from transerve.export.names import parse
+from transerve.export.names import parse, parse_tokenizer_inputs, step_names
 from transerve.export.repository import Options, write
 
 TEXTS = ["I love this server", "this is terrible", "a third, somewhat longer text than the two before it"]
@@ -215,3 +215,39 @@ def test_qa_truncates_a_long_text_alone_and_batches_texts_with_pairs(seed_server
         together = list(pool.map(call, requests))
     for index, logits in enumerate(together):
         np.testing.assert_allclose(logits, alone[index % 3], atol=1e-5)
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ("tokenizer", "--step-names 'tokenizer': expected TOKENIZER,MODEL[,POSTPROCESS], e.g. tokenizer,model"),
+    ("a,b,c,d", "expected TOKENIZER,MODEL[,POSTPROCESS]"),
+    ("tokenizer,bad name", "--step-names 'bad name' is not a model name: a space is not allowed"),
+    ("tokenizer,llm", "the ensemble 'llm' and its steps need a name each"),
+    ("same,same", "need a name each (same, same, llm_postprocess, llm)"),
+])
+def test_step_names_are_checked_in_one_line(spec, reason):
+    with pytest.raises(ExportError) as caught:
+        step_names("llm", "seqcls", spec)
+    assert reason in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_step_names_as_the_tutorials_repository_has_them():
+    assert step_names("llm", "seqcls", "tokenizer,model") == {
+        "tokenizer": "tokenizer", "model": "model", "postprocess": "llm_postprocess"}
+    assert step_names("llm", "qa", "tok,net,post") == {"tokenizer": "tok", "model": "net", "postprocess": "post"}
+    assert step_names("enc", "encode", None) == {"tokenizer": "enc_tokenizer", "model": "enc_model"}
+    with pytest.raises(ExportError, match=r"expected TOKENIZER,MODEL, e\.g\."):
+        step_names("enc", "encode", "a,b,c")  # encode has no post-processing step
+
+
+@pytest.mark.parametrize(("task", "specs", "reason"), [
+    ("seqcls", ["text"], "expected OLD=NEW, e.g. TEXT=text"),
+    ("seqcls", ["QUESTION=q"], "the seqcls tokenizer has no input 'QUESTION' (its inputs: TEXT)"),
+    ("seqcls", ["TEXT=a b"], "'a b' is not a tensor name"),
+    ("qa", ["QUESTION=x", "CONTEXT=x"], "the tokenizer's inputs would share a name (x, x)"),
+    ("qa", ["QUESTION=CONTEXT"], "would share a name (CONTEXT, CONTEXT)"),
+])
+def test_tokenizer_input_names_are_checked(task, specs, reason):
+    with pytest.raises(ExportError) as caught:
+        parse_tokenizer_inputs(task, specs)
+    assert reason in str(caught.value)
+    assert parse_tokenizer_inputs("qa", ["CONTEXT=context"]) == {"CONTEXT": "context"}

@@ -2,11 +2,14 @@
 
 For a name N (the task's name unless `--name` says otherwise):
 
-- `N_tokenizer` (python): `TEXT` (QA: `QUESTION`, `CONTEXT`) in, the model's token tensors out;
+- `N_tokenizer` (python): `TEXT` (QA: `QUESTION`, `CONTEXT`) in, or the names `--tokenizer-input-name` gives
+  them, the model's token tensors out;
 - `N_model` (onnxruntime or pytorch): token tensors in, the task's raw outputs out;
 - `N_postprocess` (python, not for `encode`): pooling, softmax and labels, or answer spans;
 - `N` (ensemble): what clients call, text in and the task's outputs out: the post-processing's and the model's
   raw ones (`logits`; `start_logits`, `end_logits`), under the names `--input-name`/`--output-name` give them.
+
+`--step-names` names the three step models otherwise (the seed tutorial's repository: `tokenizer`, `model`).
 
 For `seqcls`, `probabilities` names a `labels.txt` (`label_filename`, in the post-processing's and the ensemble's
 folders), so that a client asking for `class_count` k gets the k likeliest classes by name (Triton's
@@ -50,22 +53,29 @@ class Options:
     bucketed: bool
     #: The ensemble's tensors renamed: default name -> the name clients call (`names.parse`).
     renamed: dict[str, str] = field(default_factory=dict)
+    #: Step -> model name where `--step-names` gave one (`names.step_names`); `N_<step>` otherwise.
+    steps: dict[str, str] = field(default_factory=dict)
+    #: The tokenizer model's inputs renamed: TEXT (QUESTION, CONTEXT) -> its own name (`names.parse_tokenizer_inputs`).
+    tokenizer_inputs: dict[str, str] = field(default_factory=dict)
+
+    def step(self, step: str) -> str:
+        return self.steps.get(step, f"{self.name}_{step}")
 
 
-def model_names(name: str, task: Task) -> list[str]:
-    """The folders an export writes, the ensemble last."""
-    steps = ["tokenizer", "model"] + (["postprocess"] if task.name != "encode" else [])
-    return [f"{name}_{step}" for step in steps] + [name]
+def model_names(name: str, task: Task, steps: dict[str, str] | None = None) -> list[str]:
+    """The folders an export writes, the ensemble last; `steps` as `names.step_names` gives them."""
+    kinds = ["tokenizer", "model"] + (["postprocess"] if task.name != "encode" else [])
+    return [(steps or {}).get(step, f"{name}_{step}") for step in kinds] + [name]
 
 
 def write(repository: Path, folder: ModelFolder, task: Task, inputs: list[str], options: Options) -> Path:
     """Write every model but the engine's file, which the caller puts at the returned path."""
     name = options.name
-    tokenizer = _tokenizer(f"{name}_tokenizer", folder, task, inputs, options)
+    tokenizer = _tokenizer(options.step("tokenizer"), folder, task, inputs, options)
     _write_python(repository, tokenizer, "tokenizer.py", extra={"tokenizer.json": folder.tokenizer_file})
-    model = _model(f"{name}_model", folder, task, inputs, options)
+    model = _model(options.step("model"), folder, task, inputs, options)
     _write_config(repository, model)
-    postprocess = _postprocess(f"{name}_postprocess", folder, task, options)
+    postprocess = _postprocess(options.step("postprocess"), folder, task, options)
     if postprocess is not None:
         _write_python(repository, postprocess, f"{task.name}.py")
     _write_config(repository, _ensemble(name, tokenizer, model, postprocess, task, options, folder.max_length))
@@ -80,8 +90,8 @@ def write(repository: Path, folder: ModelFolder, task: Task, inputs: list[str], 
 def _tokenizer(name: str, folder: ModelFolder, task: Task, inputs: list[str], options: Options) -> ModelConfig:
     config = _base(name, options, backend="python")
     texts = ["QUESTION", "CONTEXT"] if task.name == "qa" else ["TEXT"]
-    for text in texts:
-        _tensor(config.input, text, "TYPE_STRING", [1])
+    for text in texts:  # the tokenizer model reads them in this order, whatever their names
+        _tensor(config.input, options.tokenizer_inputs.get(text, text), "TYPE_STRING", [1])
     if task.name == "qa":
         config.input[0].optional = True  # without a question, the context is tokenized alone
     for tensor in inputs:
@@ -151,7 +161,8 @@ def _ensemble(
 ) -> ModelConfig:
     """Tensors are named as the models name them, but for the text inputs, and then as `options.renamed` says."""
     config = ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
-    texts = {"QUESTION": "question", "CONTEXT": "context"} if task.name == "qa" else {"TEXT": "input_text"}
+    defaults = {"QUESTION": "question", "CONTEXT": "context"} if task.name == "qa" else {"TEXT": "input_text"}
+    texts = {options.tokenizer_inputs.get(text, text): tensor for text, tensor in defaults.items()}
     steps = config.ensemble_scheduling.step
     _step(steps.add(), tokenizer, texts)
     _step(steps.add(), model, {})

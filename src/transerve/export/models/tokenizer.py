@@ -27,6 +27,8 @@ class TritonPythonModel:
         self.pair = parameters.get("pair", "false") == "true"
         self.pad_id = int(parameters.get("pad_id", "0"))
         self.outputs = [output["name"] for output in config["output"]]
+        # The text inputs by position (TEXT; QUESTION, CONTEXT), under whatever names the export gave them.
+        self.inputs = [tensor["name"] for tensor in config["input"]]
         path = Path(args["model_repository"]) / args["model_version"] / "tokenizer.json"
         max_length = int(parameters["max_length"])
         self.tokenizer = Tokenizer.from_file(str(path))
@@ -73,9 +75,10 @@ class TritonPythonModel:
         """The request's texts (question-context pairs for QA), or its error when one is not UTF-8."""
         try:
             if not self.pair:
-                return [_text(value) for value in pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy().flat]
-            asked = pb_utils.get_input_tensor_by_name(request, "QUESTION")
-            contexts = pb_utils.get_input_tensor_by_name(request, "CONTEXT").as_numpy().flat
+                texts = pb_utils.get_input_tensor_by_name(request, self.inputs[0]).as_numpy().flat
+                return [_text(value) for value in texts]
+            asked = pb_utils.get_input_tensor_by_name(request, self.inputs[0])
+            contexts = pb_utils.get_input_tensor_by_name(request, self.inputs[1]).as_numpy().flat
             if asked is None:
                 return [_text(context) for context in contexts]
             questions = asked.as_numpy().flat
