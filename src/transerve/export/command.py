@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transerve.export import convert
 from transerve.export.hf import ExportError, read_folder
-from transerve.export.names import parse
+from transerve.export.names import parse, parse_tokenizer_inputs, step_names
 from transerve.export.progress import Progress
 from transerve.export.repository import Options, model_names, write
 
@@ -41,6 +41,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--output-name", action="append", default=[], metavar="OLD=NEW",
         help="call the ensemble's output OLD NEW instead, e.g. logits=LOGITS, last_hidden_state=HIDDEN_STATE, "
              "start_logits=START_LOGITS; repeatable")
+    add("--step-names", metavar="TOKENIZER,MODEL[,POSTPROCESS]",
+        help="the step models' names instead of NAME_tokenizer, NAME_model, NAME_postprocess, e.g. tokenizer,model "
+             "as the seed tutorial's repository has them")
+    add("--tokenizer-input-name", action="append", default=[], metavar="OLD=NEW",
+        help="call the tokenizer model's input OLD (TEXT; qa: QUESTION, CONTEXT) NEW instead, e.g. TEXT=text; "
+             "repeatable")
     add("--allow-random-head", action="store_true",
         help="export a checkpoint that has no weights for the task's head (a base model as seqcls or qa): "
              "transformers initializes the head at random")
@@ -50,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         export(args.model_dir, args.task, args.fmt, args.output, args.name or args.task, args.max_batch_size,
                args.dynamic_batching, args.bucketed, input_names=args.input_name, output_names=args.output_name,
-               allow_random_head=args.allow_random_head)
+               allow_random_head=args.allow_random_head, steps=args.step_names,
+               tokenizer_inputs=args.tokenizer_input_name)
     except ExportError as exc:
         print(f"transerve export: {exc}", file=sys.stderr)
         return 2
@@ -60,16 +67,20 @@ def run(args: argparse.Namespace) -> int:
 def export(
     model_dir: Path, task_name: str, fmt: str, output: Path, name: str, max_batch_size: int = 8,
     dynamic_batching: bool = False, bucketed: bool = False, input_names: list[str] | None = None,
-    output_names: list[str] | None = None, allow_random_head: bool = False,
+    output_names: list[str] | None = None, allow_random_head: bool = False, steps: str | None = None,
+    tokenizer_inputs: list[str] | None = None,
 ) -> list[str]:
-    """Write the repository; return the names of the models written, the ensemble last. `input_names` and
-    `output_names` are `--input-name`/`--output-name` values, OLD=NEW."""
+    """Write the repository; return the names of the models written, the ensemble last. `input_names`,
+    `output_names` and `tokenizer_inputs` are `--input-name`/`--output-name`/`--tokenizer-input-name` values,
+    OLD=NEW; `steps` is `--step-names`."""
     folder = read_folder(model_dir)
     if max_batch_size < 1:
         raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
     task = convert.TASKS[task_name]
     renamed = parse(task_name, input_names or [], output_names or [])
-    names = model_names(name, task)
+    tokenizer_renamed = parse_tokenizer_inputs(task_name, tokenizer_inputs or [])
+    step_models = step_names(name, task_name, steps)
+    names = model_names(name, task, step_models)
     taken = [model for model in names if (output / model).exists()]
     if taken:
         raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
@@ -78,7 +89,7 @@ def export(
         convert.import_libraries(fmt)
     with progress.step(f"loading the model from {model_dir}"):
         module, inputs = convert.load_model(folder, task, allow_random_head)
-    options = Options(name, fmt, max_batch_size, dynamic_batching, bucketed, renamed)
+    options = Options(name, fmt, max_batch_size, dynamic_batching, bucketed, renamed, step_models, tokenizer_renamed)
     output.mkdir(parents=True, exist_ok=True)
     try:
         target = write(output, folder, task, inputs, options)
