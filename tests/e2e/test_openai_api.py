@@ -500,6 +500,18 @@ BAD_REQUESTS = {
     "encoding_format": ("embeddings", {"model": EMBEDDING, "input": "x", "encoding_format": "int8"},
                         "encoding_format", "encoding_format"),
     "body_a_list": ("completions", [1, 2, 3], "", None),
+    # Refused before they are tokenized or decoded: a huge text or id list never stalls the server.
+    "huge_prompt": ("completions", {"model": "gpt", "prompt": "hello " * 700_000, "max_tokens": 4}, "characters",
+                    "prompt"),
+    "huge_id_prompt": ("completions", {"model": "gpt", "prompt": [1] * 500_000, "max_tokens": 4}, "tokens",
+                       "prompt"),
+    "huge_chat": ("chat/completions", {"model": "gpt", "messages": [{"role": "user", "content": "hi " * 300}] * 4096},
+                  "characters", "messages"),
+    "huge_embedding_input": ("embeddings", {"model": EMBEDDING, "input": ["x", "serving " * 350_000]}, "characters",
+                             "input"),
+    "chat_template_kwargs_messages": ("chat/completions", {"model": "gpt", "messages": MESSAGES,
+                                                           "chat_template_kwargs": {"messages": []}},
+                                      "chat_template_kwargs", "chat_template_kwargs"),
 }
 
 

@@ -70,6 +70,36 @@ def test_chat_template_renders_as_transformers(folder: Path) -> None:
     assert raised.value.status == 400
 
 
+def test_chat_template_kwargs_replace_the_defaults_as_transformers_but_not_the_messages(folder: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Hi"}]
+    tokenizer = TextTokenizer(folder)
+    text = tokenizer.render_chat(messages, arguments={"add_generation_prompt": False, "bos_token": "<s>"})
+    assert text == reference.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
+                                                 bos_token="<s>")
+    assert text.startswith("<s>") and not text.endswith("<|assistant|>")
+    with pytest.raises(ApiError, match="may not set messages") as raised:
+        tokenizer.render_chat(messages, arguments={"messages": []})
+    assert raised.value.status == 400 and raised.value.param == "chat_template_kwargs"
+
+
+def test_long_texts_encode_on_a_worker_thread_to_the_same_ids(folder: Path) -> None:
+    import asyncio
+
+    from transerve.frontends.http.openai.text import INLINE_CHARACTERS
+
+    tokenizer = TextTokenizer(folder)
+    short, long = "Hello 🙂 world", "안녕하세요 emoji 🚀 " * (INLINE_CHARACTERS // 8)
+    assert len(long) > INLINE_CHARACTERS
+    for texts in ([short], [long, short]):
+        assert asyncio.run(tokenizer.encode_all(texts)) == [tokenizer.encode(text) for text in texts]
+    # No text of more characters than a context times the longest token can fit in that context.
+    limit = tokenizer.character_limit(16)
+    assert limit == 16 * tokenizer.longest_token
+    assert len(tokenizer.encode("x" * (limit + 1))) > 16 or tokenizer.longest_token == 1
+
+
 def test_token_bytes_are_exact_for_a_byte_level_vocabulary(folder: Path) -> None:
     tokenizer = TextTokenizer(folder)
     ids = tokenizer.encode("🙂")

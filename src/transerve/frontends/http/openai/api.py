@@ -30,6 +30,8 @@ from transerve.server import Server
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 #: Inputs one embeddings request may carry, as OpenAI bounds them.
 MAX_EMBEDDING_INPUTS = 2048
+#: Chat histories longer than this render on a worker thread.
+_INLINE_MESSAGES = 64
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -74,7 +76,7 @@ class OpenAIApi:
         entry = self._catalog.get(body.get("model"), (GENERATE, TEXT))
         sampling = params.sampling(body, chat)
         tokenizer = await entry.tokenizer() if entry.tokenizer_folder is not None else None
-        prompts = _chat_prompt(body, entry, tokenizer) if chat else _prompts(body, entry, tokenizer)
+        prompts = await (_chat_prompt(body, entry, tokenizer) if chat else _prompts(body, entry, tokenizer))
         if len(prompts) * sampling.n > params.MAX_CHOICES:
             raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
                               param="n")
@@ -117,13 +119,12 @@ class OpenAIApi:
         tokens = 0
         if entry.tokenizer_folder is not None:
             tokenizer = await entry.tokenizer()
-            for index, text in enumerate(texts):
-                count = len(tokenizer.encode(text))
-                limit = entry.context_length or tokenizer.max_length
-                if limit is not None and count > limit:
-                    raise bad_request(f"input[{index}] has {count} tokens; model '{entry.id}' takes at most {limit}",
-                                      param="input")
-                tokens += count
+            limit = entry.context_length or tokenizer.max_length
+            for index, ids in enumerate(await _encoded(tokenizer, texts, limit, "input")):
+                if limit is not None and len(ids) > limit:
+                    raise bad_request(f"input[{index}] has {len(ids)} tokens; model '{entry.id}' takes at most "
+                                      f"{limit}", param="input")
+                tokens += len(ids)
         vectors = await self._embed(entry, texts)
         data = [{"object": "embedding", "index": index,
                  "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
@@ -158,40 +159,67 @@ class OpenAIApi:
 
 # ---- prompts -------------------------------------------------------------------------------------------------
 
-def _prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
-    """/v1/completions' `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
+async def _prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
+    """/v1/completions' `prompt`: a string, a list of strings, token ids, or a list of token-id lists. Each is
+    bounded by the model's context before it is decoded or encoded."""
     given = body.get("prompt")
     if isinstance(given, str) or (isinstance(given, list) and given and all(_is_id(x) for x in given)):
         given = [given]
     if not isinstance(given, list) or not given:
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such "
                           "lists, and not empty", param="prompt")
-    prompts = []
+    if len(given) > params.MAX_CHOICES:
+        raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
+                          param="prompt")
+    prompts: list[Prompt | None] = []
+    texts: list[str] = []
     for item in given:
         if isinstance(item, str):
             if tokenizer is None:
                 prompts.append(Prompt([], item))
-                continue
-            prompts.append(Prompt(tokenizer.encode(item), item))
+            else:
+                texts.append(item)
+                prompts.append(None)
         elif isinstance(item, list) and all(_is_id(x) for x in item):
             if entry.kind != GENERATE or tokenizer is None:
                 raise bad_request(f"model '{entry.id}' takes text prompts, not token ids", param="prompt")
+            if entry.context_length is not None and len(item) > entry.context_length:
+                raise bad_request(f"a token-id prompt has {len(item)} tokens; model '{entry.id}' takes at most "
+                                  f"{entry.context_length}", param="prompt")
             vocabulary = tokenizer.vocabulary_size()
             if not item or any(x >= vocabulary for x in item):
                 raise bad_request(f"a token-id prompt must be non-empty with ids below {vocabulary}", param="prompt")
             prompts.append(Prompt(list(item), tokenizer.decode(item)))
         else:
             raise bad_request("each prompt must be a string or a list of token ids", param="prompt")
-        if entry.kind == GENERATE and not prompts[-1].ids:
-            raise bad_request("the prompt is empty: it must have at least one token", param="prompt")
-    return prompts
+    if texts and tokenizer is not None:
+        encoded = iter(await _encoded(tokenizer, texts, entry.context_length, "prompt"))
+        text_of = iter(texts)
+        prompts = [prompt if prompt is not None else Prompt(next(encoded), next(text_of)) for prompt in prompts]
+    complete = [prompt for prompt in prompts if prompt is not None]
+    if entry.kind == GENERATE and any(not prompt.ids for prompt in complete):
+        raise bad_request("the prompt is empty: it must have at least one token", param="prompt")
+    return complete
+
+
+async def _encoded(tokenizer: TextTokenizer, texts: list[str], context: int | None, param: str,
+                   special_tokens: bool = True) -> list[list[int]]:
+    """The texts' ids; a text that cannot fit in the context is refused before it is tokenized."""
+    limit = tokenizer.character_limit(context)
+    for index, text in enumerate(texts):
+        if len(text) > limit:
+            where = param if len(texts) == 1 else f"{param}[{index}]"
+            raise bad_request(f"{where} has {len(text)} characters, more than the {limit} that "
+                              + (f"the model's {context} tokens can hold" if context is not None else
+                                 "a text may have") + ": shorten it", param=param)
+    return await tokenizer.encode_all(texts, special_tokens)
 
 
 def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
+async def _chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
     messages = params.messages(body)
     if tokenizer is None:
         raise bad_request(f"model '{entry.id}' names no tokenizer, so it has no chat template: use /v1/completions",
@@ -199,8 +227,16 @@ def _chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokeni
     arguments = body.get("chat_template_kwargs")
     if arguments is not None and not isinstance(arguments, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    text = tokenizer.render_chat(messages, arguments=arguments)
-    ids = tokenizer.encode(text, special_tokens=False)
+    limit = tokenizer.character_limit(entry.context_length)
+    if sum(len(message["content"] or "") for message in messages) > limit:
+        raise bad_request(f"the messages have more than the {limit} characters that "
+                          + (f"the model's {entry.context_length} tokens can hold" if entry.context_length else
+                             "a prompt may have") + ": shorten them", param="messages")
+    if len(messages) > _INLINE_MESSAGES:  # a long history renders on a worker thread: Jinja takes its time
+        text = await asyncio.to_thread(tokenizer.render_chat, messages, arguments=arguments)
+    else:
+        text = tokenizer.render_chat(messages, arguments=arguments)
+    ids = (await _encoded(tokenizer, [text], entry.context_length, "messages", special_tokens=False))[0]
     if entry.kind == GENERATE and not ids:
         raise bad_request("the chat prompt is empty", param="messages")
     return [Prompt(ids, text)]

@@ -11,6 +11,7 @@ compare both against transformers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -24,6 +25,13 @@ TOKENIZER_FILE = "tokenizer.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 #: The generated text's boundary may fall inside a character; a decoder shows the partial one as this.
 _REPLACEMENT = "\ufffd"
+#: Texts longer than this in all are encoded on a worker thread: `encode_batch` releases the GIL, `encode` does not.
+INLINE_CHARACTERS = 16_384
+#: The characters a text may have when the model states no context length: past the HTTP body limit's reach only
+#: by a little, and enough for any real prompt.
+UNBOUNDED_CONTEXT_CHARACTERS = 1 << 20
+#: Variables the server gives a chat template itself, which `chat_template_kwargs` may not replace.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages"})
 #: transformers' `clean_up_tokenization`, applied when tokenizer_config.json asks for it.
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -56,12 +64,26 @@ class TextTokenizer:
         #: tokenizer_config.json's `model_max_length` when it is a real bound (transformers writes 1e30 for none).
         self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
         self._byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        #: The most characters one token stands for: a text longer than this times a context cannot fit in it.
+        self.longest_token = max((len(piece) for piece in self._tokenizer.get_vocab()), default=1) or 1
         #: The ids that end a sequence: the tokenizer's end token and generation_config.json's `eos_token_id`.
         self.end_ids = _end_ids(self._tokenizer, self.special_tokens.get("eos_token"),
                                 _read_json(folder / "generation_config.json").get("eos_token_id"))
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
+
+    def character_limit(self, context: int | None) -> int:
+        """The characters a text may have and still fit in `context` tokens: each token covers at most
+        `longest_token` of them (normalizers that drop characters aside)."""
+        return UNBOUNDED_CONTEXT_CHARACTERS if context is None else context * self.longest_token
+
+    async def encode_all(self, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
+        """`encode` for each text; a long input is encoded on a worker thread, so the event loop keeps serving."""
+        if sum(len(text) for text in texts) <= INLINE_CHARACTERS:
+            return [self.encode(text, special_tokens) for text in texts]
+        encodings = await asyncio.to_thread(self._tokenizer.encode_batch, texts, add_special_tokens=special_tokens)
+        return [encoding.ids for encoding in encodings]
 
     def decode(self, ids: list[int]) -> str:
         text = self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -107,10 +129,15 @@ class TextTokenizer:
             raise ApiError(503, str(exc)) from None
         from jinja2.exceptions import TemplateError
 
+        reserved = RESERVED_TEMPLATE_VARIABLES.intersection(arguments or ())
+        if reserved:
+            raise bad_request(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}: the request's own "
+                              "field gives it", param="chat_template_kwargs")
+        # As transformers' apply_chat_template: the request's variables replace the special tokens' defaults.
+        variables = {**self.special_tokens, "add_generation_prompt": add_generation_prompt, **(arguments or {})}
         try:
             template = _compiled(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens, **(arguments or {}))
+            return template.render(messages=messages, **variables)
         except TemplateError as exc:
             raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
 
