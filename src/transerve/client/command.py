@@ -1,5 +1,7 @@
 """`transerve client -m MODEL --input-file IN --output-file OUT`: each line of IN through a served text model, its
-answer on the same line of OUT.
+answer on the same line of OUT. Seed 001's client line runs as it is written (`--server=HOST:PORT
+--model-name=NAME --model-version=N --input_file=IN --output_file=OUT`): those are other spellings of `-u`, `-m`,
+`-x` and the file options.
 
 OUT is the checkpoint: a rerun of the same command skips the lines OUT already holds. A line the server refuses
 (or that cannot be sent: not UTF-8, too long) is reported with its number on stderr and in `--errors-file`, its
@@ -41,9 +43,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     "checkpoint: rerun the command to resume after the lines it already holds.",
     )
     add = parser.add_argument
-    add("-m", "--model", required=True, help="the model's name (e.g. marian_text from transerve convert)")
-    add("-x", "--model-version", default="", metavar="VERSION", help="the model's version (default: the server's)")
-    add("-u", "--url", help="the server, HOST:PORT (default localhost:8000 for http, localhost:8001 for grpc)")
+    add("-m", "--model", "--model-name", dest="model", required=True, metavar="NAME",
+        help="the model's name (e.g. marian_text from transerve convert)")
+    add("-x", "--model-version", default="", metavar="VERSION",
+        help="the version asked for, in the request's URL or gRPC field (default: the one the server picks)")
+    add("-u", "--url", "--server", dest="url", metavar="HOST:PORT",
+        help="the server (default localhost:8000 for http, localhost:8001 for grpc)")
     add("-i", "--protocol", choices=sorted(DEFAULT_URLS), default="http", help="http (default) or grpc")
     add("--input-file", "--input_file", dest="input_file", type=Path, required=True, metavar="PATH",
         help="the text to send, one request per line (UTF-8)")
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"transerve client: {exc}", file=sys.stderr)
         return STOPPED
     except KeyboardInterrupt:
-        print("\ntranserve client: interrupted; rerun the same command to resume", file=sys.stderr)
+        print("transerve client: interrupted; rerun the same command to resume", file=sys.stderr)
         return INTERRUPTED
 
 

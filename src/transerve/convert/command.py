@@ -14,6 +14,7 @@ from pathlib import Path
 from transerve.convert.architectures import check_architecture, is_encoder_decoder
 from transerve.convert.repository import Options, model_names, write
 from transerve.core.extras import MissingExtra, import_optional
+from transerve.core.model_names import ModelNameError, check_tool_name
 from transerve.export.hf import ExportError, read_folder
 from transerve.export.progress import Progress
 
@@ -35,7 +36,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "convert", help="convert a Hugging Face generation model to a model repository", allow_abbrev=False,
         description="Convert a Hugging Face generation model folder (config.json, weights, tokenizer.json) to a "
                     "model repository: the generator (backend 'generation'), a tokenizer, a detokenizer, and an "
-                    "ensemble NAME_text that takes text_input and returns text_output.",
+                    "ensemble NAME_text (or --text-name) that takes text_input and returns text_output.",
     )
     add = parser.add_argument
     add("model_dir", type=Path, metavar="HF_MODEL_DIR")
@@ -46,6 +47,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="weight type; ctranslate2 takes all, torch float32, float16 or bfloat16 (default float32)")
     add("--name", help="the generator's name, and the prefix of the other models' names (default: the model "
                        "type); 'fastertransformer' gives the FasterTransformer tensor names the seed client calls")
+    add("--text-name", metavar="NAME",
+        help="the text ensemble's name (default: NAME_text): the model a file client calls, e.g. seed 001's "
+             "'transformer'")
     add("--max-batch-size", type=int, default=8, metavar="N", help="rows one request may carry (default 8)")
     add("--decoupled", action="store_true", help="a decoupled generator, which streams tokens as they are produced")
     add("--max-input-tokens", type=int, metavar="N",
@@ -56,8 +60,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         convert(args.model_dir, args.output, args.engine, args.quantization, args.name, args.max_batch_size,
-                args.decoupled, args.max_input_tokens)
-    except ExportError as exc:
+                args.decoupled, args.max_input_tokens, args.text_name)
+    except (ExportError, OSError) as exc:  # OSError: the output cannot be written (its message names the file)
         print(f"transerve convert: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -66,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
 def convert(
     model_dir: Path, output: Path, engine: str = "ctranslate2", quantization: str = "float32",
     name: str | None = None, max_batch_size: int = 8, decoupled: bool = False, max_input_tokens: int | None = None,
+    text_name: str | None = None,
 ) -> list[str]:
-    """Write the repository; return the names of the models written, the text ensemble last."""
+    """Write the repository; return the names of the models written, the text ensemble last. Every name is
+    checked before anything is read or written."""
+    _check_names(name, text_name)
     folder = read_folder(model_dir)
     if engine not in ENGINES:
         raise ExportError(f"unknown engine '{engine}': choose one of {', '.join(ENGINES)}")
@@ -80,18 +87,23 @@ def convert(
         raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
     _check_max_input_tokens(max_input_tokens, folder.config)
     name = name or str(folder.config["model_type"]).replace("-", "_")
-    names = model_names(name)
+    names = model_names(name, text_name)
+    if len(set(names)) < len(names):
+        raise ExportError(f"--text-name {text_name!r} is the name of another model of the conversion "
+                          f"({', '.join(names[:-1])}): choose another")
     taken = [model for model in names if (output / model).exists()]
     if taken:
         raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
-    progress = Progress(4 if engine == "ctranslate2" else 2)
+    progress = Progress(4 if engine == "ctranslate2" else 2, subject=model_dir)
     with progress.step("loading transformers" + (" and CTranslate2's converter" if engine == "ctranslate2" else "")):
         _import_libraries(engine)
         check_architecture(folder.config, engine)
     # CTranslate2 picks the saved weights' type where the device supports it, float32 where it does not (CPUs
     # have no float16): one repository serves on CPU and GPU instances alike.
     options = Options(name, engine, "default" if engine == "ctranslate2" else quantization, max_batch_size,
-                      decoupled, decoder_only=not is_encoder_decoder(folder.config), max_input_tokens=max_input_tokens)
+                      decoupled, decoder_only=not is_encoder_decoder(folder.config), max_input_tokens=max_input_tokens,
+                      text_name=names[-1])
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
     try:
         target = write(output, folder.tokenizer_file, options)
@@ -106,9 +118,22 @@ def convert(
     except BaseException:
         for model in names:
             shutil.rmtree(output / model, ignore_errors=True)
+        if created and not any(output.iterdir()):
+            output.rmdir()
         raise
     progress.note(f"wrote {', '.join(names)} to {output}; serve with: transerve serve --model-repository {output}")
     return names
+
+
+def _check_names(name: str | None, text_name: str | None) -> None:
+    """The names given, as model names any client can call (core.model_names); the model type a default name
+    comes from is one already."""
+    try:
+        for option, value in (("--name", name), ("--text-name", text_name)):
+            if value is not None:
+                check_tool_name(value, option)
+    except ModelNameError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _import_libraries(engine: str) -> None:

@@ -9,7 +9,8 @@ For a name N:
   `REQUEST_OUTPUT_LEN` -> `OUTPUT0`, `OUTPUT1`). Its version folder holds the model in `model/`;
 - `N_tokenizer` and `N_detokenizer` (python): text to token ids and back, from the model's tokenizer.json; with
   `--max-input-tokens`, the tokenizer's `max_input_tokens` parameter has it truncate longer inputs;
-- `N_text` (ensemble): `text_input` in, `text_output` out (what /generate serves). Decoding options travel as
+- `N_text` (ensemble), or the name `--text-name` gives it (seed 001's client calls `transformer`): `text_input`
+  in, `text_output` out (what /generate serves). Decoding options travel as
   request parameters, which the ensemble hands to the generator: /generate turns a body's other keys
   (`"max_tokens": 32`, `"beam_width": 4`, ...) into parameters, tritonclient sends `parameters={...}`. They are not
   optional ensemble inputs because transerve's ensembles do not yet run a step whose optional input was left out.
@@ -61,15 +62,17 @@ class Options:
     decoder_only: bool
     #: The tokenizer truncates longer inputs to this many tokens (None: it never truncates).
     max_input_tokens: int | None = None
+    #: The text ensemble's name (None: `N_text`).
+    text_name: str | None = None
 
     @property
     def first_names(self) -> bool:
         return self.name == FASTERTRANSFORMER_NAME
 
 
-def model_names(name: str) -> list[str]:
+def model_names(name: str, text_name: str | None = None) -> list[str]:
     """The folders a conversion writes, the text ensemble last."""
-    return [name, f"{name}_tokenizer", f"{name}_detokenizer", f"{name}_text"]
+    return [name, f"{name}_tokenizer", f"{name}_detokenizer", text_name or f"{name}_text"]
 
 
 def write(repository: Path, tokenizer_file: Path, options: Options) -> Path:
@@ -154,7 +157,8 @@ def _text_ensemble(
     options: Options, generator: ModelConfig, tokenizer: ModelConfig, detokenizer: ModelConfig
 ) -> ModelConfig:
     """Ensemble tensors are named apart (the tokenizer's and the generator's `sequence_length` differ)."""
-    config = ModelConfig(name=f"{options.name}_text", platform="ensemble", max_batch_size=options.max_batch_size)
+    config = ModelConfig(name=options.text_name or f"{options.name}_text", platform="ensemble",
+                         max_batch_size=options.max_batch_size)
     _tensor(config.input, "text_input", "TYPE_STRING", [1])
     _tensor(config.output, "text_output", "TYPE_STRING", [1])
     if options.first_names:

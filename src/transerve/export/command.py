@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from transerve.core.model_names import ModelNameError, check_tool_name
 from transerve.export import convert
 from transerve.export.hf import ExportError, read_folder
 from transerve.export.names import parse, parse_tokenizer_inputs, step_names
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                args.dynamic_batching, args.bucketed, input_names=args.input_name, output_names=args.output_name,
                allow_random_head=args.allow_random_head, steps=args.step_names,
                tokenizer_inputs=args.tokenizer_input_name)
-    except ExportError as exc:
+    except (ExportError, OSError) as exc:  # OSError: the output cannot be written (its message names the file)
         print(f"transerve export: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -73,6 +74,10 @@ def export(
     """Write the repository; return the names of the models written, the ensemble last. `input_names`,
     `output_names` and `tokenizer_inputs` are `--input-name`/`--output-name`/`--tokenizer-input-name` values,
     OLD=NEW; `steps` is `--step-names`."""
+    try:
+        check_tool_name(name, "--name")
+    except ModelNameError as exc:
+        raise ExportError(str(exc)) from None
     folder = read_folder(model_dir)
     if max_batch_size < 1:
         raise ExportError(f"--max-batch-size must be at least 1, got {max_batch_size}")
@@ -84,7 +89,7 @@ def export(
     taken = [model for model in names if (output / model).exists()]
     if taken:
         raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
-    progress = Progress(4)
+    progress = Progress(4, subject=model_dir)
     with progress.step("loading torch and transformers"):
         convert.import_libraries(fmt)
     with progress.step(f"loading the model from {model_dir}"):
