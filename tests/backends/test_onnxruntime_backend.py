@@ -16,6 +16,7 @@ from support.tiny_models import token_states_reference, write_onnx
 
 from transerve.config.devices import visible_gpus
 from transerve.core.errors import ErrorCode, ServerError
+from transerve.core.types import InferRequest
 from transerve.server import Server
 
 pytest.importorskip("onnxruntime")
@@ -384,3 +385,64 @@ def test_the_cuda_libraries_of_onnxruntime_gpu_are_preloaded_once_before_the_fir
     cpu = FakeOrt()
     _open_session(cpu, tmp_path / "model.onnx", None, Placement("m_0_0", "CPU", 0), config)
     assert cpu.preloads == 0
+
+
+def _gather_model(path: Path) -> None:
+    """`ids` (INT32) cast and gathered from a 10-row table, and `free` (INT64) gathered from a table computed at
+    run time (the table plus zero): the first bound is found from the graph, the second only when it fails."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    table = helper.make_tensor("table", TensorProto.FLOAT, [10, 2], [float(i) for i in range(20)])
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "ids64"], ["rows"], axis=0),
+        helper.make_node("Add", ["table", "zero"], ["computed"]),
+        helper.make_node("Gather", ["computed", "free"], ["free_rows"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "gathers",
+        [helper.make_tensor_value_info("ids", TensorProto.INT32, ["b", 3]),
+         helper.make_tensor_value_info("free", TensorProto.INT64, ["b", 3])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["b", 3, 2]),
+         helper.make_tensor_value_info("free_rows", TensorProto.FLOAT, ["b", 3, 2])],
+        initializer=[table, zero])
+    path.parent.mkdir(parents=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def test_ids_outside_an_embedding_table_are_refused_alone_with_the_range(tmp_path: Path):
+    pytest.importorskip("onnx")
+    add_model(tmp_path, "tokens", "token_states",
+              "max_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 200000 }\n")
+    _gather_model(tmp_path / "gathers" / "1" / "model.onnx")
+    (tmp_path / "gathers" / "config.pbtxt").write_text("max_batch_size: 4\n")
+
+    def tokens(*ids: int) -> InferRequest:
+        row = np.array([ids], dtype=np.int64)
+        return request("tokens", input_ids=("INT64", row), attention_mask=("INT64", np.ones_like(row)))
+
+    async def check(server: Server) -> None:
+        answers = await asyncio.gather(*(server.infer(tokens(*ids)) for ids in ((1, 2), (1, 100), (3, 4))),
+                                       return_exceptions=True)
+        assert outputs(answers[0])["hidden"].shape == outputs(answers[2])["hidden"].shape == (1, 2, 3)
+        assert isinstance(answers[1], ServerError) and answers[1].code == ErrorCode.INVALID_ARG
+        assert answers[1].message == ("input 'input_ids' holds id 100, outside the vocabulary (0..99) of the "
+                                      "embedding table 'embedding.weight'")
+        # One batch of the three: the bad one was answered alone, the other two ran together.
+        assert [b["batch_size"] for b in server.statistics("tokens")["model_stats"][0]["batch_stats"]] == [3]
+
+        good = {"ids": ("INT32", np.array([[0, 9, 3]], np.int32)), "free": ("INT64", np.array([[0, 1, 9]]))}
+        assert outputs(await server.infer(request("gathers", **good)))["rows"][0, 1].tolist() == [18.0, 19.0]
+        with pytest.raises(ServerError) as caught:  # found through the Cast
+            await server.infer(request("gathers", **(good | {"ids": ("INT32", np.array([[0, 10, 1]], np.int32))})))
+        assert caught.value.code == ErrorCode.INVALID_ARG
+        assert caught.value.message.startswith("input 'ids' holds id 10, outside the vocabulary (0..9)")
+        with pytest.raises(ServerError) as caught:  # a computed table: onnxruntime's own refusal, still a 400
+            await server.infer(request("gathers", **(good | {"free": ("INT64", np.array([[0, 1, 10]]))})))
+        assert caught.value.code == ErrorCode.INVALID_ARG
+        assert caught.value.message.startswith("an input holds an id outside its embedding table: ")
+        assert "out of data bounds" in caught.value.message
+
+    with_server(tmp_path, check)

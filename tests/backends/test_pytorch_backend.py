@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,60 @@ def test_an_idle_instance_thread_ends_and_the_next_request_starts_one_with_the_t
     finally:
         torch.set_num_threads(original)
 
+
+
+class _ComputedTable(torch.nn.Module):
+    """An embedding whose table is computed per call: the bound cannot be read at load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.arange(20, dtype=torch.float32).reshape(10, 2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.table * 1.0)
+
+
+TOKENS_CONFIG = """
+    platform: "pytorch_libtorch"
+    max_batch_size: 8
+    input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] },
+            { name: "attention_mask" data_type: TYPE_INT64 dims: [ -1 ] } ]
+    output [ { name: "hidden" data_type: TYPE_FP32 dims: [ -1, 3 ] },
+             { name: "length" data_type: TYPE_INT64 dims: [ 1 ] } ]
+    dynamic_batching { max_queue_delay_microseconds: 200000 }
+"""
+
+
+def test_ids_outside_an_embedding_table_are_refused_alone_with_the_range(tmp_path: Path):
+    add_model(tmp_path, "tokens", TOKENS_CONFIG, model="token_states")
+    (tmp_path / "computed" / "1").mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(_ComputedTable()).save(str(tmp_path / "computed" / "1" / "model.pt"))
+    (tmp_path / "computed" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch"\nmax_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_INT64 '
+        'dims: [ -1 ] } ]\noutput [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n')
+
+    def tokens(*ids: int):
+        row = np.array([ids], dtype=np.int64)
+        return request("tokens", input_ids=("INT64", row), attention_mask=("INT64", np.ones_like(row)))
+
+    async def check(server: Server) -> None:
+        answers = await asyncio.gather(*(server.infer(tokens(*ids)) for ids in ((1, 2), (-1, 2), (3, 4))),
+                                       return_exceptions=True)
+        assert outputs(answers[0])["hidden"].shape == outputs(answers[2])["hidden"].shape == (1, 2, 3)
+        assert isinstance(answers[1], ServerError) and answers[1].code == ErrorCode.INVALID_ARG
+        assert answers[1].message == ("input 'input_ids' holds id -1, outside the vocabulary (0..99) of the "
+                                      "embedding table 'embedding.weight'")
+        # One batch of the three: the bad one was answered alone, the other two ran together.
+        assert [b["batch_size"] for b in server.statistics("tokens")["model_stats"][0]["batch_stats"]] == [3]
+
+        good = outputs(await server.infer(request("computed", INPUT__0=("INT64", np.array([[9, 0]])))))
+        assert good["OUTPUT__0"].tolist() == [[[18.0, 19.0], [0.0, 1.0]]]
+        with pytest.raises(ServerError) as caught:  # torch's own refusal, still the client's error
+            await server.infer(request("computed", INPUT__0=("INT64", np.array([[10, 0]]))))
+        assert caught.value.code == ErrorCode.INVALID_ARG
+        assert caught.value.message.startswith("an input holds an id outside its embedding table: ")
+        assert "index out of range" in caught.value.message
+
+    with_server(tmp_path, check)

@@ -23,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, ExecutionResult, Placement
 from transerve.backends.idle_ending_executor import IdleEndingExecutor
+from transerve.backends.index_bounds import IndexBound, out_of_bounds
 from transerve.config.model_config import ConfigError
 from transerve.core.batching import merge_inputs, split_outputs
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
@@ -71,6 +72,9 @@ class ThreadedInstance(BackendInstance):
     Two executions may be handed over at once: the second waits in the thread's queue, so the engine starts it
     as soon as the first ends instead of idling while the event loop answers and dispatches (the dynamic
     batcher hands batches to idle instances only, so this matters for the direct scheduler).
+
+    `bounds` are the inputs that index an embedding table (`index_bounds`): a request holding an id outside one
+    is answered its 400 alone, and the rest of its batch runs.
     """
 
     max_inflight = 2
@@ -84,8 +88,10 @@ class ThreadedInstance(BackendInstance):
         executor: Executor,
         engine: Engine,
         loop: asyncio.AbstractEventLoop,
+        bounds: Sequence[IndexBound] = (),
     ) -> None:
         self.name = name
+        self._bounds = tuple(bounds)
         self._model_name = model_name
         self._version = version
         self._batching = config.max_batch_size > 0
@@ -103,6 +109,20 @@ class ThreadedInstance(BackendInstance):
         await self._loop.run_in_executor(None, self._executor.shutdown)
 
     def _execute(self, requests: list[InferRequest]) -> ExecutionResult:
+        refused = {}
+        for index, request in enumerate(requests if self._bounds else ()):
+            error = out_of_bounds(self._bounds, request)
+            if error is not None:
+                refused[index] = error
+        if not refused:
+            return self._execute_all(requests)
+        kept = [request for index, request in enumerate(requests) if index not in refused]
+        result = self._execute_all(kept) if kept else ExecutionResult([])
+        answers = iter(result.results)
+        result.results = [refused[index] if index in refused else next(answers) for index in range(len(requests))]
+        return result
+
+    def _execute_all(self, requests: list[InferRequest]) -> ExecutionResult:
         try:
             if self._batching:
                 return self._run_merged(requests)

@@ -6,7 +6,8 @@ whose keys start with `session.` (one that names a file or folder is taken relat
 must stay inside the model's folder: `repository/paths.py`); `optimization { graph { level } }` (-1 basic, 1 extended,
 otherwise all); KIND_GPU instances run on the CUDA execution provider of their GPU, with TensorRT's in front
 when `optimization.execution_accelerators` asks for `tensorrt` (both need `onnxruntime-gpu`); KIND_CPU
-instances on the CPU provider.
+instances on the CPU provider. Inputs that index an embedding table are checked per request before a run
+(`embeddings.py`): an id outside the table is a 400 for that request alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends import autocomplete
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.onnxruntime.embeddings import ORT_BAD_INDEX, embedding_bounds
 from transerve.backends.threaded import ThreadedInstance, import_engine, load_failure, open_engines, release
 from transerve.config.model_config import ConfigError
 from transerve.core.errors import ServerError, invalid_arg, unavailable
@@ -83,7 +85,13 @@ class OrtEngine:
 
     def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         feed = {name: _to_str(array) if name in self.string_inputs else array for name, array in inputs.items()}
-        values = self.session.run(outputs, feed)
+        try:
+            values = self.session.run(outputs, feed)
+        except Exception as exc:
+            message = " ".join(str(exc).split())
+            if ORT_BAD_INDEX in message:  # an id past a table that `embeddings` did not find: still the client's
+                raise invalid_arg(f"an input holds an id outside its embedding table: {message[:300]}") from None
+            raise
         pairs = zip(outputs, values, strict=True)
         return {name: _to_bytes(value) if value.dtype == object else value for name, value in pairs}
 
@@ -119,6 +127,8 @@ class OnnxRuntimeBackend(Backend):
                 default = context.backend_config.get("default-max-batch-size", str(autocomplete.DEFAULT_MAX_BATCH_SIZE))
                 autocomplete.auto_complete(config, inputs, outputs, _int(default, "default-max-batch-size"))
             autocomplete.check(config, inputs, outputs)
+            served = {tensor.name for tensor in config.input}
+            bounds = [b for b in await loop.run_in_executor(None, embedding_bounds, path) if b.input in served]
         except Exception as exc:  # a config the model does not match, or onnxruntime's own errors
             release([executor for executor, _ in opened])
             raise load_failure(exc, where, "onnxruntime", path.name) from None
@@ -126,7 +136,7 @@ class OnnxRuntimeBackend(Backend):
         for _, engine in opened:
             engine.string_inputs = strings
         instances = [
-            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
+            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop, bounds)
             for placement, (executor, engine) in zip(instance_placements(config), opened, strict=True)
         ]
         return BackendModel(config, instances)

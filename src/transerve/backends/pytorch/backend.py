@@ -6,7 +6,8 @@ in config order. Outputs are taken by index for `<name>__<index>` names, by key 
 in config order. `parameters` as in Triton: `INFERENCE_MODE` (default true: `torch.inference_mode`, else
 `no_grad`), `DISABLE_OPTIMIZED_EXECUTION`, `INTRA_OP_THREAD_COUNT` and `INTER_OP_THREAD_COUNT` (torch keeps
 one setting of each per process: the last model loaded sets them). A TorchScript file does not record
-input and output types, so the config must list them.
+input and output types, so the config must list them. Inputs that index an embedding table are checked per
+request before a run (`embeddings.py`): an id outside the table is a 400 for that request alone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.index_bounds import IndexBound
+from transerve.backends.pytorch.embeddings import TORCH_BAD_INDEX, embedding_bounds
 from transerve.backends.threaded import ThreadedInstance, import_engine, load_failure, open_engines
 from transerve.backends.torch_attention import use_decoding_attention
 from transerve.config.model_config import ConfigError
@@ -44,16 +47,25 @@ class TorchEngine:
         self._device = device
         self._call = call
         self._settings = settings
+        #: The config inputs that index an embedding table, found at load.
+        self.bounds: list[IndexBound] = []
 
     def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         torch = self._torch
         mode = torch.inference_mode() if self._settings.inference_mode else torch.no_grad()
         with mode, torch.jit.optimized_execution(self._settings.optimized_execution):
             tensors = {name: torch.from_numpy(_writable(array)).to(self._device) for name, array in inputs.items()}
-            if self._call.keyword:
-                result = self._module(**tensors)
-            else:
-                result = self._module(*(tensors[name] for name in self._call.positional))
+            try:
+                if self._call.keyword:
+                    result = self._module(**tensors)
+                else:
+                    result = self._module(*(tensors[name] for name in self._call.positional))
+            except (IndexError, RuntimeError) as exc:
+                message = " ".join(str(exc).split())
+                if TORCH_BAD_INDEX not in message:
+                    raise
+                # an id past a table `embeddings` did not find: the client's input, not the model's failure
+                raise invalid_arg(f"an input holds an id outside its embedding table: {message[-300:]}") from None
             produced = self._call.pick(result, outputs)
         return {name: tensor.detach().cpu().numpy() for name, tensor in produced.items()}
 
@@ -94,6 +106,12 @@ class _CallSpec:
             self.output_index = {name: int(m.group(1)) for name, m in zip(outputs, matches, strict=True) if m}
         else:
             self.output_index = {name: index for index, name in enumerate(outputs)}
+
+    def carriers(self, arguments: list[str]) -> dict[str, str]:
+        """Forward argument name -> the config input passed as it."""
+        if self.keyword:
+            return {name: name for name in self.positional}
+        return dict(zip(arguments, self.positional, strict=False))
 
     def pick(self, result: Any, wanted: list[str]) -> dict[str, Any]:
         if isinstance(result, dict):
@@ -159,7 +177,8 @@ class PyTorchBackend(Backend):
         except Exception as exc:  # a config the model does not match, or torch's own errors (not TorchScript, ...)
             raise load_failure(exc, where, "torch", path.name) from None
         instances = [
-            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop)
+            ThreadedInstance(context.name, context.version, placement.name, config, executor, engine, loop,
+                             engine.bounds)
             for placement, (executor, engine) in zip(placements, opened, strict=True)
         ]
         return BackendModel(config, instances)
@@ -193,4 +212,7 @@ def _open(
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is what Triton's backend serves
         module = torch.jit.load(str(path), map_location=device).eval()
     arguments = [argument.name for argument in module.forward.schema.arguments][1:]  # without `self`
-    return TorchEngine(torch, module, device, _CallSpec(config, arguments), settings)
+    call = _CallSpec(config, arguments)
+    engine = TorchEngine(torch, module, device, call, settings)
+    engine.bounds = embedding_bounds(module, call.carriers(arguments))
+    return engine
