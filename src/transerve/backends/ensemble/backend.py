@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+
+from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendInstance, BackendModel, ExecutionResult, ModelContext
 from transerve.backends.ensemble.graph import Step, build_steps, needed_steps
@@ -25,6 +27,10 @@ from transerve.core.types import InferRequest, InferResponse, RequestedOutput, T
 MAX_CONCURRENT_REQUESTS = 4096
 #: How many sets of requested outputs keep their pruned step lists (a client picks the sets, so they are bounded).
 MAX_PRUNED_SETS = 64
+#: Steps in one ensemble, and ensembles inside ensembles: far past any real graph, and short of what a config
+#: (which a client can send through the load API) could make the server walk or nest without end.
+MAX_STEPS = 1024
+MAX_DEPTH = 32
 
 
 class EnsembleBackend(Backend):
@@ -36,6 +42,10 @@ class EnsembleBackend(Backend):
         runtime = context.runtime
         if runtime is None:
             raise invalid_arg(f"ensemble '{context.name}' needs the server to run its steps")
+        if len(context.config.ensemble_scheduling.step) > MAX_STEPS:
+            raise invalid_arg(f"ensemble '{context.name}' has {len(context.config.ensemble_scheduling.step)} steps; "
+                              f"an ensemble may have at most {MAX_STEPS}")
+        _check_depth(context.name, context.config.ensemble_scheduling.step, runtime)
         signatures: dict[tuple[str, str], ModelSignature] = {}
         decoupled_models: set[tuple[str, str]] = set()
         for raw in context.config.ensemble_scheduling.step:
@@ -60,6 +70,30 @@ class EnsembleBackend(Backend):
         optional = {tensor.name for tensor in context.config.input if tensor.optional}
         instance = EnsembleInstance(context.name, context.version, steps, outputs, runtime, decoupled, optional)
         return BackendModel(context.config, [instance])
+
+
+def _check_depth(name: str, steps: Iterable[model_config_pb2.ModelEnsembling.Step], runtime: Runtime) -> None:
+    """Refuse an ensemble nested more than MAX_DEPTH ensembles deep, walking the loaded composing models' configs
+    with a stack (a deep chain must not exhaust Python's), each model at most once per depth."""
+    pending = [(step.model_name, "" if step.model_version < 0 else str(step.model_version), 2) for step in steps]
+    #: The deepest each model was reached at: one reached deeper again is walked again.
+    deepest: dict[tuple[str, str], int] = {}
+    while pending:
+        model_name, version, depth = pending.pop()
+        if deepest.get((model_name, version), 0) >= depth:
+            continue
+        deepest[(model_name, version)] = depth
+        try:
+            config = runtime.get_version(model_name, version).config
+        except ServerError:
+            continue  # build_steps names the missing model
+        if not config.HasField("ensemble_scheduling"):
+            continue
+        if depth > MAX_DEPTH:
+            raise invalid_arg(f"ensemble '{name}' nests ensembles more than {MAX_DEPTH} deep (through "
+                              f"'{model_name}'); at most {MAX_DEPTH} levels are served")
+        pending.extend((step.model_name, "" if step.model_version < 0 else str(step.model_version), depth + 1)
+                       for step in config.ensemble_scheduling.step)
 
 
 class EnsembleInstance(BackendInstance):

@@ -81,20 +81,20 @@ def needed_steps(steps: list[Step], outputs: Iterable[str], wanted: Iterable[str
     """The steps a request that asks for only the `wanted` ensemble outputs runs, in config order.
 
     As Triton prunes them: a step is left out when each tensor it produces is an output nobody asked for or
-    feeds only steps left out (a step output that goes nowhere keeps its step, as Triton keeps it).
+    feeds only steps left out (a step output that goes nowhere keeps its step, as Triton keeps it). One pass back
+    from the tensors needed to the steps producing them, so a large graph costs its size, not its size squared.
     """
     #: Tensors something reads: a step, or the ensemble's response.
     read = {tensor for step in steps for tensor in step.inputs.values()}.union(outputs)
-    needed = set(wanted)
-    kept: set[int] = set()
-    grew = True
-    while grew:  # config order need not be dependency order: repeat until nothing more is kept
-        grew = False
-        for step in steps:
-            if step.index not in kept and any(t in needed or t not in read for t in step.outputs.values()):
-                kept.add(step.index)
-                needed.update(step.inputs.values())
-                grew = True
+    producer = {tensor: step for step in steps for tensor in step.outputs.values()}
+    kept = {step.index for step in steps if any(tensor not in read for tensor in step.outputs.values())}
+    pending = list(wanted)
+    pending.extend(tensor for step in steps if step.index in kept for tensor in step.inputs.values())
+    while pending:
+        step = producer.get(pending.pop())
+        if step is not None and step.index not in kept:
+            kept.add(step.index)
+            pending.extend(step.inputs.values())
     return [step for step in steps if step.index in kept]
 
 
@@ -159,14 +159,24 @@ def _same_dims(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 
 def _check_acyclic(name: str, steps: list[Step], own: ModelSignature) -> None:
-    """Kahn's walk from the ensemble inputs: every step must become runnable."""
-    available = set(own.inputs)
-    pending = list(steps)
-    while pending:
-        runnable = [step for step in pending if set(step.inputs.values()) <= available]
-        if not runnable:
-            stuck = ", ".join(step.label for step in pending)
-            raise ConfigError(f"ensemble '{name}' has a cycle: {stuck} wait on each other's outputs")
-        for step in runnable:
-            available.update(step.outputs.values())
-            pending.remove(step)
+    """Kahn's walk from the ensemble inputs: every step must become runnable. Each step waits on a count of the
+    tensors it still lacks, so the walk is linear in the graph's size."""
+    waiting = {step.index: set(step.inputs.values()) - set(own.inputs) for step in steps}
+    readers: dict[str, list[Step]] = {}
+    for step in steps:
+        for tensor in waiting[step.index]:
+            readers.setdefault(tensor, []).append(step)
+    lacking = {index: len(tensors) for index, tensors in waiting.items()}
+    runnable = [step for step in steps if not lacking[step.index]]
+    ran: set[int] = set()
+    while runnable:
+        step = runnable.pop()
+        ran.add(step.index)
+        for tensor in step.outputs.values():
+            for reader in readers.pop(tensor, ()):
+                lacking[reader.index] -= 1
+                if not lacking[reader.index]:
+                    runnable.append(reader)
+    if len(ran) < len(steps):
+        stuck = ", ".join(step.label for step in steps if step.index not in ran)
+        raise ConfigError(f"ensemble '{name}' has a cycle: {stuck} wait on each other's outputs")
