@@ -3,10 +3,13 @@
 order, over infer (HTTP and gRPC, batched) and /generate; a killed run resumes without duplicates; bad lines fail
 alone with their numbers; `--max-input-tokens` truncates as the Hugging Face tokenizer does.
 
-The commands of docs/tutorials/translate-a-file.md are spelled here (`test_the_tutorial_commands`)."""
+docs/tutorials/translate-a-file.md runs as written (`test_the_tutorial_commands`), the seed's client line
+`--server --model-name --model-version --input_file --output_file` in it, and `--model-version` asks for that
+version over HTTP and gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from support import ServerProcess, start_transerve
+from support import ServerProcess, free_ports, start_transerve
+from support.doc_blocks import code_blocks, commands
 from support.generation_models import build_generation_model
 
 from transerve.client.files import one_line
@@ -252,42 +256,123 @@ def test_a_server_that_is_not_there_stops_the_client(tmp_path, protocol, message
 
 
 TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "translate-a-file.md"
+#: The page's setup: the only lines the test does not run (they need the network); it checks them as written and
+#: puts a tiny T5 where the download would put t5-small.
+SETUP = ["pip install 'transerve[generation]'",
+         "hf download google-t5/t5-small config.json generation_config.json model.safetensors tokenizer.json "
+         "tokenizer_config.json --local-dir t5-small"]
+SERVE = "transerve serve --model-repository=model_repository &"
+SEED_CLIENT = ("transerve client --server=localhost:8000 --model-name=transformer --model-version=1 "
+               "--input_file=${TRITON_INPUT_FILE} --output_file=${TRITON_OUTPUT_FILE}")
 
 
-def tutorial_blocks(kind: str) -> list[str]:
-    """The page's fenced blocks of `kind` (bash, text), in order."""
-    parts = read(TUTORIAL).split("```")
-    return [part.removeprefix(kind).strip() for part in parts[1::2] if part.startswith(f"{kind}\n")]
+def test_the_tutorial_commands(tmp_path):
+    """docs/tutorials/translate-a-file.md, seed 001's steps in order, run as written in one bash, as a user's
+    terminal runs them: setup's data, convert, serve in the background, wait until ready, the seed's client line,
+    the page's other client lines, head, kill and wait, ls. Only the address changes: the server gets free ports
+    (`localhost:8000` becomes them), and `transerve` is this checkout's. The translations are checked against
+    /generate of a second server on the same repository."""
+    blocks = code_blocks(TUTORIAL, "bash")
+    assert commands(blocks[0]) == SETUP
+    script = "\n".join(blocks[1:])
+    assert script.count(SERVE) == 1 and "localhost:8000" in script
+    assert SEED_CLIENT in " ".join(commands(script)), "the seed's client line, as the seed spells it"
+    build_generation_model("t5", tmp_path / "t5-small")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "transerve").write_text(f'#!/bin/sh\nexec {sys.executable} -m transerve "$@"\n')
+    (bin_dir / "transerve").chmod(0o755)
+    http, grpc, metrics = free_ports(3)
+    script = script.replace("localhost:8000", f"127.0.0.1:{http}").replace(SERVE, SERVE.replace(" &", (
+        f" --http-port={http} --grpc-port={grpc} --metrics-port={metrics} --http-address=127.0.0.1 "
+        "--grpc-address=127.0.0.1 --metrics-address=127.0.0.1 &")))
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(SRC))
+    shell = subprocess.Popen(["bash", "-e", "-u", "-o", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = shell.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)  # the server too, should the script have stopped before its kill
+    assert shell.returncode == 0, stderr  # `wait` on the killed server included: it exited 0
+    data = tmp_path / "data"
+    output = data / "triton_infer_output.txt"
+    assert f"4 lines answered into {output}" in stderr
+    assert "resuming at line 5" in stderr and f"0 lines answered into {output}" in stderr
+    assert read(output) in stdout  # head -n 20 of a 4-line file: all of it
+    assert stdout.rstrip("\n").endswith(f" {output}")  # ls -l
+    lines = read(data / "triton_infer_input.txt").split("\n")[:-1]
+    assert len(lines) == 4 and lines[2] == ""
+    with start_transerve(tmp_path / "model_repository") as server:
+        def answers(**options: int) -> str:
+            return "".join(f"{generate(server, line, 'transformer', **options) if line else ''}\n" for line in lines)
+
+        assert read(output) == answers(max_tokens=64)  # the generator's max_new_tokens
+        assert read(data / "batched.txt") == answers(max_tokens=128)
+        assert read(data / "generated.txt") == answers(max_tokens=128, beam_width=4)
+    assert read(data / "errors.tsv") == ""
 
 
-def test_the_tutorial_commands(hf_marian, tmp_path):
-    """docs/tutorials/translate-a-file.md, command by command, in a folder holding the page's `opus-mt-en-de` (the
-    tiny Marian model) and `input.txt`. The server gets free ports, so each client command is given `-u`."""
-    (tmp_path / "opus-mt-en-de").symlink_to(hf_marian)
-    (tmp_path / "input.txt").write_text(tutorial_blocks("text")[0] + "\n")
-    commands = [block.split() for block in tutorial_blocks("bash")]
-    assert [command[:2] for command in commands] == [["transerve", "convert"], ["transerve", "serve"]] + [
-        ["transerve", "client"]] * 4
-    env = dict(os.environ, PYTHONPATH=str(SRC))
+VERSIONED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
-    def run(command: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "transerve", *command[1:], *extra], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
 
-    done = run(commands[0])
+class TritonPythonModel:
+    def initialize(self, args):
+        self.version = args["model_version"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            texts = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+            answers = [f"version {self.version}: {text.decode()}".encode() for text in texts.reshape(-1)]
+            output = pb_utils.Tensor("text_output", np.array(answers, dtype=np.object_).reshape(texts.shape))
+            responses.append(pb_utils.InferenceResponse([output]))
+        return responses
+"""
+
+
+@pytest.fixture(scope="module")
+def versioned(tmp_path_factory) -> Iterator[ServerProcess]:
+    """A text model served in versions 1 and 2, each answering with its version."""
+    repo = tmp_path_factory.mktemp("fileclient_versions")
+    (repo / "translate").mkdir()
+    (repo / "translate" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 4\nversion_policy: { all {} }\n'
+        'input [{ name: "text_input" data_type: TYPE_STRING dims: [1] }]\n'
+        'output [{ name: "text_output" data_type: TYPE_STRING dims: [1] }]\n')
+    for version in ("1", "2"):
+        (repo / "translate" / version).mkdir()
+        (repo / "translate" / version / "model.py").write_text(VERSIONED_MODEL)
+    with start_transerve(repo) as process:
+        yield process
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("version", ["1", "2", None])
+def test_model_version_addresses_that_version(versioned, tmp_path, protocol, version):
+    """The seed's `--model-version=N` goes into the request (HTTP's URL, gRPC's model_version): each version
+    answers; without it the server picks its latest."""
+    path, output = tmp_path / "input.txt", tmp_path / "output.txt"
+    path.write_text("hello\nworld\n")
+    url = versioned.grpc_url if protocol == "grpc" else versioned.http_url
+    flags = [] if version is None else [f"--model-version={version}"]
+    done = transerve("client", f"--server={url}", "-i", protocol, "--model-name=translate", *flags,
+                     f"--input_file={path}", f"--output_file={output}")
     assert done.returncode == 0, done.stderr
-    assert commands[1][2] == "--model-repository"
-    with start_transerve(tmp_path / commands[1][3]) as server:
-        outcomes = [run(command, "-u", server.http_url) for command in commands[2:]]
-        lines = read(tmp_path / "input.txt").split("\n")[:-1]
-        expected = [generate(server, line, "en_de_text", max_tokens=128) if line else "" for line in lines]
-        beams = [generate(server, line, "en_de_text", max_tokens=128, beam_width=4) if line else "" for line in lines]
-    for outcome in outcomes:
-        assert outcome.returncode == 0, outcome.stderr
-    assert "4 lines answered into output.txt" in outcomes[0].stderr
-    assert "0 lines answered into output.txt" in outcomes[1].stderr and "resuming at line 5" in outcomes[1].stderr
-    assert read(tmp_path / "output.txt") == read(tmp_path / "batched.txt") == "".join(f"{e}\n" for e in expected)
-    assert read(tmp_path / "generated.txt") == "".join(f"{answer}\n" for answer in beams)
+    assert read(output) == f"version {version or 2}: hello\nversion {version or 2}: world\n"
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_version_that_is_not_served_stops_the_client_in_one_line(versioned, tmp_path, protocol):
+    path = tmp_path / "input.txt"
+    path.write_text("hello\n")
+    url = versioned.grpc_url if protocol == "grpc" else versioned.http_url
+    done = transerve("client", f"--server={url}", "-i", protocol, "--model-name=translate", "--model-version=3",
+                     f"--input_file={path}", f"--output_file={tmp_path / 'out.txt'}")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("transerve client: model 'translate': ") and "3" in done.stderr
 
 
 def test_ctrl_c_stops_the_client_with_whole_lines_written(server, tmp_path):
@@ -305,5 +390,5 @@ def test_ctrl_c_stops_the_client_with_whole_lines_written(server, tmp_path):
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
-    assert "interrupted; rerun the same command to resume" in stderr and "Traceback" not in stderr
+    assert stderr == "transerve client: interrupted; rerun the same command to resume\n"
     assert output.read_bytes().endswith(b"\n") and output.read_bytes().count(b"\n") < 5000
