@@ -1,5 +1,6 @@
-"""The FasterTransformer backend's example configs through the generation backend's tensor interface: reshaped
-scalars, its GPT names, and its inputs and outputs without effect here (accepted at their neutral value only)."""
+"""The FasterTransformer backend's example configs (examples/fastertransformer/) through the generation backend's
+tensor interface: main's reshaped scalars, its GPT names, and its inputs and outputs without effect here (accepted
+at their neutral value only); dev/v1.1_beta's T5 `REQUEST_INPUT_LEN` `[-1]` and GPT `INPUT_ID` `[-1, -1]`."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from transerve.config.model_config import parse_config_text
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, RequestedOutput, Tensor
 
-CONFIGS = Path(__file__).parents[1] / "e2e" / "ft_repository_models"
+CONFIGS = Path(__file__).parents[2] / "examples" / "fastertransformer"
 
 
-def ft_interface(model: str) -> TensorInterface:
+def ft_interface(model: str, generation: str = "main") -> TensorInterface:
     inert = {**_INERT, "start_id": Inert("the decoder's start token", 0)}
-    return TensorInterface(parse_config_text((CONFIGS / f"{model}.pbtxt").read_text()), inert, _INERT_OUTPUTS)
+    text = (CONFIGS / generation / model / "config.pbtxt").read_text()
+    return TensorInterface(parse_config_text(text), inert, _INERT_OUTPUTS)
 
 
 def request(*tensors: Tensor, outputs: list[str] | None = None) -> InferRequest:
@@ -29,7 +31,7 @@ def request(*tensors: Tensor, outputs: list[str] | None = None) -> InferRequest:
 
 def test_the_generation_backend_alone_names_the_input_it_does_not_know():
     with pytest.raises(ServerError, match="input 'beam_search_diversity_rate' is not one the generation backend"):
-        TensorInterface(parse_config_text((CONFIGS / "t5.pbtxt").read_text()))
+        TensorInterface(parse_config_text((CONFIGS / "main" / "t5" / "config.pbtxt").read_text()))
 
 
 def test_the_t5_example_takes_reshaped_scalars():
@@ -77,3 +79,37 @@ def test_an_output_never_produced_is_refused_when_asked_for():
     with pytest.raises(ServerError, match="'context_embeddings' is declared by this model's config"):
         interface.wanted(request(outputs=["output_ids", "context_embeddings"]), log_probs=False)
     assert "context_embeddings" not in interface.wanted(request(), log_probs=True)
+
+
+def test_the_v1_t5_config_takes_one_length_per_row_in_dims_minus_one():
+    """dev/v1.1_beta's T5: REQUEST_INPUT_LEN `[-1]`, the tutorial client's `[batch, 1]`; more values is a 400."""
+    interface = ft_interface("t5", "v1.1_beta")
+    assert (interface.names.ids, interface.names.lengths) == ("INPUT_ID", "REQUEST_INPUT_LEN")
+    ids = Tensor("INPUT_ID", "UINT32", np.array([[5, 6, 0], [7, 8, 9]], np.uint32))
+    rows, _ = interface.rows(request(ids, Tensor("REQUEST_INPUT_LEN", "UINT32", np.array([[2], [3]], np.uint32))))
+    assert [row.input_ids for row in rows] == [[5, 6], [7, 8, 9]]
+    with pytest.raises(ServerError, match="row 0: 'REQUEST_INPUT_LEN' must hold one value per row, got 2"):
+        interface.rows(request(ids, Tensor("REQUEST_INPUT_LEN", "UINT32", np.array([[2, 2], [3, 3]], np.uint32))))
+
+
+def test_the_v1_gpt_config_takes_ids_with_a_beam_axis():
+    """dev/v1.1_beta's GPT: INPUT_ID `[-1, -1]`, sent `[batch, 1, L]` as its clients send it."""
+    interface = ft_interface("gpt", "v1.1_beta")
+    assert "REQUEST_OUTPUT_LEN" in interface.option_inputs and list(interface.outputs) == ["OUTPUT0"]
+    rows, options = interface.rows(request(
+        Tensor("INPUT_ID", "UINT32", np.array([[[5, 6, 7]]], np.uint32)),
+        Tensor("REQUEST_INPUT_LEN", "UINT32", np.array([[3]], np.uint32)),
+        Tensor("REQUEST_OUTPUT_LEN", "UINT32", np.array([[4]], np.uint32)),
+    ))
+    assert rows[0].input_ids == [5, 6, 7] and options["REQUEST_OUTPUT_LEN"].tolist() == [[4]]
+    with pytest.raises(ServerError, match=r"\(or \[batch, 1, length\]\), got shape \[1, 2, 3\]"):
+        interface.rows(request(Tensor("INPUT_ID", "UINT32", np.zeros([1, 2, 3], np.uint32)),
+                               Tensor("REQUEST_INPUT_LEN", "UINT32", np.array([[3]], np.uint32))))
+
+
+def test_a_length_input_with_other_dims_is_refused_naming_both_it_takes():
+    text = (CONFIGS / "v1.1_beta" / "t5" / "config.pbtxt").read_text().replace("dims: [ -1 ]\n  }\n]\noutput",
+                                                                                "dims: [ 2 ]\n  }\n]\noutput", 1)
+    with pytest.raises(ServerError, match=r"input 'REQUEST_INPUT_LEN' has dims \[2\]; the generation backend takes "
+                                          r"\[1\] or \[-1\]"):
+        TensorInterface(parse_config_text(text))

@@ -184,6 +184,7 @@ class CTranslate2Engine:
         self.is_encoder_decoder = self._info.is_encoder_decoder
         self.eos_token_ids = list(self._info.eos_token_ids)
         self.vocab_size = len(self._info.target_vocabulary)
+        self.input_vocab_size = len(self._info.source_vocabulary)
         if self.is_encoder_decoder:
             self.max_input_length = self._info.encoder_positions or self._info.default_max_input
         else:

@@ -115,6 +115,8 @@ class GenerationEngine(Protocol):
     #: Longest input (prompt) the model accepts, in tokens.
     max_input_length: int
     vocab_size: int
+    #: Token ids an input may hold: `[0, input_vocab_size)` (the source vocabulary of a CTranslate2 translator).
+    input_vocab_size: int
     #: Rows decoded together (each beam is a row): the largest beam width a request may ask for.
     max_batch_rows: int
 

@@ -6,6 +6,9 @@ checkpoint is read back into a Hugging Face model (`ft_checkpoint`), written to 
 engine loads, and the folder is removed once the engines hold the weights: nothing is cached. The config's tensors
 are FasterTransformer's, which the generation backend speaks; the ones with no effect here are accepted at their
 neutral value (`interface.Inert`), and the parameters about GPUs and parallelism are logged as not applying.
+fastertransformer_backend dev/v1.1_beta's configs decode by model-wide parameters (`top_k`, `beam_width`, ...,
+and T5's `max_decoding_seq_len`, the tokens generated when a request does not say): `max_decoding_seq_len` becomes
+the default `max_new_tokens`, and the others are served at the greedy values those configs ship with.
 See docs/generation.md, "FasterTransformer repositories".
 """
 
@@ -34,6 +37,10 @@ log = logging.getLogger(__name__)
 DATA_TYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 #: Parameters about GPUs, parallelism and FasterTransformer's kernels: nothing to do on transerve's engines.
 NOT_APPLYING = ("tensor_para_size", "pipeline_para_size", "enable_custom_all_reduce", "int8_mode")
+#: dev/v1.1_beta's model-wide decoding parameters, and the value each is served at (what its configs set): requests
+#: choose their own decoding here, through the decoding options.
+MODEL_WIDE = {"top_k": (0.0, 1.0), "top_p": (0.0,), "beam_width": (1.0,), "temperature": (1.0,),
+              "repetition_penalty": (1.0,), "len_penalty": (1.0,), "beam_search_diversity_rate": (0.0,)}
 #: FasterTransformer's inputs with no effect here, and the values a request may still send them at.
 _INERT = {
     "beam_search_diversity_rate": Inert("diverse beam search", 0.0),
@@ -68,12 +75,13 @@ class FasterTransformerBackend(Backend):
             if parameters.get("engine", "torch") != "torch":
                 raise invalid_arg("a fastertransformer model runs on the torch engine; leave parameter 'engine' out")
             folder = checkpoint_folder(context, parameters)
+            _check_model_wide(parameters)
             _log_not_applying(context.name, parameters)
             model_dir = scratch / context.name
-            start_id = await loop.run_in_executor(None, _convert, folder, model_type, model_dir)
+            start_id = await loop.run_in_executor(None, _convert, folder, model_type, model_dir, parameters)
             inert = {**_INERT, "start_id": Inert("the decoder's start token, from config.ini", start_id)}
             interface = TensorInterface(config, inert, _INERT_OUTPUTS)
-            settings = read_settings(_with_compute_type(config, data_type), context.version_path, model_dir)
+            settings = read_settings(_with_defaults(config, data_type), context.version_path, model_dir)
             explicit = bool(parameters.get("compute_type"))
             if not explicit and data_type != "float32" and any(p.kind != "GPU" for p in instance_placements(config)):
                 log.info("model '%s': data_type %s applies to KIND_GPU instances; KIND_CPU ones compute in float32",
@@ -114,9 +122,9 @@ def checkpoint_folder(context: ModelContext, parameters: dict[str, str]) -> Path
     return folder
 
 
-def _convert(folder: Path, model_type: str, model_dir: Path) -> int | None:
+def _convert(folder: Path, model_type: str, model_dir: Path, parameters: dict[str, str]) -> int | None:
     """The checkpoint as a Hugging Face folder at `model_dir`; returns its decoder start token."""
-    model = read_checkpoint(folder, model_type)
+    model = read_checkpoint(folder, model_type, parameters)
     model.save_pretrained(model_dir)
     config = model.config
     return config.decoder_start_token_id if config.is_encoder_decoder else config.bos_token_id
@@ -137,13 +145,35 @@ def _data_type(parameters: dict[str, str]) -> str:
     return DATA_TYPES[data_type]
 
 
-def _with_compute_type(config: Any, compute_type: str) -> Any:
-    """A copy of `config` whose `compute_type` parameter is `data_type`'s, unless it sets one itself."""
+def _with_defaults(config: Any, compute_type: str) -> Any:
+    """A copy of `config` whose `compute_type` parameter is `data_type`'s and whose `max_new_tokens` is
+    `max_decoding_seq_len` (dev/v1.1_beta's T5 configs), unless it sets them itself."""
     copy = type(config)()
     copy.CopyFrom(config)
     if not copy.parameters["compute_type"].string_value:
         copy.parameters["compute_type"].string_value = compute_type
+    decoding_length = config.parameters["max_decoding_seq_len"].string_value.strip() if (
+        "max_decoding_seq_len" in config.parameters) else ""
+    if decoding_length and not copy.parameters["max_new_tokens"].string_value:
+        copy.parameters["max_new_tokens"].string_value = decoding_length
     return copy
+
+
+def _check_model_wide(parameters: dict[str, str]) -> None:
+    """dev/v1.1_beta's model-wide decoding parameters at the values its configs ship with; another value would
+    decode every request otherwise than the config says, so it is refused with where to say it instead."""
+    for key, served in MODEL_WIDE.items():
+        text = parameters.get(key, "").strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            raise invalid_arg(f"parameter '{key}' must be a number, got '{text}'") from None
+        if value not in served:
+            raise invalid_arg(f"parameter '{key}' is {text}: model-wide decoding parameters are served at "
+                              f"{' or '.join(f'{v:g}' for v in served)} only; a request chooses its own decoding "
+                              f"(the '{key}' request parameter or input tensor, docs/generation.md)")
 
 
 def _on(placement: Placement, settings: GenerationSettings, explicit: bool) -> GenerationSettings:

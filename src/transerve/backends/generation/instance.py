@@ -141,7 +141,7 @@ class _RequestRun:
         rows, tensors = instance.interface.rows(request)
         parameters = parameter_values(request.parameters)
         asks_log_probs = instance.interface.asks_log_probs(request)
-        longest = instance.engine.max_input_length
+        longest, vocabulary = instance.engine.max_input_length, instance.engine.input_vocab_size
         sequences = []
         self._log_probs = asks_log_probs
         self._top = False
@@ -157,6 +157,10 @@ class _RequestRun:
             if len(row.input_ids) > longest:
                 raise invalid_arg(f"{where}the input has {len(row.input_ids)} tokens, more than the {longest} this "
                                   "model takes")
+            outside = next((token for token in row.input_ids if not 0 <= token < vocabulary), None)
+            if outside is not None:
+                raise invalid_arg(f"{where}input '{instance.interface.names.ids}' holds token id {outside}, outside "
+                                  f"this model's vocabulary [0, {vocabulary})")
             if options.top_logprobs:
                 instance.interface.check_top_outputs()
                 self._top = True

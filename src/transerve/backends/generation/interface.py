@@ -42,8 +42,9 @@ _OPTION_RULES = {
     "bool": (frozenset({"BOOL"}), (1,)),
     "words": (frozenset({"INT32", "INT64"}), (2, -1)),
 }
-#: Option tensors FasterTransformer declares with other dims than `[1]` (its GPT config's `request_output_len`).
-_OPTION_DIMS = {"request_output_len": (-1,)}
+#: Option tensors FasterTransformer declares with other dims than `[1]` (its GPT config's `request_output_len`,
+#: and `REQUEST_OUTPUT_LEN` as fastertransformer_backend dev/v1.1_beta's configs may declare it).
+_OPTION_DIMS = {"request_output_len": (-1,), "REQUEST_OUTPUT_LEN": (-1,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +159,10 @@ class TensorInterface:
         names = self.names
         rules = {names.ids: (INTEGERS, (-1,)), names.lengths: (INTEGERS, (1,))}
         rules.update({name: _OPTION_RULES[option.kind] for name, option in BY_TENSOR.items()})
+        #: fastertransformer_backend dev/v1.1_beta's configs: T5's `REQUEST_INPUT_LEN` `[-1]`, GPT's `INPUT_ID`
+        #: `[-1, -1]` (`[batch, 1, L]` requests).
+        other_dims = {FASTERTRANSFORMER_V1.ids: (-1, -1), FASTERTRANSFORMER_V1.lengths: (-1,)} if (
+            names is FASTERTRANSFORMER_V1) else {}
         for name, tensor in inputs.items():
             if name in self.inert:
                 continue
@@ -165,7 +170,7 @@ class TensorInterface:
                 raise invalid_arg(f"input '{name}' is not one the generation backend knows; with {names.title} "
                                   f"names it takes: {', '.join(rules)}")
             datatypes, dims = rules[name]
-            _check(f"input '{name}'", tensor, datatypes, dims, _OPTION_DIMS.get(name))
+            _check(f"input '{name}'", tensor, datatypes, dims, other_dims.get(name) or _OPTION_DIMS.get(name))
         #: The decoding options' input tensors this config declares.
         self.option_inputs = frozenset(name for name in inputs if name in BY_TENSOR)
         outputs = {tensor.name: tensor for tensor in config.output if tensor.name not in inert_outputs}
@@ -191,12 +196,18 @@ class TensorInterface:
         tensors = {tensor.name: tensor.data for tensor in request.inputs}
         ids = tensors[self.names.ids]
         lengths = tensors.get(self.names.lengths)
+        if ids.ndim == 3 and ids.shape[1] == 1:  # dev/v1.1_beta's GPT config: [batch, 1, length]
+            ids = ids[:, 0, :]
         if ids.ndim != 2:
-            raise invalid_arg(f"input '{self.names.ids}' must be [batch, length], got shape {list(ids.shape)}")
+            raise invalid_arg(f"input '{self.names.ids}' must be [batch, length] (or [batch, 1, length]), got shape "
+                              f"{list(ids.shape)}")
         if ids.size and ids.dtype.kind == "i" and ids.min() < 0:
             raise invalid_arg(f"input '{self.names.ids}' holds a negative token id")
         rows = []
         for index in range(ids.shape[0]):
+            if lengths is not None and lengths[index].size != 1:
+                raise invalid_arg(f"row {index}: '{self.names.lengths}' must hold one value per row, got "
+                                  f"{lengths[index].size}")
             length = ids.shape[1] if lengths is None else int(lengths[index].reshape(-1)[0])
             if not 0 <= length <= ids.shape[1]:
                 raise invalid_arg(f"row {index}: '{self.names.lengths}' is {length}, but '{self.names.ids}' holds "
@@ -301,11 +312,16 @@ def _check_inert(name: str, rule: Inert, values: np.ndarray) -> None:
 
 def _check(where: str, tensor, datatypes: frozenset[str], dims: tuple[int, ...],
            other_dims: tuple[int, ...] | None = None) -> None:
-    """The tensor's type and dims; `[1]` dims may be reshaped to `[]` (FasterTransformer's configs do)."""
+    """The tensor's type and dims (`dims`, or `other_dims`); a one-value input declared `[1]` or `[-1]` may be
+    reshaped to `[]` or `[1]` (FasterTransformer's configs reshape `[1]` to `[]`)."""
     datatype = _datatype(tensor)
     if datatype not in datatypes:
         raise invalid_arg(f"{where} is {datatype}; the generation backend takes {' or '.join(sorted(datatypes))}")
     declared = tuple(tensor.dims)
     reshaped = _dims(tensor)
-    if declared not in (dims, other_dims) or (reshaped != declared and not (declared == (1,) and reshaped == ())):
-        raise invalid_arg(f"{where} has dims {list(reshaped)}; the generation backend takes {list(dims)}")
+    allowed = [list(d) for d in (dims, other_dims) if d is not None]
+    one_value = declared in ((1,), (-1,)) and reshaped in ((), (1,))
+    if declared not in (dims, other_dims) or (reshaped != declared and not one_value):
+        shown = list(reshaped) if reshaped == declared else f"{list(declared)} (reshaped to {list(reshaped)})"
+        raise invalid_arg(f"{where} has dims {shown}; the generation backend takes "
+                          f"{' or '.join(str(d) for d in allowed)}")

@@ -108,6 +108,7 @@ class TorchEngine:
         self.is_encoder_decoder = facts.is_encoder_decoder
         self.eos_token_ids = facts.eos_token_ids
         self.vocab_size = facts.vocab_size
+        self.input_vocab_size = facts.vocab_size
         self.max_input_length = facts.max_input_length
         self.max_positions = facts.max_positions
         self.device = model.device
