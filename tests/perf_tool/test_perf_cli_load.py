@@ -186,19 +186,39 @@ BAD_FLAGS = [
     (["-x", "7"], "'add_sub' version 7 is not found"),
     (["--max-threads", "1000"], "--max-threads must be between"),
     (["-b", "lots"], "invalid int value"),
+    (["-d", "-t", "2", "--concurrency-range", "1:3"], "give --concurrency-range or -t/-c, not both"),
+    (["-t", "0"], "-t (concurrency) must be above 0"),
+    (["-c", "0"], "-c 0 (no maximum concurrency) needs a latency limit: give -l"),
+    (["-c", "300"], "-c (maximum concurrency) must be 0 (no limit) to 256"),
+    (["-t", "1", "-c", "100"], "-t 1 -c 100 makes more than 64 load levels"),
+    (["--concurrency-range", "1:0"], "END 0 (no limit) needs a latency limit: give -l"),
+    (["-l", "-5"], "-l (latency threshold) must be 0 (no limit) or more"),
+    (["--shared-memory", "system"], "only --shared-memory none is supported"),
+    (["--shared-memory", "CUDA"], "--shared-memory cuda: transerve perf sends every tensor in the request"),
+    (["-r", "0"], "--max-trials must be between"),
+    (["-a", "--sync"], "not allowed with argument"),
+    (["-d", "-l3000", "-t1", "-c5", "--binary-search"], "unrecognized arguments: --binary-search"),
 ]
 
 
 @pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
 def test_bad_flags_are_one_line_errors(server, capsys, flags, message):
+    """A value the run refuses is one line; a flag argparse refuses is that line after perf's own usage (not the
+    top-level command's), unknown flags included."""
     try:
         code = main(["perf", "-m", "add_sub", "-u", server.http_url, *flags])
     except SystemExit as exc:  # argparse's own refusals
         code = exc.code
     err = capsys.readouterr().err
     assert code not in (0, None)
-    assert err.count("\n") == 1 and err.startswith("transerve perf: "), err
-    assert message in err and "Traceback" not in err
+    *usage, last = err.rstrip("\n").split("\n")
+    assert last.startswith("transerve perf: "), err
+    if code == 2:
+        assert usage and usage[0].startswith("usage: transerve perf [-h] -m MODEL"), err
+        assert last.startswith("transerve perf: error: ")
+    else:
+        assert not usage, err
+    assert message in last and "Traceback" not in err
 
 
 def test_bad_json_data_files_are_one_line_errors(server, capsys, tmp_path):

@@ -29,6 +29,11 @@ DTYPES: dict[str, Any] = {
 MAX_ELEMENTS = 64 * 1024 * 1024
 MAX_DATA_FILE_BYTES = 512 * 1024 * 1024
 STRING_LENGTH = 128
+#: Random integers are drawn from 0..RANDOM_INTEGERS-1. perf_analyzer fills every integer input with random bytes
+#: (one buffer for all of them), which as token ids lie outside any vocabulary and are refused; 0 and 1 are ids of
+#: every embedding table, and valid attention masks and token types, so a model that embeds ids is measured
+#: doing its work. Real ids come from --input-data FILE.json.
+RANDOM_INTEGERS = 2
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ def synthetic_step(spec: ModelSpec, shapes: Mapping[str, list[int]], kind: str, 
         elif dtype is np.bool_:
             step[entry.name] = generator.integers(0, 2, shape).astype(np.bool_)
         elif np.issubdtype(dtype, np.integer):
-            step[entry.name] = generator.integers(0, 100, shape).astype(dtype)
+            step[entry.name] = generator.integers(0, RANDOM_INTEGERS, shape).astype(dtype)
         else:
             step[entry.name] = generator.random(shape).astype(dtype)
     return step

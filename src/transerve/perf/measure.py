@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transerve.perf.load import Load
@@ -80,6 +80,8 @@ class LevelResult:
     server: ServerStats
     stable: bool
     delayed: int = 0
+    #: Ended early: one of its last three windows reached the latency limit (-l), as perf_analyzer ends a level.
+    over_limit: bool = False
 
     def server_us(self, part: str) -> float:
         count = self.server.success_count
@@ -130,12 +132,20 @@ def is_stable(results: list[LevelResult], stability: float, percentile: int | No
     return True
 
 
+def over_limit(options: Options, result: LevelResult) -> bool:
+    """Whether the level ends a search with a latency limit (-l): its latency reached it."""
+    limit_us = options.latency_threshold_ms * 1000
+    return bool(limit_us) and (result.over_limit or result.latency_us(options.percentile) >= limit_us)
+
+
 def measure(load: Load, level: float, options: Options, read_stats: Callable[[], ServerStats],
             warn: Callable[[str], None]) -> LevelResult:
-    """Windows until the last three are stable or `max_trials` windows were taken."""
+    """Windows until the last three are stable, one of them reaches the latency limit (-l), or `max_trials`
+    windows were taken."""
     windows: list[Window] = []
     results: list[LevelResult] = []
-    stable = False
+    stable = over = False
+    limit_us = options.latency_threshold_ms * 1000
     while len(windows) < options.max_trials:
         before = read_stats()
         load.recorder.take()
@@ -166,8 +176,13 @@ def measure(load: Load, level: float, options: Options, read_stats: Callable[[],
                 results[-STABLE_WINDOWS:], options.stability, options.percentile):
             stable = True
             break
+        if limit_us and len(results) >= STABLE_WINDOWS and any(
+                r.latency_us(options.percentile) >= limit_us for r in results[-STABLE_WINDOWS:]):
+            over = True
+            break
     last = [window for window in windows[-STABLE_WINDOWS:] if window.timings]
     if not last:
         raise PerfError(f"no request was answered within {options.max_trials} windows: increase -p or check the "
                         "model")
-    return summarize(level, last, options.batch_size, options.percentile, stable, load.delayed)
+    result = summarize(level, last, options.batch_size, options.percentile, stable, load.delayed)
+    return replace(result, over_limit=over) if over else result

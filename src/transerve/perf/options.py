@@ -50,10 +50,14 @@ class Options:
     max_threads: int = 16
     sync: bool = True
     verbose: bool = False
+    #: perf_analyzer's -l: a level whose latency (average, or the --percentile) reaches this many ms ends the
+    #: search, unreported; 0 is no limit.
+    latency_threshold_ms: int = 0
 
 
-def parse_range(text: str, flag: str, integer: bool) -> tuple[float, ...]:
-    """perf_analyzer's `start:end:step` (end and step optional; step defaults to 1) as the list of levels."""
+def parse_range(text: str, flag: str, integer: bool, open_end: bool = False) -> tuple[float, ...]:
+    """perf_analyzer's `start:end:step` (end and step optional; step defaults to 1) as the list of levels. With
+    `open_end` (a latency limit is set), an end of 0 is perf_analyzer's "no limit": levels up to the bounds."""
     parts = text.split(":")
     if not 1 <= len(parts) <= 3 or any(not part.strip() for part in parts):
         raise PerfError(f"{flag} takes start[:end[:step]], got '{text}'")
@@ -65,6 +69,8 @@ def parse_range(text: str, flag: str, integer: bool) -> tuple[float, ...]:
     start = numbers[0]
     end = numbers[1] if len(numbers) > 1 else start
     step = numbers[2] if len(numbers) > 2 else 1
+    if open_end and end == 0 and start > 0 and step > 0:
+        return concurrency_levels(int(start), 0, int(step)) if integer else _open_rates(start, step)
     if start <= 0 or step <= 0 or end < start:
         raise PerfError(f"{flag}: start and step must be positive and end at least start, got '{text}'")
     levels: list[float] = []
@@ -75,6 +81,26 @@ def parse_range(text: str, flag: str, integer: bool) -> tuple[float, ...]:
             raise PerfError(f"{flag} '{text}' makes more than {MAX_LEVELS} load levels")
         value += step
     return tuple(levels)
+
+
+def concurrency_levels(start: int, end: int, step: int = 1) -> tuple[float, ...]:
+    """perf_analyzer's deprecated -t START and -c END (step 1): from START to END, START alone when END is below
+    it (perf_analyzer's search runs its first level whatever the end), and END 0 is no limit: as many levels as
+    the bounds allow (MAX_LEVELS, concurrency up to MAX_CONCURRENCY)."""
+    if start <= 0:
+        raise PerfError(f"-t (concurrency) must be above 0, got {start}")
+    if end < 0 or end > MAX_CONCURRENCY:
+        raise PerfError(f"-c (maximum concurrency) must be 0 (no limit) to {MAX_CONCURRENCY}, got {end}")
+    last = min(MAX_CONCURRENCY, start + step * (MAX_LEVELS - 1)) if end == 0 else max(start, end)
+    levels = tuple(float(level) for level in range(start, last + 1, step))
+    if len(levels) > MAX_LEVELS:
+        raise PerfError(f"-t {start} -c {end} makes more than {MAX_LEVELS} load levels")
+    return levels
+
+
+def _open_rates(start: float, step: float) -> tuple[float, ...]:
+    levels = [start + index * step for index in range(MAX_LEVELS)]
+    return tuple(level for level in levels if level <= MAX_REQUEST_RATE)
 
 
 _SHAPE = re.compile(r"^(.+):(\d+(?:,\d+)*)$")
@@ -104,6 +130,7 @@ def check_bounds(options: Options) -> None:
         (not 1 <= options.max_threads <= MAX_THREADS, f"--max-threads must be between 1 and {MAX_THREADS}"),
         (options.mode == "concurrency" and max(options.levels) > MAX_CONCURRENCY,
          f"--concurrency-range goes up to {MAX_CONCURRENCY}"),
+        (options.latency_threshold_ms < 0, "-l (latency threshold) must be 0 (no limit) or more milliseconds"),
         (options.mode == "request_rate" and max(options.levels) > MAX_REQUEST_RATE,
          f"--request-rate-range goes up to {MAX_REQUEST_RATE:g} requests/s"),
     ]

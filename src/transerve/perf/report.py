@@ -26,6 +26,11 @@ def settings(options: Options) -> str:
     else:
         lines.append('  Using "time_windows" mode for stabilization')
         lines.append(f"  Measurement window: {options.window_ms} msec")
+    if len(options.levels) > 1 or options.latency_threshold_ms:
+        lines.append(f"  Latency limit: {options.latency_threshold_ms} msec")
+        unit = "concurrent requests" if options.mode == "concurrency" else "requests per second"
+        limit = "Concurrency" if options.mode == "concurrency" else "Request Rate"
+        lines.append(f"  {limit} limit: {max(options.levels):g} {unit}")
     if options.mode == "request_rate":
         lines.append(f"  Using {options.distribution} request distribution, up to {options.max_threads} threads")
     lines.append(f"  Using {'synchronous' if options.sync else 'asynchronous'} calls for inference")
