@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -100,6 +101,26 @@ def test_ctrl_c_of_perf_exits_130_with_one_line(tmp_path):
         assert server.alive()
     assert status == 130, stderr
     assert stderr.strip() == "transerve perf: interrupted", stderr
+
+
+@pytest.mark.parametrize("delay", [0.15, 0.3, 0.6, 1.0])
+def test_ctrl_c_while_the_command_is_loading_or_waiting_is_one_line(tmp_path, delay):
+    """A SIGINT that comes while Python imports transerve's modules (about half a second; `python -m transerve` and
+    the console script import them inside `__main__.main`, Ctrl-C held), or later, while the client waits on a
+    server that never answers: status 130 and one line either way."""
+    (tmp_path / "in.txt").write_text("hello\n")
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        process = subprocess.Popen([sys.executable, "-m", "transerve", "client", "-m", "m", "-u",
+                                    f"127.0.0.1:{silent.getsockname()[1]}", "--input-file", "in.txt",
+                                    "--output-file", "out.txt"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr in ("transerve: interrupted\n", "transerve client: interrupted; rerun the same command to resume\n")
 
 
 def test_ctrl_c_of_serve_shuts_it_down_cleanly(tmp_path):

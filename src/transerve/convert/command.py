@@ -14,6 +14,7 @@ from pathlib import Path
 from transerve.convert.architectures import check_architecture, is_encoder_decoder
 from transerve.convert.repository import Options, model_names, write
 from transerve.core.extras import MissingExtra, import_optional
+from transerve.core.interrupts import interrupts_held
 from transerve.core.model_names import ModelNameError, check_tool_name
 from transerve.export.hf import ExportError, read_folder
 from transerve.export.progress import Progress
@@ -137,12 +138,14 @@ def _check_names(name: str | None, text_name: str | None) -> None:
 
 
 def _import_libraries(engine: str) -> None:
-    """What the engine's conversion needs, or one line naming the extra that brings it."""
-    for module in ("ctranslate2" if engine == "ctranslate2" else "torch", "transformers", "tokenizers"):
-        try:
-            import_optional(module, "generation")
-        except MissingExtra as exc:
-            raise ExportError(str(exc)) from None
+    """What the engine's conversion needs, or one line naming the extra that brings it; a Ctrl-C meanwhile is
+    raised once they are loaded (core.interrupts)."""
+    with interrupts_held():
+        for module in ("ctranslate2" if engine == "ctranslate2" else "torch", "transformers", "tokenizers"):
+            try:
+                import_optional(module, "generation")
+            except MissingExtra as exc:
+                raise ExportError(str(exc)) from None
 
 
 def _check_max_input_tokens(max_input_tokens: int | None, config: dict) -> None:

@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from transerve.core.interrupts import interrupts_held
 from transerve.core.model_names import ModelNameError, check_tool_name
 from transerve.export import convert
 from transerve.export.hf import ExportError, read_folder
@@ -90,7 +91,7 @@ def export(
     if taken:
         raise ExportError(f"'{output / taken[0]}' already exists: choose another --output or --name")
     progress = Progress(4, subject=model_dir)
-    with progress.step("loading torch and transformers"):
+    with progress.step("loading torch and transformers"), interrupts_held():
         convert.import_libraries(fmt)
     with progress.step(f"loading the model from {model_dir}"):
         module, inputs = convert.load_model(folder, task, allow_random_head)
