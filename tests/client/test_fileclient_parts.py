@@ -208,3 +208,14 @@ def test_failures_held_until_a_line_is_answered_are_then_written_in_order(tmp_pa
     output.close()
     assert (tmp_path / "out.txt").read_bytes() == b"\n\n\nX\nY\n" + b"\n" * GIVE_UP_AFTER
     assert errors.getvalue().startswith("1\tHTTP 400: unknown parameter\n2\t") and sink.failed == 3 + GIVE_UP_AFTER
+
+
+def test_the_seed_client_line_parses_as_the_client_options():
+    """Seed 001's `triton_client` flags are spellings of the client's own: its line parses unchanged."""
+    from transerve.cli import build_parser
+
+    args = build_parser().parse_args([
+        "client", "--server=localhost:8000", "--model-name=transformer", "--model-version=1",
+        "--input_file=in.txt", "--output_file=out.txt"])
+    assert (args.url, args.model, args.model_version) == ("localhost:8000", "transformer", "1")
+    assert (str(args.input_file), str(args.output_file)) == ("in.txt", "out.txt")
