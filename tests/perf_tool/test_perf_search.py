@@ -54,7 +54,9 @@ def test_the_search_ends_at_the_first_level_over_the_latency_limit(server, capsy
     assert code == 0, captured.err
     out = captured.out
     assert "  Latency limit: 250 msec\n  Concurrency limit: 5 concurrent requests\n" in out
-    assert re.findall(r"^Request concurrency: (\d+)$", out, re.MULTILINE) == ["1", "2"]
+    # As perf_analyzer: each level's line as it starts, the third's too, but no report of it.
+    assert re.findall(r"^Request concurrency: (\d+)$", out, re.MULTILINE) == ["1", "2", "3"]
+    assert out.count("  Client: ") == 2
     assert "Measured latency went over the set limit of 250 msec." in captured.err
     assert re.findall(r"  Pass \[\d+\] throughput", out)  # -v: each window
     table = out.split("Inferences/Second vs. Client Average Batch Latency\n")[1].splitlines()
@@ -70,7 +72,8 @@ def test_a_first_level_over_the_limit_reports_no_level(server, capsys):
                  "-s", "1000"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "Request concurrency:" not in captured.out
+    assert re.findall(r"^Request concurrency: (\d+)$", captured.out, re.MULTILINE) == ["2"]
+    assert "  Client: " not in captured.out
     assert "Measured latency went over the set limit of 50 msec." in captured.err
     assert captured.out.rstrip().endswith("Inferences/Second vs. Client Average Batch Latency")
 
@@ -87,5 +90,6 @@ def test_without_a_limit_every_level_from_t_to_c_is_measured_and_c_0_searches_un
                  "-s", "1000"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert re.findall(r"^Request concurrency: (\d+)$", captured.out, re.MULTILINE) == ["1"]
+    assert re.findall(r"^Request concurrency: (\d+)$", captured.out, re.MULTILINE) == ["1", "2"]
+    assert captured.out.count("  Client: ") == 1
     assert "went over the set limit of 150 msec" in captured.err

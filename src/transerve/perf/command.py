@@ -202,6 +202,7 @@ def run_load(options: Options) -> int:
         read_stats = lambda: server_stats(api.statistics(), options.model)
         results = []
         for level in options.levels:
+            print(report.level_header(options, level), flush=True)
             load = _start(options, level, requests)
             try:
                 result = measure(load, level, options, read_stats, _warn)

@@ -43,13 +43,17 @@ def _latency_name(percentile: int | None) -> str:
     return "average" if percentile is None else f"p{percentile}"
 
 
-def level_block(options: Options, result: LevelResult) -> str:
+def level_header(options: Options, level: float) -> str:
+    """The level's first line, printed as its measurement starts (its -v passes follow, then `level_block`)."""
     name = "Request concurrency" if options.mode == "concurrency" else "Request Rate"
+    return f"{name}: {_level_text(level)}"
+
+
+def level_block(options: Options, result: LevelResult) -> str:
     server = result.server
     send_recv = result.send_us + result.recv_us
     protocol = options.protocol.upper()
     lines = [
-        f"{name}: {_level_text(result.level)}",
         "  Client: ",
         f"    Request count: {result.request_count}",
         f"    Throughput: {result.throughput:.2f} infer/sec",
