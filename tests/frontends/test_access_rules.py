@@ -16,10 +16,10 @@ from transerve.frontends.access import (
     OptionError,
     Restrictions,
     header_lookup,
-    http_group,
     is_custom_metadata,
     translate_re2,
 )
+from transerve.frontends.http.routes import http_group
 
 
 @pytest.mark.parametrize(("path", "group"), [

@@ -2,8 +2,9 @@
 (`--http-restricted-api`, `--grpc-restricted-protocol`) and header forwarding (`--http-header-forward-pattern`,
 `--grpc-header-forward-pattern`), shared by both frontends.
 
-Every endpoint belongs to one of Triton's groups; `http_group` and `GRPC_GROUPS` say which, the way Triton 2.51's
-routers do, so an endpoint added later only has to be listed under its group to be restricted like Triton's.
+Every endpoint belongs to one of Triton's groups; the HTTP route table (`frontends/http/routes.py`) and
+`GRPC_GROUPS` say which, the way Triton 2.51's routers do, so an endpoint added later only has to be listed under
+its group to be restricted like Triton's.
 """
 
 from __future__ import annotations
@@ -34,43 +35,6 @@ GRPC_GROUPS = {
     "TraceSetting": "trace",
     "LogSettings": "logging",
 }
-
-_MODEL_ACTIONS = {"": "metadata", "ready": "health", "infer": "inference", "generate": "inference",
-                  "generate_stream": "inference", "config": "model-config", "stats": "statistics",
-                  "trace/setting": "trace"}
-_SECTIONS = {"repository": "model-repository", "systemsharedmemory": "shared-memory",
-             "cudasharedmemory": "shared-memory"}
-
-
-def http_group(parts: list[str]) -> str | None:
-    """The group of an HTTP endpoint, from its path's segments after `/v2`; None for a path that is no endpoint.
-
-    As Triton routes them: `/v2` metadata, `/v2/health/*` health, `/v2/models/stats` statistics, `/v2/models/<m>[/
-    versions/<v>][/<action>]` by action (ready is health), `/v2/repository/*`, the shared-memory sections,
-    `/v2/trace/setting` and `/v2/logging`.
-    """
-    if not parts:
-        return "metadata"
-    section, rest = parts[0], parts[1:]
-    if section == "health":
-        return "health" if rest in (["live"], ["ready"]) else None
-    if section == "models":
-        if rest == ["stats"]:
-            return "statistics"
-        if not rest:
-            return None
-        rest = rest[1:]
-        if len(rest) >= 2 and rest[0] == "versions":
-            rest = rest[2:]
-        return _MODEL_ACTIONS.get("/".join(rest))
-    if section in _SECTIONS:
-        return _SECTIONS[section] if rest else None
-    if parts == ["trace", "setting"]:
-        return "trace"
-    if parts == ["logging"]:
-        return "logging"
-    return None
-
 
 def openai_group(parts: list[str]) -> str | None:
     """The group of an OpenAI route, from its path's segments after `/v1`: what a Triton group already guards

@@ -17,7 +17,7 @@ from transerve.core.streams import ResponseStream
 from transerve.core.tracing import Trace
 from transerve.core.tracing.extension import changes_from_json
 from transerve.core.types import InferRequest, InferResponse
-from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, http_group, openai_group
+from transerve.frontends.access import HeaderForwarding, Restrictions, header_lookup, openai_group
 from transerve.frontends.http.codec import (
     decode_infer_request,
     decode_raw_request,
@@ -46,6 +46,7 @@ from transerve.frontends.http.generate import (
 from transerve.frontends.http.openai.api import OpenAIApi
 from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
+from transerve.frontends.http.routes import ROUTES, TABLE
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import ControlMode, Server
 from transerve.server.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
@@ -97,6 +98,8 @@ class HttpFrontend:
         self._openai = OpenAIApi(server)
         #: Requests being handled, for `close` to let their answers out.
         self._handling = 0
+        #: Each route's handler by the name the table gives it: `_on_<name>`.
+        self._handlers = {route.handler: getattr(self, f"_on_{route.handler}") for route in ROUTES}
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -147,75 +150,67 @@ class HttpFrontend:
             return await self._openai.handle(request, openai_parts)
         if not parts or parts[0] != "v2":
             return error_response(404, "Not Found")
+        matched = TABLE.match([unquote(part) for part in parts[1:]] if "%" in request.path else parts[1:])
         if self.restrictions is not None:  # before anything else, the method included, as Triton checks it
-            group = http_group([unquote(part) for part in parts[1:]])
+            group = None if matched is None else matched[0].group
             refusal = self.restrictions.refusal(group, header_lookup(request.headers))
             if refusal is not None:
                 return error_response(403, refusal)
-        method = request.method
-        n = len(parts)
-        if n == 1:
-            return self._get(method) or _json(self.server.metadata())
-        section = parts[1]
-        if section == "models":
-            return await self._models(request, [unquote(p) for p in parts[2:]])
-        if section == "health" and n == 3 and parts[2] in ("live", "ready"):
-            if method != "GET":
-                return error_response(405, "Method Not Allowed")
-            ok = self.server.live if parts[2] == "live" else self.server.ready
-            return _EMPTY_OK if ok else error_response(400, f"server is not {parts[2]}")
-        if section == "repository":
-            return await self._repository(request, [unquote(p) for p in parts[2:]])
-        if section == "logging" and n == 2:
-            if method == "GET":
-                return _json(self.server.log.as_dict())
-            if method == "POST":
-                return _json(self.server.log.update(_json_body(request.body)))
+        if matched is None:
+            return error_response(404, "Not Found")
+        route, captured = matched
+        if not route.allows(request.method):
             return error_response(405, "Method Not Allowed")
-        if section in ("systemsharedmemory", "cudasharedmemory"):
-            return self._shared_memory(request, section == "cudasharedmemory", [unquote(p) for p in parts[2:]])
-        if section == "trace" and parts[2:] == ["setting"]:
-            return self._trace_setting(request, "")
+        return await self._handlers[route.handler](request, *captured)
+
+    # ---- the routes' handlers (routes.py names them) ---------------------------------------------------------
+
+    async def _on_not_found(self, request: HttpRequest, *_: str) -> HttpResponse:
         return error_response(404, "Not Found")
 
-    @staticmethod
-    def _get(method: str) -> HttpResponse | None:
-        return None if method == "GET" else error_response(405, "Method Not Allowed")
+    async def _on_server_metadata(self, request: HttpRequest) -> HttpResponse:
+        return _json(self.server.metadata())
 
-    async def _models(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
-        method = request.method
-        if parts == ["stats"]:
-            return self._get(method) or _json(self.server.statistics())
-        if not parts:
-            return error_response(404, "Not Found")
-        name, version, rest = parts[0], "", parts[1:]
-        if len(rest) >= 2 and rest[0] == "versions":
-            version, rest = rest[1], rest[2:]
-        if not rest:
-            return self._get(method) or _json(self.server.model_metadata(name, version))
-        if rest == ["trace", "setting"] and not version:
-            return self._trace_setting(request, name)
-        if len(rest) > 1:
-            return error_response(404, "Not Found")
-        action = rest[0]
-        if action == "infer":
-            if method != "POST":
-                return error_response(405, "Method Not Allowed")
-            return await self._infer(request, name, version)
-        if action in ("generate", "generate_stream"):
-            if method != "POST":
-                return error_response(405, "Method Not Allowed")
-            return await self._generate(request, name, version, streaming=action == "generate_stream")
-        if action == "ready":
-            if self._get(method):
-                return error_response(405, "Method Not Allowed")
-            return _EMPTY_OK if self.server.model_ready(name, version) else error_response(
-                400, "Model version not ready")
-        if action == "config":
-            return self._get(method) or _json(self.server.model_config(name, version))
-        if action == "stats":
-            return self._get(method) or _json(self.server.statistics(name, version))
-        return error_response(404, "Not Found")
+    async def _on_live(self, request: HttpRequest) -> HttpResponse:
+        return _EMPTY_OK if self.server.live else error_response(400, "server is not live")
+
+    async def _on_ready(self, request: HttpRequest) -> HttpResponse:
+        return _EMPTY_OK if self.server.ready else error_response(400, "server is not ready")
+
+    async def _on_all_statistics(self, request: HttpRequest) -> HttpResponse:
+        return _json(self.server.statistics())
+
+    async def _on_model_metadata(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return _json(self.server.model_metadata(model, version))
+
+    async def _on_model_ready(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return _EMPTY_OK if self.server.model_ready(model, version) else error_response(400, "Model version not ready")
+
+    async def _on_model_config(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return _json(self.server.model_config(model, version))
+
+    async def _on_model_statistics(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return _json(self.server.statistics(model, version))
+
+    async def _on_model_trace_setting(self, request: HttpRequest, model: str) -> HttpResponse:
+        return self._trace_setting(request, model)
+
+    async def _on_trace_setting(self, request: HttpRequest) -> HttpResponse:
+        return self._trace_setting(request, "")
+
+    async def _on_logging(self, request: HttpRequest) -> HttpResponse:
+        if request.method == "GET":
+            return _json(self.server.log.as_dict())
+        return _json(self.server.log.update(_json_body(request.body)))
+
+    async def _on_infer(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return await self._infer(request, model, version)
+
+    async def _on_generate(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return await self._generate(request, model, version, streaming=False)
+
+    async def _on_generate_stream(self, request: HttpRequest, model: str, version: str = "") -> HttpResponse:
+        return await self._generate(request, model, version, streaming=True)
 
     async def _infer(self, request: HttpRequest, name: str, version: str) -> HttpResponse:
         encoding = request.headers.get("content-encoding")
@@ -309,8 +304,6 @@ class HttpFrontend:
 
     def _trace_setting(self, request: HttpRequest, model_name: str) -> HttpResponse:
         """The trace extension: GET reads the settings of a model ("" for the global ones), POST changes them."""
-        if request.method not in ("GET", "POST"):
-            return error_response(405, "Method Not Allowed")
         tracing = self.server.tracing
         tracing.check_model(model_name)
         if request.method == "GET":
@@ -321,63 +314,59 @@ class HttpFrontend:
         members = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in settings)
         return HttpResponse(200, b"{" + members + b"}")
 
-    def _shared_memory(self, request: HttpRequest, cuda: bool, parts: list[str]) -> HttpResponse:
-        """`status`, `unregister` and `region/<name>/{status,register,unregister}` of the system shared memory
-        extension; the CUDA one has no regions and refuses to register any."""
-        if len(parts) == 1:
-            name, action = None, parts[0]
-        elif len(parts) == 3 and parts[0] == "region" and parts[1]:
-            name, action = parts[1], parts[2]
-        else:
-            return error_response(404, "Not Found")
-        if action == "status":
-            if self._get(request.method):
-                return error_response(405, "Method Not Allowed")
-            if cuda:
-                if name is not None:
-                    raise not_found(f"Unable to find cuda shared memory region: '{name}'")
-                return _json([])
-            return _json(self.server.shared_memory.status(name))
-        if action not in ("register", "unregister") or (action == "register" and name is None):
-            return error_response(404, "Not Found")
-        if request.method != "POST":
-            return error_response(405, "Method Not Allowed")
-        if action == "unregister":
-            if not cuda:
-                self.server.shared_memory.unregister(name)
-            return _EMPTY_OK
+    async def _on_system_shm_status(self, request: HttpRequest, region: str | None = None) -> HttpResponse:
+        return _json(self.server.shared_memory.status(region))
+
+    async def _on_system_shm_register(self, request: HttpRequest, region: str) -> HttpResponse:
         options = _json_body(request.body)
-        if cuda:
-            _check_cuda_registration(options)
-            raise invalid_arg(CUDA_REGISTER_REFUSAL)
         key = options.get("key")
         if not isinstance(key, str):
             raise invalid_arg("Shared memory register request has no 'key' field")
         offset, byte_size = options.get("offset", 0), options.get("byte_size")
         _check_sizes(offset=offset, byte_size=byte_size)
-        self.server.shared_memory.register(name, key, offset, byte_size)
+        self.server.shared_memory.register(region, key, offset, byte_size)
         return _EMPTY_OK
 
-    async def _repository(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
-        if request.method != "POST":
-            return error_response(405, "Method Not Allowed")
-        if parts == ["index"]:
-            options = _json_body(request.body)
-            return _json(self.server.repository_index(ready_only=bool(options.get("ready", False))))
-        if len(parts) == 3 and parts[0] == "models" and parts[2] in ("load", "unload"):
-            if self.server.options.control_mode is not ControlMode.EXPLICIT:
-                return error_response(503, "explicit model load / unload is not allowed if polling is enabled")
-            options = _json_body(request.body)
-            parameters = options.get("parameters") or {}
-            if not isinstance(parameters, dict):
-                raise invalid_arg("'parameters' must be a JSON object")
-            if parts[2] == "load":
-                config, files = _load_parameters(parameters)
-                await self.server.load_model(parts[1], config, files)
-            else:
-                await self.server.unload_model(parts[1], bool(parameters.get("unload_dependents", False)))
-            return HttpResponse(200, b"", "application/json")
-        return error_response(404, "Not Found")
+    async def _on_system_shm_unregister(self, request: HttpRequest, region: str | None = None) -> HttpResponse:
+        self.server.shared_memory.unregister(region)
+        return _EMPTY_OK
+
+    async def _on_cuda_shm_status(self, request: HttpRequest, region: str | None = None) -> HttpResponse:
+        """The CUDA extension has no regions here (no GPU memory is shared) and refuses to register any."""
+        if region is not None:
+            raise not_found(f"Unable to find cuda shared memory region: '{region}'")
+        return _json([])
+
+    async def _on_cuda_shm_register(self, request: HttpRequest, region: str) -> HttpResponse:
+        _check_cuda_registration(_json_body(request.body))
+        raise invalid_arg(CUDA_REGISTER_REFUSAL)
+
+    async def _on_cuda_shm_unregister(self, request: HttpRequest, region: str | None = None) -> HttpResponse:
+        return _EMPTY_OK
+
+    async def _on_repository_index(self, request: HttpRequest) -> HttpResponse:
+        options = _json_body(request.body)
+        return _json(self.server.repository_index(ready_only=bool(options.get("ready", False))))
+
+    async def _on_load(self, request: HttpRequest, model: str) -> HttpResponse:
+        config, files = _load_parameters(self._control_parameters(request))
+        await self.server.load_model(model, config, files)
+        return HttpResponse(200, b"", "application/json")
+
+    async def _on_unload(self, request: HttpRequest, model: str) -> HttpResponse:
+        parameters = self._control_parameters(request)
+        await self.server.unload_model(model, bool(parameters.get("unload_dependents", False)))
+        return HttpResponse(200, b"", "application/json")
+
+    def _control_parameters(self, request: HttpRequest) -> dict[str, Any]:
+        """A load or unload request's parameters, once explicit model control allows it."""
+        if self.server.options.control_mode is not ControlMode.EXPLICIT:
+            raise ServerError(ErrorCode.UNAVAILABLE, "explicit model load / unload is not allowed if polling is "
+                              "enabled")
+        parameters = _json_body(request.body).get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise invalid_arg("'parameters' must be a JSON object")
+        return parameters
 
 
 async def _generate_answer(stream: ResponseStream | TracedResponses, streaming: bool) -> HttpResponse:
