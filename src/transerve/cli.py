@@ -20,7 +20,7 @@ from transerve import __version__
 from transerve.client import command as client_command
 from transerve.convert import command as convert_command
 from transerve.core.allocator import keep_large_buffers
-from transerve.core.errors import ServerError
+from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.log_settings import FORMATS, LogSettings
 from transerve.core.tracing import TraceConfigError, parse_trace_options
 from transerve.export import command as export_command
@@ -150,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with explicit control: a model to load at start (repeatable, '*' for all)")
     add("--repository-poll-secs", type=float, default=15.0)
     add("--strict-readiness", type=_bool, default=True, metavar="BOOL")
-    add("--exit-on-error", type=_bool, default=False, metavar="BOOL",
-        help="exit if a model fails to load at start (default false: it is listed UNAVAILABLE)")
+    add("--exit-on-error", type=_bool, default=None, metavar="BOOL",
+        help="true: exit if a model fails to load at start; false: serve on even when the start fails (a "
+             "repository missing or unreadable: not live, not ready). Unset: a failed model is listed UNAVAILABLE, "
+             "a failed start exits")
     add("--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM/SIGINT, and for an unload: how long running requests may go on before they are stopped "
              "(python workers killed, their requests answered UNAVAILABLE)")
@@ -375,10 +377,11 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     from transerve.frontends.http.app import HttpFrontend
     from transerve.frontends.metrics import MetricsFrontend
 
-    for path in args.model_repository:
-        if isinstance(path, Path) and not path.is_dir():
-            log.error("model repository '%s' is not a folder", path)
-            return 1
+    missing = [path for path in args.model_repository if isinstance(path, Path) and not path.is_dir()]
+    for path in missing:
+        log.error("model repository '%s' is not a folder", path)
+    if missing and args.exit_on_error is not False:
+        return 1
     if args.model_repository_cache is not None and not args.model_repository_cache.is_dir():
         log.error("--model-repository-cache '%s' is not a folder", args.model_repository_cache)
         return 1
@@ -395,11 +398,17 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
+        if missing:
+            raise ServerError(ErrorCode.INVALID_ARG, f"model repository '{missing[0]}' is not a folder")
         await server.start()
-    except ServerError as exc:  # a repository on object storage that cannot be read
-        log.error("%s", exc.message)
-        await server.stop()
-        return 1
+    except ServerError as exc:  # a repository missing, or one on object storage that cannot be read
+        if args.exit_on_error is not False:
+            log.error("%s", exc.message)
+            await server.stop()
+            return 1
+        log.error("the server failed to start and serves on (--exit-on-error=false), not live and not ready: %s",
+                  exc.message)
+        server.fail_start(exc.message)
     if args.exit_on_error and any(entry.get("state") == "UNAVAILABLE" for entry in server.repository_index()):
         log.error("a model failed to load and --exit-on-error is set")
         await server.stop()

@@ -13,7 +13,7 @@ import tritonclient.utils.shared_memory as client_shm
 
 from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.types import InferRequest, InferResponse, RequestedOutput, Tensor
-from transerve.server.shared_memory import SHM_DIR, SharedMemoryRegistry, placement
+from transerve.server.shared_memory import BYTE_SIZE, REGION, SHM_DIR, SharedMemoryRegistry, placement
 
 
 @pytest.fixture
@@ -128,13 +128,52 @@ def test_placement_parameters(parameters: dict, expected: object) -> None:
         assert placement("X", parameters, "input") == expected
 
 
-def test_an_input_view_outlives_its_unregistered_region(key: str) -> None:
-    """Inputs are read-only views of the region, not copies; unregistering a region that a request still reads
-    leaves the view valid (it is unmapped when the view is gone)."""
+def test_a_region_an_input_still_reads_stays_registered(key: str) -> None:
+    """Inputs are read-only views of the region, not copies; while one is alive the region is in use: unregistering
+    it fails at once with Triton's words and it stays registered, until the view is gone."""
     registry = SharedMemoryRegistry()
     registry.register("r", key, 0, 64)
     view = np.frombuffer(registry.read("r", 8, 8), np.float32)
     assert not view.flags.writeable
-    registry.unregister("r")
+    with pytest.raises(ServerError) as refused:
+        registry.unregister("r")
+    assert refused.value.code is ErrorCode.INVALID_ARG
+    assert refused.value.message == "Cannot unregister shared memory region 'r', it is currently in use."
+    with pytest.raises(ServerError) as refused_all:
+        registry.unregister()
+    assert refused_all.value.message == "Failed to unregister the following system shared memory regions: r ,"
     assert view.tolist() == [2.0, 3.0]
+    assert [region["name"] for region in registry.status()] == ["r"]
+    del view
+    registry.unregister("r")
     assert registry.status() == []
+
+
+def test_a_region_an_output_will_be_written_to_stays_registered(key: str) -> None:
+    """An output region is in use from the request's start (pinned) until it settles; unregistering every region
+    forgets those not in use and names the others, sorted, as Triton does."""
+    registry = SharedMemoryRegistry()
+    for name in ("out", "b", "a"):
+        registry.register(name, key, 0, 64)
+    request = InferRequest("m", [], outputs=[RequestedOutput("Y", {REGION: "out", BYTE_SIZE: 8}),
+                                             RequestedOutput("Z", {REGION: "a", BYTE_SIZE: 8})])
+    pinned = registry.pin_outputs(request)
+    assert pinned is not None and [region.name for region in pinned] == ["out", "a"]
+    with pytest.raises(ServerError) as refused:
+        registry.unregister()
+    assert refused.value.message == "Failed to unregister the following system shared memory regions: a ,out ,"
+    assert sorted(region["name"] for region in registry.status()) == ["a", "out"]
+    registry.unpin(pinned)
+    registry.unregister()
+    assert registry.status() == []
+
+
+def test_an_offset_past_the_region_has_tritons_words(key: str) -> None:
+    registry = SharedMemoryRegistry()
+    registry.register("r", key, 0, 64)
+    with pytest.raises(ServerError) as past:
+        registry.read("r", 64, 4)
+    assert past.value.message == "Invalid offset for shared memory region: 'r'"
+    with pytest.raises(ServerError) as over:
+        registry.read("r", 60, 8)
+    assert over.value.message == "Invalid offset + byte size for shared memory region: 'r'"

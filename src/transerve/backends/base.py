@@ -152,6 +152,17 @@ def instance_placements(config: model_config_pb2.ModelConfig) -> list[Placement]
 class BackendModel:
     """A loaded model version and its instances."""
 
+    #: Whether `add_instances` can start instances beside the running ones, for an instance-group update in place
+    #: (Triton's); the model of a backend that cannot is reloaded instead.
+    updates_instances = False
+
+    async def add_instances(
+        self, config: model_config_pb2.ModelConfig, placements: list[Placement]
+    ) -> list[BackendInstance]:
+        """Start (and initialize) one instance per placement, `config` being the model's config with its new
+        instance groups; on failure none is left running. The caller schedules onto them and owns them."""
+        raise NotImplementedError
+
     def __init__(self, config: model_config_pb2.ModelConfig, instances: list[BackendInstance]) -> None:
         #: The final configuration, after the backend's auto-completion.
         self.config = config

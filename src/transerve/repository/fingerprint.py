@@ -7,13 +7,16 @@ import os
 from pathlib import Path
 
 
-def fingerprint(model_path: Path) -> str:
-    """Names, sizes and modification times of every file under the folder (caches excluded)."""
+def fingerprint(model_path: Path, leave_out: str = "") -> str:
+    """Names, sizes and modification times of every file under the folder (caches excluded, and the file
+    `leave_out` of the folder itself: the config, for a digest of everything else)."""
     digest = hashlib.sha1()
     for root, dirs, files in os.walk(model_path):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
         for name in sorted(files):
             path = os.path.join(root, name)
+            if leave_out and name == leave_out and root == str(model_path):
+                continue
             try:
                 stat = os.stat(path)
             except OSError:

@@ -15,7 +15,7 @@ from transerve.backends.base import BackendInstance, ExecutionResult
 from transerve.core.errors import internal
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
-from transerve.scheduling import OnDone
+from transerve.scheduling import OnDone, OnIdle
 from transerve.scheduling.cancellation import Watcher, dropped, settle, watch
 
 _Pending = tuple[InferRequest, "asyncio.Future[InferResponse]", OnDone | None]
@@ -29,19 +29,53 @@ class DirectScheduler:
         self._stats = stats
         self._max_batch_size = max_batch_size
         self._queue: deque[_Pending] = deque()
-        # Slots interleave instances, so load spreads over instances before it deepens pipelines.
-        depth = max(instance.max_inflight for instance in instances)
-        self._free: deque[BackendInstance] = deque(
-            instance for slot in range(depth) for instance in instances if slot < instance.max_inflight
-        )
+        self._free: deque[BackendInstance] = deque()
+        self._add_slots(instances)
         self._running = 0
+        #: Retired instances with executions still running: how many, and who hears when none is left.
+        self._retiring: dict[BackendInstance, list] = {}
         # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = asyncio.get_running_loop()
+
+    def _add_slots(self, instances: list[BackendInstance]) -> None:
+        """Slots interleave instances, so load spreads over instances before it deepens pipelines: the free slots
+        are laid out again with the new ones, each instance's first free slot before any second one."""
+        free: dict[int, list[BackendInstance]] = {}
+        for slot in [*self._free, *(added for added in instances for _ in range(added.max_inflight))]:
+            free.setdefault(id(slot), []).append(slot)
+        self._free.clear()
+        depth = max((len(slots) for slots in free.values()), default=0)
+        self._free.extend(slots[level] for level in range(depth) for slots in free.values() if level < len(slots))
 
     @property
     def pending_count(self) -> int:
         """Requests waiting for an instance (Triton's pending request count)."""
         return len(self._queue)
+
+    def add_instances(self, instances: list[BackendInstance]) -> None:
+        self._add_slots(instances)
+        self._dispatch()
+
+    def retire(self, instances: list[BackendInstance], on_idle: OnIdle) -> list[BackendInstance]:
+        """Take the instances' free slots away; each is idle once its running executions have finished."""
+        free = list(self._free)
+        self._free.clear()
+        self._free.extend(instance for instance in free if all(instance is not gone for gone in instances))
+        for instance in instances:
+            running = instance.max_inflight - sum(slot is instance for slot in free)
+            if running > 0:
+                self._retiring[instance] = [running, on_idle]
+            else:
+                on_idle(instance)
+        return []
+
+    def _slot_back(self, instance: BackendInstance) -> None:
+        """An execution of a retired instance finished."""
+        entry = self._retiring[instance]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._retiring[instance]
+            entry[1](instance)
 
     def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
         """Queue a request; the future resolves with its response or raises its ServerError, and `on_done`
@@ -98,7 +132,10 @@ class DirectScheduler:
     ) -> None:
         """Settle the request, let `on_done` go on with it (an ensemble sends its next step), then count."""
         self._running -= 1
-        self._free.append(instance)
+        if self._retiring and instance in self._retiring:
+            self._slot_back(instance)
+        else:
+            self._free.append(instance)
         request, future, on_done = pending
         if len(result.results) != 1:
             result = self._failed(instance, f"returned {len(result.results)} results for 1 requests")

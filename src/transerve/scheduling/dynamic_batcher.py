@@ -27,7 +27,7 @@ from transerve.backends.base import BackendInstance, ExecutionResult
 from transerve.core.errors import internal, unavailable
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
-from transerve.scheduling import OnDone
+from transerve.scheduling import OnDone, OnIdle
 from transerve.scheduling.cancellation import Watcher, dropped, settle, watch
 from transerve.scheduling.queues import Pending, RequestQueue
 from transerve.scheduling.strategy import batching_strategy
@@ -82,6 +82,8 @@ class DynamicBatcher:
         self._queue = RequestQueue(batching)
         self._free: deque[BackendInstance] = deque(instances)
         self._running = 0
+        #: Retired instances still executing a batch, with who hears when it is done.
+        self._retiring: dict[BackendInstance, OnIdle] = {}
         #: Dispatched batches awaiting their turn to answer, oldest first (only with preserve_ordering).
         self._in_order: deque[_Execution] | None = deque() if batching.preserve_ordering else None
         self._timer: asyncio.TimerHandle | None = None
@@ -93,6 +95,20 @@ class DynamicBatcher:
     def pending_count(self) -> int:
         """Requests waiting in the queue (Triton's pending request count)."""
         return self._queue.live
+
+    def add_instances(self, instances: list[BackendInstance]) -> None:
+        self._free.extend(instances)
+        self._dispatch()
+
+    def retire(self, instances: list[BackendInstance], on_idle: OnIdle) -> list[BackendInstance]:
+        """An idle instance leaves at once; a busy one when its batch is done."""
+        for instance in instances:
+            if any(instance is idle for idle in self._free):
+                self._free.remove(instance)
+                on_idle(instance)
+            else:
+                self._retiring[instance] = on_idle
+        return []
 
     def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
         """Queue a request; the future resolves with its response or raises its ServerError."""
@@ -247,7 +263,10 @@ class DynamicBatcher:
     def _finish(self, instance: BackendInstance, entry: _Execution, result: ExecutionResult) -> None:
         batch = entry.batch
         self._running -= 1
-        self._free.append(instance)
+        if self._retiring and instance in self._retiring:
+            self._retiring.pop(instance)(instance)
+        else:
+            self._free.append(instance)
         if len(result.results) != len(batch):
             result = self._failed(instance, batch, f"returned {len(result.results)} results for {len(batch)} requests")
         for pending in batch:

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transerve.backends.base import BackendInstance
 from transerve.core.datatypes import serialize_bytes
 from transerve.core.errors import invalid_arg
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
-from transerve.scheduling import OnDone, Scheduler
+from transerve.scheduling import OnDone, OnIdle, Scheduler
 
 
 def parse_cache_config(values: list[str]) -> int | None:
@@ -120,6 +121,12 @@ class CachingScheduler:
 
     async def drain(self) -> None:
         await self._inner.drain()
+
+    def add_instances(self, instances: list[BackendInstance]) -> None:
+        self._inner.add_instances(instances)
+
+    def retire(self, instances: list[BackendInstance], on_idle: OnIdle) -> list[BackendInstance]:
+        return self._inner.retire(instances, on_idle)
 
     def submit(self, request: InferRequest, on_done: OnDone | None = None) -> asyncio.Future[InferResponse]:
         started = time.monotonic_ns()

@@ -51,7 +51,7 @@ from transerve.core.errors import ErrorCode, ServerError, internal, invalid_arg
 from transerve.core.protocol_parameters import SEQUENCE_END, SEQUENCE_START
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse, Tensor
-from transerve.scheduling import OnDone
+from transerve.scheduling import OnDone, OnIdle
 from transerve.scheduling.cancellation import Watcher, settle, watch
 from transerve.scheduling.sequence_lanes import DirectLane, Lane, OldestLane, Pending, Slot
 
@@ -140,17 +140,11 @@ class SequenceBatcher:
             tensor.name for tensor in config.input if -1 in tensor.dims and not tensor.allow_ragged_batch
         )
         self._check_inputs = bool(self._equal_shapes) or any(tensor.optional for tensor in config.input)
-        if batching.HasField("oldest"):
-            slots = batching.oldest.max_candidate_sequences or max(1, config.max_batch_size)
-            self._lanes: list[Lane] = [
-                OldestLane(self, number, instance, slots, max(1, config.max_batch_size), batching.oldest)
-                for number, instance in enumerate(instances)
-            ]
-        else:
-            slots = max(1, config.max_batch_size)
-            self._lanes = [
-                DirectLane(self, number, instance, slots, batching.direct) for number, instance in enumerate(instances)
-            ]
+        self._batching = batching
+        self._lanes: list[Lane] = [self._lane(number, instance) for number, instance in enumerate(instances)]
+        self._lane_numbers = itertools.count(len(instances))
+        #: Lanes of retired instances that still hold sequences or run a batch.
+        self._retiring: list[Lane] = []
         self._free: list[Slot] = [slot for lane in self._lanes for slot in lane.slots]
         heapq.heapify(self._free)
         #: Sequence id -> its slot, from its first request until its END request is queued.
@@ -168,7 +162,49 @@ class SequenceBatcher:
         self._own_ids = itertools.count(1)
         self._single: set[int | str] = set()
 
+    def _lane(self, number: int, instance: BackendInstance) -> Lane:
+        batching, max_batch = self._batching, max(1, self._max_batch_size)
+        if batching.HasField("oldest"):
+            slots = batching.oldest.max_candidate_sequences or max_batch
+            return OldestLane(self, number, instance, slots, max_batch, batching.oldest)
+        return DirectLane(self, number, instance, max_batch, batching.direct)
+
     # ---- the face the core sees -----------------------------------------------------------------------
+
+    def add_instances(self, instances: list[BackendInstance]) -> None:
+        """New lanes; their slots go to the backlog's oldest sequences first."""
+        for instance in instances:
+            lane = self._lane(next(self._lane_numbers), instance)
+            self._lanes.append(lane)
+            for slot in lane.slots:
+                self.release(slot)
+
+    def retire(self, instances: list[BackendInstance], on_idle: OnIdle) -> list[BackendInstance]:
+        """The instances' lanes take no new sequence; each serves the sequences it holds to their end, and is
+        idle once they ended and its last batch finished (as Triton keeps a removed instance for them)."""
+        lanes = [lane for lane in self._lanes if any(lane.instance is gone for gone in instances)]
+        held = []
+        for lane in lanes:
+            self._lanes.remove(lane)
+            lane.retiring = on_idle
+            lane.released = {slot for slot in self._free if slot.lane is lane}
+            if len(lane.released) < len(lane.slots):
+                held.append(lane.instance)
+        self._free = [slot for slot in self._free if slot.lane.retiring is None]
+        heapq.heapify(self._free)
+        self._retiring.extend(lanes)
+        for lane in lanes:
+            self.lane_idle(lane)
+        return held
+
+    def lane_idle(self, lane: Lane, force: bool = False) -> None:
+        """A retired lane may be done: no sequence holds a slot of it and no batch runs (or the model unloads)."""
+        on_idle = lane.retiring
+        if on_idle is None or lane not in self._retiring:
+            return
+        if force or (not lane.busy and len(lane.released) == len(lane.slots)):
+            self._retiring.remove(lane)
+            on_idle(lane.instance)
 
     @property
     def pending_count(self) -> int:
@@ -251,15 +287,22 @@ class SequenceBatcher:
         return None
 
     async def drain(self) -> None:
-        """Wait until nothing is queued or running (used before unloading)."""
+        """Wait until nothing is queued or running (used before unloading); retired lanes are done then."""
         while self._queued or self._running:
             await asyncio.sleep(0.005)
+        for lane in list(self._retiring):
+            self.lane_idle(lane, force=True)
 
     # ---- slots, backlog and the idle reaper ------------------------------------------------------------
 
     def release(self, slot: Slot) -> None:
         """A slot's sequence ended: give the slot to the oldest backlogged sequence, or free it. A backlogged
-        sequence with a cancelled request is cancelled instead (Triton looks at it here too)."""
+        sequence with a cancelled request is cancelled instead (Triton looks at it here too). A retired lane's
+        slot goes to nobody."""
+        if slot.lane.retiring is not None:
+            slot.lane.released.add(slot)
+            self.lane_idle(slot.lane)
+            return
         while self._backlogs:
             backlog = self._backlogs.popleft()
             correlation_id = backlog.queue[-1].request.correlation_id

@@ -10,6 +10,7 @@ import abc
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tritonclient.grpc import model_config_pb2
@@ -59,6 +60,10 @@ class Lane(abc.ABC):
         self.slots = [Slot(self, index) for index in range(slots)]
         self.busy = False
         self._timer: asyncio.TimerHandle | None = None
+        #: Set when the instance is retired (an instance-group update): who hears once the lane is idle.
+        self.retiring: Callable[[BackendInstance], None] | None = None
+        #: A retired lane's slots that no sequence holds any more.
+        self.released: set[Slot] = set()
 
     @abc.abstractmethod
     def enqueue(self, slot: Slot, pending: Pending | None) -> None:
@@ -85,6 +90,8 @@ class Lane(abc.ABC):
     def _finished(self) -> None:
         self.busy = False
         self.schedule()
+        if self.retiring is not None:
+            self.batcher.lane_idle(self)
 
 
 class DirectLane(Lane):

@@ -35,10 +35,15 @@ from transerve.repository.repository import ModelLocation, available_versions, s
 from transerve.scheduling import create_scheduler
 from transerve.scheduling.response_cache import CachingScheduler, ResponseCache
 from transerve.scheduling.warmup import warm_up
+from transerve.server.instance_update import instance_groups, needs_reload, update_instances
 from transerve.server.options import ControlMode, ServerOptions
 from transerve.server.registry import ModelRecord, ModelState, ModelVersion
+from transerve.server.tasks import BackgroundTasks
 
 log = logging.getLogger("transerve")
+
+#: The config file of a model folder, left out of the fingerprint that tells whether its other files changed.
+CONFIG_FILE = "config.pbtxt"
 
 
 def backend_registry() -> dict[str, type[Backend]]:
@@ -93,7 +98,11 @@ class ModelLoader:
         self._backends: dict[str, Backend] = {}
         self._backend_types = backend_registry()
 
-    async def load_record(self, location: ModelLocation, config_json: str | bytes | None) -> ModelRecord:
+    def read_config(
+        self, location: ModelLocation, config_json: str | bytes | None
+    ) -> tuple[model_config_pb2.ModelConfig, list[int]]:
+        """The model's config (a load request's, or its file's), completed and checked, and the versions its
+        policy selects."""
         name = location.name
         try:
             config = parse_config_json(config_json) if config_json else load_config_file(location.path)
@@ -105,9 +114,42 @@ class ModelLoader:
             raise invalid_arg(str(exc)) from None
         if not versions:
             raise invalid_arg(f"model '{name}' has no version folders to serve (e.g. '{name}/1/')")
+        return config, versions
+
+    async def update_in_place(
+        self,
+        record: ModelRecord,
+        location: ModelLocation,
+        config: model_config_pb2.ModelConfig,
+        versions: list[int],
+        tasks: BackgroundTasks,
+    ) -> bool:
+        """Triton's instance-group update (see `instance_update`) of a serving model, when only its instance groups
+        (or version policy) changed and it serves the same versions; False when it must reload instead."""
+        models = list(record.versions.values())
+        if (record.state is not ModelState.READY or record.failed or record.override_path is not None
+                or record.source_config is None or sorted(record.versions) != sorted(versions)
+                or backend_name(config) == "ensemble"
+                or any(model.instance_groups is None for model in models)
+                or record.files_fingerprint != fingerprint(location.path, CONFIG_FILE)):
+            return False
+        # The config a load request passes is often the one the server answered with (completed by the backend).
+        if needs_reload(record.source_config, config) and any(needs_reload(model.config, config) for model in models):
+            return False
+        for model in models:
+            await update_instances(model, config, location.path, tasks)
+        record.source_config = config
+        record.fingerprint = fingerprint(location.path)
+        return True
+
+    async def load_record(
+        self, location: ModelLocation, config: model_config_pb2.ModelConfig, versions: list[int]
+    ) -> ModelRecord:
+        name = location.name
         if self._options.control_mode is ControlMode.EXPLICIT and backend_name(config) == "ensemble":
             await self._load_composing(name, config)
-        record = ModelRecord(name, ModelState.READY, fingerprint=fingerprint(location.path))
+        record = ModelRecord(name, ModelState.READY, fingerprint=fingerprint(location.path), source_config=config,
+                             files_fingerprint=fingerprint(location.path, CONFIG_FILE))
         results = await asyncio.gather(
             *(self._load_version(location, config, version) for version in versions), return_exceptions=True
         )
@@ -182,6 +224,8 @@ class ModelLoader:
             decoupled=config.model_transaction_policy.decoupled,
             labels=labels,
             path=context.version_path,
+            instance_groups=instance_groups(config, backend_model.instances) if backend_model.updates_instances
+            else None,
         )
 
     def _backend(self, kind: str, model_name: str) -> Backend:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import BackendModel
+from transerve.backends.base import BackendInstance, BackendModel
 from transerve.config.model_config import backend_name
 from transerve.core.errors import ServerError, invalid_arg, not_found, unavailable
 from transerve.core.signature import ModelSignature
@@ -45,6 +45,9 @@ class ModelVersion:
     labels: dict[str, list[str]] = field(default_factory=dict)
     #: The version's folder (`<model>/<version>`), where frontends find files beside the model (a tokenizer).
     path: Path | None = None
+    #: Each instance and its group's signature (`instance_update`); None where the instances cannot be updated in
+    #: place (a backend that cannot add them).
+    instance_groups: list[tuple[BackendInstance, bytes]] | None = None
 
 
 @dataclass(slots=True)
@@ -60,6 +63,10 @@ class ModelRecord:
     fingerprint: str = ""
     #: The folder a load request's `file:` contents were written to; removed with the record.
     override_path: Path | None = None
+    #: The config the versions were loaded from (normalized, before the backend completed it) and the fingerprint
+    #: of the model's files but its config: what a later load compares to update the instances in place.
+    source_config: model_config_pb2.ModelConfig | None = None
+    files_fingerprint: str = ""
 
     def latest(self) -> ModelVersion | None:
         return self.versions[max(self.versions)] if self.versions else None

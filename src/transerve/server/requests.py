@@ -51,7 +51,7 @@ class Call:
     `end_stream` or `cancel` settles it, and a second settling is ignored.
     """
 
-    __slots__ = ("_path", "model", "request", "future", "_open")
+    __slots__ = ("_path", "model", "request", "future", "_open", "_pinned")
 
     def __init__(self, path: RequestPath, model: ModelVersion, request: InferRequest) -> None:
         self._path = path
@@ -66,12 +66,17 @@ class Call:
                                   computes=backend_name(model.config) != "ensemble")
         path.inflight += 1
         self._open = True
+        #: The shared memory regions its outputs go to, in use until it settles (see `shared_memory`).
+        self._pinned = (path.shared_memory.pin_outputs(request)
+                        if request.outputs is not None and path.shared_memory.registered else None)
 
     def _settle(self) -> bool:
         if not self._open:
             return False
         self._open = False
         self._path.inflight -= 1
+        if self._pinned is not None:
+            self._path.shared_memory.unpin(self._pinned)
         return True
 
     def answer(self, response: InferResponse) -> InferResponse:

@@ -16,7 +16,6 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
-from transerve import __version__
 from transerve.core.custom_metrics import CustomMetrics
 from transerve.core.errors import ServerError, invalid_arg, unavailable, unsupported
 from transerve.core.log_settings import ServerLog
@@ -37,6 +36,10 @@ from transerve.server.shared_memory import SharedMemoryRegistry
 from transerve.server.tasks import BackgroundTasks
 
 log = logging.getLogger("transerve")
+
+#: The Triton release whose API and behaviour transerve answers as: the version in the server metadata, which
+#: Triton's clients and tests compare (transerve's own is `transerve --version` and the start-up log line).
+TRITON_VERSION = "2.51.0"
 
 EXTENSIONS = [
     "classification",
@@ -80,6 +83,8 @@ class Server(ModelRegistry):
         self._loader = ModelLoader(options, self, self.response_cache, self._load_composing_models)
         self._path = RequestPath(self.shared_memory)
         self._live = False
+        #: Why the start failed, when the server serves on anyway (`--exit-on-error=false`): neither live nor ready.
+        self.start_error: str | None = None
         self._stopping = False
         self._model_locks: dict[str, asyncio.Lock] = {}
         #: Unloads of reloaded models' old versions, and polling.
@@ -135,6 +140,14 @@ class Server(ModelRegistry):
         if self.options.control_mode is ControlMode.POLL:
             self._poll_task = self._tasks.start(poll_forever(self, self.options.poll_secs), "polling the repositories")
 
+    def fail_start(self, reason: str) -> None:
+        """The start failed (a repository missing or unreadable) and the server serves on, as Triton does under
+        `--exit-on-error=false`: nothing is loaded, the health endpoints answer not live and not ready, the
+        metadata endpoints answer."""
+        self.start_error = reason
+        self._loop = asyncio.get_running_loop()
+        self._live = False
+
     async def load_logged(self, name: str) -> None:
         """`load_model`, its refusal logged rather than raised (loads at start and by polling)."""
         try:
@@ -178,9 +191,9 @@ class Server(ModelRegistry):
         return all(record.state is ModelState.READY for record in self._models.values())
 
     def metadata(self) -> dict[str, Any]:
-        """Named "triton", as Triton's clients and tests expect of the server they talk to; the version is
-        transerve's."""
-        return {"name": "triton", "version": __version__, "extensions": EXTENSIONS}
+        """Named "triton", with the version of the Triton release transerve answers as: what Triton's clients and
+        tests expect of the server they talk to."""
+        return {"name": "triton", "version": TRITON_VERSION, "extensions": EXTENSIONS}
 
     def loaded_fingerprints(self) -> dict[str, str]:
         """Each model name the server holds a record of, with the fingerprint of the folder it loaded."""
@@ -280,7 +293,12 @@ class Server(ModelRegistry):
             if old is None:
                 self._models[name] = ModelRecord(name, ModelState.LOADING)
             try:
-                record = await self._loader.load_record(location, config_json)
+                config, versions = self._loader.read_config(location, config_json)
+                if old is not None and override is None and await self._loader.update_in_place(
+                        old, location, config, versions, self._tasks):
+                    log.info("model '%s' is %s (versions %s)", name, old.state.value, sorted(old.versions))
+                    return
+                record = await self._loader.load_record(location, config, versions)
             except ServerError as exc:
                 if override is not None:
                     shutil.rmtree(override, ignore_errors=True)

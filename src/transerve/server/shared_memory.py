@@ -7,8 +7,13 @@ that needs the bytes elsewhere copies them once, as from any request body), so, 
 overwrite a region while a request that reads it runs. An unregistered region is unmapped once the last view of it
 is gone. Outputs are written into their region, in one copy, when the response is ready.
 
+A region an inference still uses cannot be unregistered, as in Triton: the refusal comes at once and the region
+stays registered. An input region is in use while a view of it is alive (the mapping refuses to close); an output
+region while a request that will write into it is in flight (`pin_outputs`, released as the request settles).
+
 Errors keep Triton's wording, but what Triton answers with a 500 (a key that does not open, a region smaller than
-registered, an output region too small) is a 400 here: the client's mistake, not the server's. Over gRPC a key that
+registered, an output region too small, an unregister of a region in use) is a 400 here: the client's mistake,
+not the server's. Over gRPC a key that
 does not open stays Triton's INTERNAL, which tritonclient's own tests check. Unlike Triton, an `offset` needs no page
 alignment.
 
@@ -20,7 +25,6 @@ to clients trusted with the host's /dev/shm.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -68,6 +72,8 @@ class Region:
     offset: int
     byte_size: int
     mapping: mmap.mmap
+    #: Requests in flight that will write an output into the region.
+    writers: int = 0
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -102,12 +108,50 @@ class SharedMemoryRegistry:
         self._regions[name] = Region(name, key, offset, byte_size, mapping)
 
     def unregister(self, name: str | None = None) -> None:
-        """Forget region `name` (every region when None); an unknown name is no error, as in Triton."""
-        names = list(self._regions) if name is None else [name]
-        for region in (self._regions.pop(n, None) for n in names):
+        """Forget region `name` (every region when None); an unknown name is no error, as in Triton. A region in
+        use stays registered, and the call fails with Triton's words (every region not in use is forgotten)."""
+        if name is not None:
+            region = self._regions.get(name)
+            if region is not None and not self._release(region):
+                raise invalid_arg(f"Cannot unregister shared memory region '{name}', it is currently in use.")
+            return
+        refused = [n for n, region in sorted(self._regions.items()) if not self._release(region)]
+        if refused:
+            raise invalid_arg("Failed to unregister the following system shared memory regions: "
+                              + "".join(f"{n} ," for n in refused))
+
+    def _release(self, region: Region) -> bool:
+        """Unmap and forget a region no request uses; False (and nothing changed) for one in use."""
+        if region.writers:
+            return False
+        try:
+            region.mapping.close()
+        except BufferError:  # an input still reads it
+            return False
+        del self._regions[region.name]
+        return True
+
+    def pin_outputs(self, request: InferRequest) -> list[Region] | None:
+        """The regions `request`'s outputs will be written into, counted as in use until `unpin`; None when it
+        names none. Only called while some region is registered."""
+        pinned = None
+        for output in request.outputs or ():
+            parameters = output.parameters
+            region = self._regions.get(parameters[REGION]) if parameters and REGION in parameters else None
             if region is not None:
-                with contextlib.suppress(BufferError):  # inputs still use it: unmapped when they are gone
-                    region.mapping.close()
+                region.writers += 1
+                pinned = [region] if pinned is None else [*pinned, region]
+        return pinned
+
+    @staticmethod
+    def unpin(pinned: list[Region]) -> None:
+        for region in pinned:
+            region.writers -= 1
+
+    @property
+    def registered(self) -> bool:
+        """Whether any region is registered (a request can use shared memory only then)."""
+        return bool(self._regions)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         if name is None:
@@ -145,6 +189,8 @@ class SharedMemoryRegistry:
         region = self._regions.get(name)
         if region is None:
             raise not_found(f"Unable to find shared memory region: '{name}'")
+        if offset >= region.byte_size:
+            raise invalid_arg(f"Invalid offset for shared memory region: '{name}'")
         if offset + byte_size > region.byte_size:
             raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{name}'")
         return region, region.offset + offset

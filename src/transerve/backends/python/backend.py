@@ -23,7 +23,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import Backend, BackendModel, ModelContext
+from transerve.backends.base import Backend, BackendInstance, BackendModel, ModelContext, Placement
 from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
 from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
 from transerve.backends.python.environments import ExecutionEnvironments
@@ -119,9 +119,51 @@ class PythonBackend(Backend):
         if failure is not None:
             await asyncio.gather(*(instance.close() for instance in instances))
             raise failure
-        model = BackendModel(config, instances)
+        model = PythonModel(config, instances, context, spec, rescheduling)
         model.restarts = restarts
         return model
+
+
+class PythonModel(BackendModel):
+    """A loaded python-backend model; it can add instances while the others serve."""
+
+    updates_instances = True
+
+    def __init__(
+        self,
+        config: model_config_pb2.ModelConfig,
+        instances: list[PythonInstance],
+        context: ModelContext,
+        spec: WorkerSpec,
+        rescheduling: Rescheduling | None,
+    ) -> None:
+        super().__init__(config, instances)
+        self._context = context
+        self._spec = spec
+        self._rescheduling = rescheduling
+
+    async def add_instances(
+        self, config: model_config_pb2.ModelConfig, placements: list[Placement]
+    ) -> list[BackendInstance]:
+        """A worker per placement, its `initialize` given the updated config, as Triton initializes them."""
+        instances = [
+            PythonInstance(
+                self._spec,
+                placement.name,
+                _initialize_args(self._context, config, placement.name, placement.kind, placement.device_id),
+                config.model_transaction_policy.decoupled,
+                self._context.runtime,
+                self._rescheduling,
+                self.restarts,
+            )
+            for placement in placements
+        ]
+        outcomes = await asyncio.gather(*(instance.start() for instance in instances), return_exceptions=True)
+        failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(instance.close() for instance in instances))
+            raise failure
+        return list(instances)
 
 
 async def _auto_complete(
