@@ -188,7 +188,8 @@ async def _prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextToke
                                   f"{entry.context_length}", param="prompt")
             vocabulary = tokenizer.vocabulary_size()
             if not item or any(x >= vocabulary for x in item):
-                raise bad_request(f"a token-id prompt must be non-empty with ids below {vocabulary}", param="prompt")
+                raise bad_request(f"a token-id prompt must be non-empty, its ids in the vocabulary [0, {vocabulary})",
+                                  param="prompt")
             prompts.append(Prompt(list(item), tokenizer.decode(item)))
         else:
             raise bad_request("each prompt must be a string or a list of token ids", param="prompt")
