@@ -178,6 +178,7 @@ class SequenceBatcher:
             self._lanes.append(lane)
             for slot in lane.slots:
                 self.release(slot)
+            lane.start()
 
     def retire(self, instances: list[BackendInstance], on_idle: OnIdle) -> list[BackendInstance]:
         """The instances' lanes take no new sequence; each serves the sequences it holds to their end, and is
@@ -202,7 +203,7 @@ class SequenceBatcher:
         on_idle = lane.retiring
         if on_idle is None or lane not in self._retiring:
             return
-        if force or (not lane.busy and len(lane.released) == len(lane.slots)):
+        if force or (len(lane.released) == len(lane.slots) and lane.idle):
             self._retiring.remove(lane)
             on_idle(lane.instance)
 

@@ -87,6 +87,15 @@ class Lane(abc.ABC):
     def schedule(self) -> None:
         """Start the next batch if the instance is free and one is due."""
 
+    def start(self) -> None:
+        """A new lane's slots were just handed out (to backlogged sequences): run what they hold."""
+        self.schedule()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued in its slots, and no batch running."""
+        return not self.busy and not any(slot.queue for slot in self.slots)
+
     def _finished(self) -> None:
         self.busy = False
         self.schedule()
@@ -182,6 +191,15 @@ class OldestLane(Lane):
     def enqueue(self, slot: Slot, pending: Pending | None) -> None:
         slot.queue.append(pending)
         if not slot.in_flight:
+            self._advance(slot)
+        self.schedule()
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and not self._ready
+
+    def start(self) -> None:
+        for slot in self.slots:
             self._advance(slot)
         self.schedule()
 
