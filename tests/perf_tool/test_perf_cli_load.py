@@ -309,7 +309,7 @@ def test_the_docs_commands(server, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data.json").write_text(perf_docs.blocks("json")[0])
     commands = perf_docs.perf_commands(llm=False)
-    assert len(commands) == 5
+    assert len(commands) == 6
     for argv in commands:
         code = main(perf_docs.aimed(argv, server.http_url, server.grpc_url))
         out, err = capsys.readouterr()
