@@ -2,13 +2,14 @@
 tritonclient over HTTP and gRPC.
 
 fastertransformer_backend's configs (examples/fastertransformer/: dev/v1.1_beta's T5 and GPT, main's T5 and GPT)
-are served over checkpoint folders written by tests/support/ft_checkpoints.py, which redoes FasterTransformer's
-converter scripts step by step, from random-weight Hugging Face T5 and GPT-2 models: dev/v5.0_beta's
-t5_ckpt_convert.py (its `1-gpu/` files moved up into `1/`, as the T5 tutorial does), huggingface_jp_gpt_convert.py
-over two ranks (no config.ini: the v1.1_beta GPT config's parameters give the sizes), the later
-huggingface_t5_ckpt_convert.py (two ranks, float16 files) and huggingface_gpt_convert.py (two ranks). The tokens
-served equal transformers' greedy `generate` on the same weights. Token ids outside the vocabulary are a 400 naming
-the input and the range, and the request beside them is answered.
+are served over checkpoint folders written by tests/support/ft_checkpoints.py and ft_megatron.py, which redo
+FasterTransformer's converter scripts step by step, from random-weight Hugging Face T5 and GPT-2 models:
+dev/v5.0_beta's t5_ckpt_convert.py (its `1-gpu/` files moved up into `1/`, as the T5 tutorial does) and
+megatron_ckpt_convert.py (a two-rank Megatron checkpoint, converted for two; no config.ini: the v1.1_beta GPT
+config's parameters give the sizes), the later huggingface_t5_ckpt_convert.py (two ranks, float16 files) and
+huggingface_gpt_convert.py (two ranks). The tokens served equal transformers' greedy `generate` on the same
+weights. Token ids outside the vocabulary are a 400 naming the input and the range, and the request beside them is
+answered.
 """
 
 from __future__ import annotations
@@ -20,12 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from support.ft_checkpoints import (
-    huggingface_gpt_convert,
-    huggingface_jp_gpt_convert,
-    huggingface_t5_ckpt_convert,
-    t5_ckpt_convert,
-)
+from support.ft_checkpoints import huggingface_gpt_convert, huggingface_t5_ckpt_convert, t5_ckpt_convert
+from support.ft_megatron import megatron_ckpt_convert, megatron_gpt_checkpoint
 from support.generation_models import build_generation_model
 from support.servers import REPO_ROOT, start_server, transerve_argv
 
@@ -73,10 +70,10 @@ def workspace(tmp_path_factory) -> Path:
     converted.rmdir()
     (v1_t5 / "config.pbtxt").write_text(_config("v1.1_beta/t5", "fastertransformer",
                                                 model_checkpoint_path=str(v1_t5 / "1")))
-    # dev/v1.1_beta's GPT: huggingface_jp_gpt_convert.py over two ranks, the model's sizes in the config.
+    # dev/v1.1_beta's GPT: a Megatron checkpoint trained on two ranks, converted by dev/v5.0_beta's
+    # megatron_ckpt_convert.py for two, the model's sizes in the config.
     gpt2 = transformers.GPT2LMHeadModel.from_pretrained(ws / "gpt2")
-    torch.save(gpt2.state_dict(), ws / "gpt2.pt")
-    huggingface_jp_gpt_convert(ws / "gpt2.pt", repository / "gpt_v1" / "1", 2)
+    megatron_ckpt_convert(megatron_gpt_checkpoint(gpt2, ws / "megatron", 2), repository / "gpt_v1" / "1", 2, 2)
     sizes = {"head_num": "4", "size_per_head": "16", "inter_size": "256", "vocab_size": str(gpt2.config.vocab_size),
              "decoder_layers": "2", "start_id": str(gpt2.config.bos_token_id),
              "end_id": str(gpt2.config.eos_token_id), "tensor_para_size": "2"}
@@ -203,7 +200,7 @@ def test_main_t5_config_over_two_float16_ranks(server, workspace, t5, protocol):
 
 @pytest.mark.parametrize("protocol", [httpclient, grpcclient])
 def test_v1_gpt_config_without_config_ini(server, workspace, protocol):
-    """dev/v1.1_beta's GPT config over huggingface_jp_gpt_convert.py's two ranks: INPUT_ID [batch, 1, L] (dims
+    """dev/v1.1_beta's GPT config over megatron_ckpt_convert.py's two ranks: INPUT_ID [batch, 1, L] (dims
     [-1, -1]), REQUEST_INPUT_LEN, REQUEST_OUTPUT_LEN in; OUTPUT0 the prompt and its continuation."""
     model = transformers.GPT2LMHeadModel.from_pretrained(workspace / "gpt2").eval()
     prompt = [5, 17, 42, 8, 99]

@@ -538,11 +538,12 @@ def test_in_flight_batching_lets_a_short_request_finish_before_a_long_one(server
 
 @pytest.mark.parametrize("model", ["t5", "t5_torch"])
 def test_a_request_the_engine_refuses_is_a_400_and_the_model_keeps_serving(server, references, model):
-    """Beyond the torch engine's KV budget, or CTranslate2's vocabulary: the engine's INVALID_ARG reaches the
-    client as a 400."""
+    """Beyond the torch engine's KV budget (the engine's INVALID_ARG), or the vocabulary (the backend's, naming the
+    input and the range): a 400."""
     ids = references["t5"].ids(PROMPT)
     ids_sent, parameters, words = {
-        "t5": (ids[:-1] + [100000], {}, "input token ids must lie in [0, "),
+        "t5": (ids[:-1] + [100000], {}, "input 'input_ids' holds token id 100000, outside this model's vocabulary "
+                                        "[0, "),
         "t5_torch": (ids, {"max_tokens": 100000}, "this model's budget is 65536 (kv_cache_tokens)"),
     }[model]
     body = {

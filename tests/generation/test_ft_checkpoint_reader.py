@@ -18,6 +18,7 @@ from support.ft_checkpoints import (
     huggingface_t5_ckpt_convert,
     t5_ckpt_convert,
 )
+from support.ft_megatron import megatron_ckpt_convert, megatron_gpt_checkpoint
 from support.generation_models import build_generation_model
 from tritonclient.grpc import model_config_pb2
 
@@ -56,8 +57,13 @@ def _convert(converter: str, hf_dirs, tmp_path: Path, ranks: int, weight_data_ty
     if converter.startswith("huggingface_gpt_convert"):
         version = converter.split("@")[1]
         return huggingface_gpt_convert(hf_dirs["GPT"], tmp_path, ranks, weight_data_type, version=version)
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dirs["GPT"])
+    if converter.startswith("megatron_ckpt_convert"):
+        trained = int(converter.split("@t")[1])
+        megatron = megatron_gpt_checkpoint(model, tmp_path / "megatron", trained)
+        return megatron_ckpt_convert(megatron, tmp_path, trained, ranks)
     state = tmp_path / "gpt2.pt"
-    torch.save(transformers.GPT2LMHeadModel.from_pretrained(hf_dirs["GPT"]).state_dict(), state)
+    torch.save(model.state_dict(), state)
     return huggingface_jp_gpt_convert(state, tmp_path, ranks)
 
 
@@ -70,7 +76,11 @@ def _v1_parameters(model) -> dict[str, str]:
 CONVERTERS = {
     "t5_ckpt_convert": "T5", "huggingface_t5_ckpt_convert": "T5", "huggingface_gpt_convert@v5.0": "GPT",
     "huggingface_gpt_convert@main": "GPT", "huggingface_jp_gpt_convert": "GPT",
+    # trained on one rank (split further) and on two (joined, or split by 1)
+    "megatron_ckpt_convert@t1": "GPT", "megatron_ckpt_convert@t2": "GPT",
 }
+#: Converters that write no config.ini.
+WITHOUT_INI = ("huggingface_jp_gpt_convert", "megatron_ckpt_convert@t1", "megatron_ckpt_convert@t2")
 
 
 @pytest.mark.parametrize("converter", list(CONVERTERS))
@@ -80,7 +90,7 @@ def test_weights_come_back_equal(hf_dirs, hf_models, tmp_path, converter, tensor
     original = hf_models[model_type]
     folder = _convert(converter, hf_dirs, tmp_path, tensor_para_size)
     assert folder == tmp_path / f"{tensor_para_size}-gpu"
-    assert (folder / "config.ini").is_file() is (converter != "huggingface_jp_gpt_convert")
+    assert (folder / "config.ini").is_file() is (converter not in WITHOUT_INI)
     read = read_checkpoint(folder, model_type, _v1_parameters(original) if model_type == "GPT" else {})
     assert type(read) is type(original)
     expected, got = original.state_dict(), read.state_dict()
