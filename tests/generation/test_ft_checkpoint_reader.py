@@ -1,9 +1,9 @@
 """FasterTransformer checkpoint folders read back into Hugging Face models: the weights come back equal from every
 converter generation (dev/v5.0_beta's t5_ckpt_convert.py, the later huggingface_t5_ckpt_convert.py, the GPT
-converters with and without config.ini), one and two tensor-parallel ranks, float32 and float16 files; a broken
-folder fails naming what is wrong; and the folder a config names is found where FasterTransformer's backend finds
-it, inside the repository. The folders are written by tests/support/ft_checkpoints.py, which redoes each converter
-script step by step."""
+converters with and without config.ini, Megatron's split and merged), one and two tensor-parallel ranks, float32 and
+float16 files; a broken folder fails naming what is wrong; and the folder a config names is found where
+FasterTransformer's backend finds it, inside the repository. The folders are written by
+tests/support/ft_checkpoints.py and ft_megatron.py, which redo each converter script step by step."""
 
 from __future__ import annotations
 
