@@ -1,5 +1,7 @@
 """The ensembles `transerve export` writes with `--input-name`/`--output-name`, loaded by the real Triton as by
-transerve: the renamed tensors, the raw logits as ensemble outputs, and QA's optional question. The ensemble
+transerve: the renamed tensors, the raw logits as ensemble outputs, QA's optional question, and the seed
+tutorial's repository (`--step-names tokenizer,model --tokenizer-input-name TEXT=text`: `llm` over `tokenizer`
+taking `text` and `model`). The ensemble
 configs are the export's own, unchanged; their steps are stand-ins with the same tensors (Triton's environment
 here has neither tokenizers nor onnxruntime), which answer 1 where a question came and 2 where none did."""
 
@@ -18,7 +20,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.export.convert import TASKS
 from transerve.export.hf import read_folder
-from transerve.export.names import parse
+from transerve.export.names import parse, parse_tokenizer_inputs, step_names
 from transerve.export.repository import Options, model_names, write
 
 STAND_IN = '''import json
@@ -48,12 +50,15 @@ class TritonPythonModel:
 
 def stand_in_repository(root: Path) -> Path:
     folder = read_folder(minilm_path())
-    exports = {"seqcls": (["input_text=TEXT"], ["logits=LOGITS"]),
-               "qa": (["context=TEXT"], ["start_logits=START_LOGITS", "end_logits=END_LOGITS"])}
-    for task, (inputs, outputs) in exports.items():
-        options = Options(task, "onnx", 8, True, False, parse(task, inputs, outputs))
+    exports = {"seqcls": ("seqcls", ["input_text=TEXT"], ["logits=LOGITS"], None, []),
+               "qa": ("qa", ["context=TEXT"], ["start_logits=START_LOGITS", "end_logits=END_LOGITS"], None, []),
+               "llm": ("seqcls", ["input_text=TEXT"], ["logits=LOGITS"], "tokenizer,model", ["TEXT=text"])}
+    for name, (task, inputs, outputs, steps, tokenizer_inputs) in exports.items():
+        named = step_names(name, task, steps)
+        options = Options(name, "onnx", 8, True, False, parse(task, inputs, outputs), named,
+                          parse_tokenizer_inputs(task, tokenizer_inputs))
         write(root, folder, TASKS[task], ["input_ids", "attention_mask", "token_type_ids"], options)
-        for step in model_names(task, TASKS[task])[:-1]:
+        for step in model_names(name, TASKS[task], named)[:-1]:
             path = root / step / "config.pbtxt"
             config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
             config.platform, config.backend = "", "python"
@@ -68,7 +73,8 @@ def stand_in_repository(root: Path) -> Path:
 def answers(url: str) -> dict[str, object]:
     client = httpclient.InferenceServerClient(url)
     found = {}
-    for model, names in {"seqcls": ["TEXT"], "qa": ["TEXT"], "qa+question": ["question", "TEXT"]}.items():
+    for model, names in {"seqcls": ["TEXT"], "qa": ["TEXT"], "qa+question": ["question", "TEXT"], "llm": ["TEXT"],
+                         "tokenizer": ["text"]}.items():
         inputs = []
         for name in names:
             tensor = httpclient.InferInput(name, [1, 1], "BYTES")
@@ -92,4 +98,6 @@ def test_triton_and_transerve_serve_the_renamed_ensembles_alike(tmp_path: Path):
         got = answers(transerve.http_url)
     assert got == expected
     assert expected["qa"]["START_LOGITS"] == [[2.0] * 4] and expected["qa+question"]["START_LOGITS"] == [[1.0] * 4]
-    assert sorted(expected["seqcls"]) == ["LOGITS", "label", "probabilities", "score"]
+    assert sorted(expected["seqcls"]) == sorted(expected["llm"]) == ["LOGITS", "label", "probabilities", "score"]
+    assert sorted(expected["tokenizer"]) == ["attention_mask", "input_ids", "token_type_ids"]
+    assert '"name": "text"' in expected["tokenizer metadata"]
