@@ -312,16 +312,15 @@ def _check_inert(name: str, rule: Inert, values: np.ndarray) -> None:
 
 def _check(where: str, tensor, datatypes: frozenset[str], dims: tuple[int, ...],
            other_dims: tuple[int, ...] | None = None) -> None:
-    """The tensor's type and dims (`dims`, or `other_dims`); a one-value input declared `[1]` or `[-1]` may be
-    reshaped to `[]` or `[1]` (FasterTransformer's configs reshape `[1]` to `[]`)."""
+    """The tensor's type and dims (`dims`, or `other_dims`); `[1]` dims may be reshaped to `[]` (FasterTransformer's
+    configs do)."""
     datatype = _datatype(tensor)
     if datatype not in datatypes:
         raise invalid_arg(f"{where} is {datatype}; the generation backend takes {' or '.join(sorted(datatypes))}")
     declared = tuple(tensor.dims)
     reshaped = _dims(tensor)
     allowed = [list(d) for d in (dims, other_dims) if d is not None]
-    one_value = declared in ((1,), (-1,)) and reshaped in ((), (1,))
-    if declared not in (dims, other_dims) or (reshaped != declared and not one_value):
+    if declared not in (dims, other_dims) or (reshaped != declared and not (declared == (1,) and reshaped == ())):
         shown = list(reshaped) if reshaped == declared else f"{list(declared)} (reshaped to {list(reshaped)})"
         raise invalid_arg(f"{where} has dims {shown}; the generation backend takes "
                           f"{' or '.join(str(d) for d in allowed)}")
