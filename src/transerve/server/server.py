@@ -38,7 +38,7 @@ from transerve.server.tasks import BackgroundTasks
 log = logging.getLogger("transerve")
 
 #: The Triton release whose API and behaviour transerve answers as: the version in the server metadata, which
-#: Triton's clients and tests compare (transerve's own is `transerve --version` and the start-up log line).
+#: Triton's clients and tests compare (transerve's own is `transerve --version`).
 TRITON_VERSION = "2.51.0"
 
 EXTENSIONS = [
