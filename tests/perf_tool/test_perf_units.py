@@ -11,7 +11,7 @@ import pytest
 
 from transerve.perf.inputs import ModelSpec, batches, model_spec, read_data_file, synthetic_step
 from transerve.perf.measure import LevelResult, ServerStats, is_stable, percentile_of, server_stats
-from transerve.perf.options import PerfError, parse_range, parse_shape
+from transerve.perf.options import MAX_LEVELS, PerfError, concurrency_levels, parse_range, parse_shape
 
 METADATA = {"inputs": [{"name": "IDS", "datatype": "INT32", "shape": [-1, -1]},
                        {"name": "TEXT", "datatype": "BYTES", "shape": [-1, 1]},
@@ -32,6 +32,29 @@ def test_ranges_are_perf_analyzers_start_end_step():
     for bad in ("", "1:", "1:2:3:4", "x", "3:1", "0:4", "1:4:0"):
         with pytest.raises(PerfError):
             parse_range(bad, "--concurrency-range", integer=True)
+
+
+def test_perf_analyzers_older_concurrency_flags_and_open_ends():
+    assert concurrency_levels(1, 5) == (1, 2, 3, 4, 5)  # -t1 -c5
+    assert concurrency_levels(3, 1) == (3,)  # -t3 alone: perf_analyzer's search runs its first level
+    assert concurrency_levels(2, 0) == tuple(range(2, 2 + MAX_LEVELS))  # -c 0: no limit but the bounds
+    assert concurrency_levels(250, 0) == tuple(range(250, 257))  # concurrency up to 256
+    assert parse_range("1:0:2", "--concurrency-range", integer=True, open_end=True)[:3] == (1, 3, 5)
+    assert parse_range("10:0:10", "--request-rate-range", integer=False, open_end=True)[-1] == 10.0 * MAX_LEVELS
+    for start, end in ((0, 5), (1, -1), (1, 300), (1, 100)):
+        with pytest.raises(PerfError):
+            concurrency_levels(start, end)
+    with pytest.raises(PerfError, match="end at least start"):
+        parse_range("1:0", "--concurrency-range", integer=True)  # END 0 only with a latency limit
+
+
+def test_random_integers_are_valid_ids_masks_and_token_types():
+    metadata = {"inputs": [{"name": name, "datatype": "INT64", "shape": [-1, -1]}
+                           for name in ("input_ids", "attention_mask", "token_type_ids")], "outputs": []}
+    step = synthetic_step(model_spec(metadata, {"max_batch_size": 8}),
+                          {name: [128] for name in ("input_ids", "attention_mask", "token_type_ids")}, "random", None)
+    for array in step.values():
+        assert array.dtype == np.int64 and set(np.unique(array)) == {0, 1}
 
 
 def test_shapes():
