@@ -48,6 +48,16 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got '{text}'")
+    return value
+
+
 def _repository(text: str) -> Path | StorageUrl:
     try:
         return parse_repository(text)
@@ -154,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="true: exit if a model fails to load at start; false: serve on even when the start fails (a "
              "repository missing or unreadable: not live, not ready). Unset: a failed model is listed UNAVAILABLE, "
              "a failed start exits")
+    add("--model-load-retry-count", type=_non_negative, default=0, metavar="N",
+        help="try a model load that failed N more times before it counts as failed (default 0)")
     add("--exit-timeout-secs", type=float, default=30.0,
         help="on SIGTERM/SIGINT, and for an unload: how long running requests may go on before they are stopped "
              "(python workers killed, their requests answered UNAVAILABLE)")
@@ -278,6 +290,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         load_models=args.load_model,
         strict_readiness=args.strict_readiness,
         exit_timeout_secs=args.exit_timeout_secs,
+        load_retries=args.model_load_retry_count,
         auto_complete=auto_complete,
         poll_secs=args.repository_poll_secs,
         backend_configs=backend_configs,

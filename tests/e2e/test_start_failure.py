@@ -87,3 +87,50 @@ def test_a_missing_repository_otherwise_ends_transerve(flags: tuple[str, ...], t
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1
     assert "no_such_repository' is not a folder" in done.stderr
+
+
+FLAKY_MODEL = '''
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        marker = os.path.join(os.environ["TRANSERVE_TEST_MARKER_DIR"], "tried")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise pb_utils.TritonModelException("the first initialize fails")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(
+            r, "IN").as_numpy())]) for r in requests]
+'''
+
+
+@pytest.mark.parametrize("kind", ["triton", "transerve"])
+@pytest.mark.parametrize("retries", [0, 1])
+def test_model_load_retry_count_tries_a_failed_load_again(
+    kind: str, retries: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose first `initialize` fails: READY at start with `--model-load-retry-count=1`, UNAVAILABLE (and
+    the server not ready) without."""
+    monkeypatch.setenv("TRANSERVE_TEST_MARKER_DIR", str(tmp_path))
+    repository = tmp_path / "models"
+    (repository / "flaky" / "1").mkdir(parents=True)
+    (repository / "flaky" / "1" / "model.py").write_text(FLAKY_MODEL)
+    (repository / "flaky" / "config.pbtxt").write_text(
+        'name: "flaky" backend: "python" max_batch_size: 0\n'
+        'input [{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }]\n'
+        'output [{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }]\n')
+    flags = ["--exit-on-error=false", f"--model-load-retry-count={retries}"]
+    with launched(kind, repository, *flags, tmp=tmp_path) as server:
+        assert answering(server), server.log_tail()
+        base = f"http://127.0.0.1:{server.http_port}/v2"
+        deadline = time.monotonic() + STARTED_S
+        while requests.get(f"{base}/health/live", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        ready = requests.get(f"{base}/models/flaky/ready", timeout=5).status_code == 200
+        assert ready is (retries == 1)
+        assert (requests.get(f"{base}/health/ready", timeout=5).status_code == 200) is (retries == 1)

@@ -33,6 +33,8 @@ class ServerOptions:
     load_models: list[str] = field(default_factory=list)
     strict_readiness: bool = True
     exit_timeout_secs: float = 30.0
+    #: `--model-load-retry-count`: how many times a load that failed is tried again (Triton's flag).
+    load_retries: int = 0
     auto_complete: bool = True
     poll_secs: float = 15.0
     backend_configs: dict[str, dict[str, str]] = field(default_factory=dict)

@@ -298,7 +298,7 @@ class Server(ModelRegistry):
                         old, location, config, versions, self._tasks):
                     log.info("model '%s' is %s (versions %s)", name, old.state.value, sorted(old.versions))
                     return
-                record = await self._loader.load_record(location, config, versions)
+                record = await self._load_retrying(location, config, versions)
             except ServerError as exc:
                 if override is not None:
                     shutil.rmtree(override, ignore_errors=True)
@@ -313,6 +313,22 @@ class Server(ModelRegistry):
                 self._tasks.start(self._loader.unload_record(old, self.options.exit_timeout_secs, "it was reloaded"),
                                   f"unloading the old versions of reloaded model '{name}'")
             log.info("model '%s' is %s (versions %s)", name, record.state.value, sorted(record.versions))
+
+    async def _load_retrying(
+        self, location: ModelLocation, config: model_config_pb2.ModelConfig, versions: list[int]
+    ) -> ModelRecord:
+        """`--model-load-retry-count`: a load that failed is tried again, that many times, as in Triton."""
+        retries = self.options.load_retries
+        attempt = 0
+        while True:
+            try:
+                return await self._loader.load_record(location, config, versions)
+            except ServerError as exc:
+                if attempt >= retries:
+                    raise
+                attempt += 1
+                log.warning("model '%s' failed to load (%s); trying again (%d of %d)", location.name, exc.message,
+                            attempt, retries)
 
     async def _fetch(self, name: str) -> None:
         """Download a remote repository's model (again, if it changed) before it loads; a failure leaves a model
