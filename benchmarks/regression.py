@@ -3,6 +3,12 @@
     python -m benchmarks.regression                  # measure, compare with regression_baseline.json, exit 1 past it
     python -m benchmarks.regression --update         # measure and write the baseline (commit it with the change)
     python -m benchmarks.regression --cases grpc,ensemble_step --rounds 5
+    python -m benchmarks.regression --against HEAD~1   # this tree against another commit, side by side
+
+The check before merging a change to a request path is `--against` the commit before it: both versions serve at
+once from the same repository, each case alternates between them round by round (A B, B A, ...), and each case's
+verdict is the median of its rounds' CPU-per-request ratios, new over old, failing past `--margin` (default 10%).
+A noisy machine moves both versions alike, which a stored baseline cannot follow.
 
 Each case measures CPU time per request of one hot path (the CPU of every process doing the work, read from /proc,
 which a shared machine disturbs less than wall time) and divides it by a reference timed just before and just after
@@ -27,7 +33,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +56,8 @@ BASELINE = Path(__file__).with_name("regression_baseline.json")
 CASES = ("python_ipc", "http_json", "http_binary", "grpc", "ensemble_step")
 DEFAULT_TOLERANCE = 0.25
 """How far above its baseline ratio a case may be; noise on the shared 2-core development machine stays within it."""
+DEFAULT_MARGIN = 0.10
+"""How far above the other commit's CPU per request a case may be with `--against`."""
 CONCURRENCY = 4
 REFERENCE_PAYLOAD = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]},
                                 {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [0.5, 0.5, 0.5, 0.5]}]}
@@ -174,6 +184,69 @@ def measure(cases: list[str], rounds: int, seconds: float) -> dict[str, dict[str
     return measured
 
 
+def python_ipc_at(source: Path, seconds: float) -> float:
+    """`python_ipc_us` with transerve imported from `source`, in a process of its own (each version its own)."""
+    code = f"from benchmarks.regression import python_ipc_us; print(python_ipc_us({seconds!r}))"
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(source), str(REPO_ROOT)]))
+    result = subprocess.run([sys.executable, "-c", code], env=environment, cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120 + 10 * seconds)
+    if result.returncode:
+        raise SystemExit(f"python_ipc at {source}: {result.stderr.strip().splitlines()[-1:]}")
+    return float(result.stdout.split()[-1])
+
+
+def measure_against(cases: list[str], rounds: int, seconds: float, ref: str) -> dict[str, dict[str, list[float]]]:
+    """Each case's CPU us per request for this tree ("new") and for commit `ref` ("old"), both served at once,
+    alternating which goes first round by round."""
+    from benchmarks.common.servers import start_transerve, transerve_source_at
+
+    per: dict[str, dict[str, list[float]]] = {"new": {case: [] for case in cases}, "old": {case: [] for case in cases}}
+    with tempfile.TemporaryDirectory(prefix="regression-against-") as tmp:
+        sources = {"new": REPO_ROOT / "src", "old": transerve_source_at(ref, Path(tmp) / "ref")}
+        repository = Path(tmp) / "models"
+        write_chain_repository(repository)
+        (repository / "add_sub").symlink_to(REPO_ROOT / "examples" / "model_repository" / "add_sub")
+        with contextlib.ExitStack() as stack:
+            servers = {label: stack.enter_context(start_transerve(repository, source=source))
+                       for label, source in sources.items()} if set(cases) - {"python_ipc"} else {}
+
+            def work(case: str, label: str) -> float:
+                if case == "python_ipc":
+                    return python_ipc_at(sources[label], seconds)
+                server = servers[label]
+                if case == "ensemble_step":
+                    address = f"127.0.0.1:{server.http_port}"
+                    return (served_us(server, "json", seconds, request_bytes(address, "chain"))
+                            - served_us(server, "json", seconds, request_bytes(address, "pass_1"))) / STEPS
+                return served_us(server, {"http_json": "json", "http_binary": "binary", "grpc": "grpc"}[case],
+                                 seconds)
+
+            for round_number in range(rounds):
+                order = ("new", "old") if round_number % 2 == 0 else ("old", "new")
+                for case in cases:
+                    for label in order:
+                        per[label][case].append(work(case, label))
+                print(f"round {round_number + 1}/{rounds}: " + ", ".join(
+                    f"{case} {per['new'][case][-1] / per['old'][case][-1]:.2f}" for case in cases), file=sys.stderr)
+    return per
+
+
+def compare_against(per: dict[str, dict[str, list[float]]], ref: str, margin: float) -> tuple[str, bool]:
+    """A Markdown table of each case, this tree against `ref`, and whether every case is within the margin."""
+    lines = [f"| case | us per request (this tree) | us per request ({ref}) | new / old (median of rounds) | verdict |",
+             "|---|---:|---:|---:|---|"]
+    ok = True
+    for case, new in per["new"].items():
+        old = per["old"][case]
+        ratio = statistics.median(a / b for a, b in zip(new, old, strict=True))
+        within = ratio <= 1 + margin
+        verdict = "ok" if within else f"SLOWER by more than {margin:.0%}"
+        ok = ok and within
+        lines.append(f"| {case} | {statistics.median(new):.1f} | {statistics.median(old):.1f} | {ratio:.3f} | "
+                     f"{verdict} |")
+    return "\n".join(lines), ok
+
+
 def compare(measured: dict, baseline: dict, tolerance: float) -> tuple[str, bool]:
     """A Markdown table of each case against its baseline ratio, and whether every case is within the tolerance."""
     lines = ["| case | us per request | ratio to reference | baseline ratio | change | verdict |",
@@ -205,11 +278,26 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"allowed rise of a ratio over its baseline (default: the baseline's, else "
                              f"{DEFAULT_TOLERANCE})")
     parser.add_argument("--update", action="store_true", help="write the measured ratios as the new baseline")
+    parser.add_argument("--against", metavar="REF",
+                        help="compare with git commit REF side by side instead of with the baseline")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help=f"with --against: allowed rise of CPU per request (default {DEFAULT_MARGIN})")
     add_json_option(parser)
     args = parser.parse_args(argv)
     unknown = set(args.cases) - set(CASES)
     if unknown:
         parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
+    if args.against:
+        if args.update:
+            parser.error("--update writes the baseline; it does not go with --against")
+        per = measure_against(args.cases, args.rounds, args.seconds, args.against)
+        table, ok = compare_against(per, args.against, args.margin)
+        print(table)
+        write_json(args.json, "regression", {"against": args.against, **per}, args)
+        if not ok:
+            print(f"\na hot path got slower than at {args.against}: see docs/architecture.md, Performance rules",
+                  file=sys.stderr)
+        return 0 if ok else 1
     baseline = json.loads(args.baseline.read_text()) if args.baseline.is_file() else {}
     tolerance = args.tolerance if args.tolerance is not None else baseline.get("tolerance", DEFAULT_TOLERANCE)
     measured = measure(args.cases, args.rounds, args.seconds)

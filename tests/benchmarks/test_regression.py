@@ -65,3 +65,23 @@ def test_main_exits_1_when_slower_and_update_rewrites_the_baseline(regression, m
 
 def test_the_reference_workload_is_timed(regression) -> None:
     assert regression.reference_us(repeats=200) > 0
+
+
+def test_against_a_commit_compares_round_by_round_and_fails_past_the_margin(regression, monkeypatch) -> None:
+    per = {"new": {"grpc": [11.0, 9.0, 10.5], "http_json": [30.0, 36.0, 33.0]},
+           "old": {"grpc": [10.0, 10.0, 10.0], "http_json": [30.0, 30.0, 30.0]}}
+    table, ok = regression.compare_against(per, "abc123", 0.10)
+    assert ok  # grpc's median ratio is 1.05; http_json's 1.10, at the margin
+    assert "| grpc | 10.5 | 10.0 | 1.050 | ok |" in table
+    table, ok = regression.compare_against(per, "abc123", 0.05)
+    assert not ok and "SLOWER by more than 5%" in table
+    monkeypatch.setattr(regression, "measure_against", lambda cases, rounds, seconds, ref: per)
+    assert regression.main(["--cases", "grpc,http_json", "--against", "abc123"]) == 0
+    assert regression.main(["--cases", "grpc,http_json", "--against", "abc123", "--margin", "0.05"]) == 1
+
+
+@pytest.mark.slow
+def test_against_the_same_commit_serves_both_versions(regression) -> None:
+    """Both versions really serve: HEAD against itself, one short round of the JSON case."""
+    per = regression.measure_against(["http_json"], 1, 0.3, "HEAD")
+    assert per["new"]["http_json"][0] > 0 and per["old"]["http_json"][0] > 0

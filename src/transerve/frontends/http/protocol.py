@@ -15,6 +15,7 @@ connection is closed after the answer so that nothing smuggled after it can be r
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import time
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import httptools
+
+from transerve.frontends.http.flow_control import FlowControl
 
 log = logging.getLogger("transerve.http")
 
@@ -108,11 +111,25 @@ class HttpLimits:
     max_connections: int = 8192
 
 
+class Phase(enum.Enum):
+    """Where a connection is, which decides the one timeout that runs (`Connections.timeouts`)."""
+
+    GREETING = "greeting"  # connected, no request begun: the header timeout
+    HEAD = "head"  # a request's head is arriving: the header timeout, from its first byte
+    BODY = "body"  # its body is arriving: the body timeout, from the last bytes read
+    ANSWERING = "answering"  # requests are being answered and reading goes on: none (their models bound them)
+    HELD = "held"  # reading paused, requests queued: none (the client cannot move on)
+    IDLE = "idle"  # between requests: the keep-alive timeout
+    STALLED = "stalled"  # the client does not read its answers: the send timeout
+    CLOSING = "closing"  # closing once the answers are written: the send timeout
+    LINGERING = "lingering"  # refused, its last bytes read and dropped: _LINGER_S
+
+
 class Connections:
     """A listener's open connections: their cap, and one timer that ends those past their deadline.
 
-    A connection only writes its deadline (a float) as its state changes, so the request path pays no timer; the
-    timer here visits every connection a few times a second, which costs about 50 ns a connection.
+    A connection only writes its deadline (a float) as its phase changes, so the request path pays no timer; the
+    timer here visits every connection a few times a second.
     """
 
     def __init__(self, limits: HttpLimits) -> None:
@@ -124,6 +141,12 @@ class Connections:
         self.body_timeout = limits.body_timeout or math.inf
         self.keepalive_timeout = limits.keepalive_timeout or math.inf
         self.send_timeout = limits.send_timeout or math.inf
+        #: Each phase's timeout, counted from when the connection entered it (or made progress in it).
+        self.timeouts = {
+            Phase.GREETING: self.header_timeout, Phase.HEAD: self.header_timeout, Phase.BODY: self.body_timeout,
+            Phase.ANSWERING: math.inf, Phase.HELD: math.inf, Phase.IDLE: self.keepalive_timeout,
+            Phase.STALLED: self.send_timeout, Phase.CLOSING: self.send_timeout, Phase.LINGERING: _LINGER_S,
+        }
         #: Bytes of a request head on the wire (its request line, header lines and their separators): past this, the
         #: head is refused even while a line of it is still incomplete.
         self.max_head = limits.max_url + limits.max_header_size + 4 * limits.max_headers + 1024
@@ -165,10 +188,9 @@ class HttpConnection(asyncio.Protocol):
 
     __slots__ = (
         "_handler", "_max_body", "_error_response", "_transport", "_parser", "_url", "_headers", "_body",
-        "_body_size", "_queue", "_queued_bytes", "_busy", "_closing", "_ended", "_reading_paused", "_write_paused",
-        "_writable", "_loop", "_task", "_framed_twice", "_raw_headers", "_timing", "_begin_ns", "_connections",
-        "deadline", "_in_message", "_in_body", "_body_seen", "_unparsed", "_header_count", "_header_bytes",
-        "_continue",
+        "_body_size", "_queue", "_queued_bytes", "_busy", "_closing", "_ended", "_lingering", "_flow", "_loop",
+        "_task", "_framed_twice", "_raw_headers", "_timing", "_begin_ns", "_connections", "phase", "deadline",
+        "_in_message", "_in_body", "_body_seen", "_unparsed", "_header_count", "_header_bytes", "_continue",
     )
 
     def __init__(self, handler: Handler, max_body: int, error_response: Callable[[int, str], HttpResponse],
@@ -192,12 +214,11 @@ class HttpConnection(asyncio.Protocol):
         self._closing = False
         #: No more requests are read: the last answer due closes the connection.
         self._ended = False
-        self._reading_paused = False
-        self._write_paused = False
-        #: Resolved when the transport's write buffer drains below its low-water mark.
-        self._writable: asyncio.Future[None] | None = None
+        #: Closing by its writing side only, reading and dropping what the client still sends.
+        self._lingering = False
         # Kept rather than looked up per request: CPython's get_running_loop() costs a getpid() syscall.
         self._loop = asyncio.get_running_loop()
+        self._flow = FlowControl(self._loop)
         #: The task answering this connection's requests; cancelled when the client goes away, which drops
         #: its queued request and tells a streaming model to stop.
         self._task: asyncio.Task | None = None
@@ -206,7 +227,9 @@ class HttpConnection(asyncio.Protocol):
         #: Whether to note when each request arrives (`HttpRequest.received_ns`); checked once per request.
         self._timing = timing
         self._begin_ns = 0
-        #: When (loop time) `Connections` ends this connection unless its state moves on; infinite for never.
+        #: Where the connection is (`_move` keeps it), and when (loop time) `Connections` ends the connection unless
+        #: it moves on: its phase's timeout after it entered it; infinite for never.
+        self.phase = Phase.GREETING
         self.deadline = math.inf
         #: A request has begun to arrive and is not complete; and its head is complete (its body is arriving).
         self._in_message = False
@@ -222,9 +245,9 @@ class HttpConnection(asyncio.Protocol):
     # ---- asyncio.Protocol -------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = self._flow.transport = transport  # type: ignore[assignment]
         if self._connections.admit(self):
-            self.deadline = self._loop.time() + self._connections.header_timeout
+            self._move(restart=True)
             return
         # Past the cap: answered at once, without reading a request, then closed.
         limit = self._connections.limits.max_connections
@@ -257,11 +280,7 @@ class HttpConnection(asyncio.Protocol):
             self._reject(self._error_response(400, f"malformed HTTP request: {exc}"))
             return
         if self._in_message:
-            if self._reading_paused:  # by this very read (pipelining): no read timeout until reading resumes
-                if not self._write_paused:
-                    self.deadline = math.inf
-            elif self._in_body:
-                self.deadline = self._loop.time() + self._connections.body_timeout
+            self._move(progress=Phase.BODY)  # any read of a body is progress; a head has its whole timeout
             if self._body_seen:
                 self._body_seen = False
                 self._unparsed = 0
@@ -271,28 +290,24 @@ class HttpConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         """The transport's buffer is above its high-water mark: a client that does not read gets nothing more
         until it does, and is cut after --http-send-timeout-secs."""
-        self._write_paused = True
+        self._flow.pause_writing()
         self._pause_reading()
-        self.deadline = self._loop.time() + self._connections.send_timeout
+        self._move(restart=True)
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        if self._writable is not None:
-            if not self._writable.done():
-                self._writable.set_result(None)
-            self._writable = None
+        self._flow.resume_writing()
         if self._closing:
-            self.deadline = self._loop.time() + self._connections.send_timeout
+            self._move(restart=True)  # the client read some: the rest gets the send timeout again
         elif len(self._queue) <= _RESUME_DEPTH:
             self._resume_reading()
         else:
-            self.deadline = math.inf
+            self._move()
 
     # ---- httptools callbacks ----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._in_message = True
-        self.deadline = self._loop.time() + self._connections.header_timeout
+        self._move()
         self._begin_ns = time.monotonic_ns() if self._timing is not None and self._timing.active else 0
         self._url = b""
         self._headers = {}
@@ -361,8 +376,6 @@ class HttpConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._in_message = self._in_body = self._continue = False
         self._unparsed = 0
-        if not self._write_paused:  # (a 100 Continue written during this read may have paused writing)
-            self.deadline = math.inf
         try:
             target = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -381,18 +394,17 @@ class HttpConnection(asyncio.Protocol):
             self._task = self._loop.create_task(self._serve_queue())
         elif len(self._queue) >= _PIPELINE_DEPTH or self._queued_bytes >= _PIPELINE_BYTES:
             self._pause_reading()
+        self._move()
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
     async def _serve_queue(self) -> None:
         queue = self._queue
+        flow = self._flow
         while queue:
-            if self._write_paused:  # the client is not reading: answer nothing more until it does
-                if self._writable is None:
-                    self._writable = self._loop.create_future()
-                await self._writable
+            await flow.drain()  # the client is not reading: answer nothing more until it does
             request, keep_alive = queue.popleft()
-            if self._reading_paused and len(queue) <= _RESUME_DEPTH:
+            if flow.reading_paused and len(queue) <= _RESUME_DEPTH:
                 self._resume_reading()
             if isinstance(request, HttpResponse):  # a refusal, due after the answers before it
                 response = request
@@ -420,8 +432,7 @@ class HttpConnection(asyncio.Protocol):
         if self._continue:
             self._continue = False
             self._transport.write(_CONTINUE)  # type: ignore[union-attr]
-        if not self._in_message and not self._reading_paused:
-            self.deadline = self._loop.time() + self._connections.keepalive_timeout
+        self._move()
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
         head = [
@@ -453,49 +464,59 @@ class HttpConnection(asyncio.Protocol):
                 break
             if piece:
                 self._transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            if self._write_paused:
-                if self._writable is None:
-                    self._writable = self._loop.create_future()
-                await self._writable
+            await self._flow.drain()
         if not self._closing:
             self._transport.write(b"0\r\n\r\n")
 
     # ---- flow control and endings -----------------------------------------------------------------
 
+    def _move(self, restart: bool = False, progress: Phase | None = None) -> None:
+        """The one deadline rule: the connection's phase (from its state, `_phase`) gets its timeout from when it
+        entered that phase; with `restart`, or when it is still in `progress`'s phase, from now."""
+        phase = self._phase()
+        if restart or phase is not self.phase or phase is progress:
+            self.phase = phase
+            self.deadline = self._loop.time() + self._connections.timeouts[phase]
+
+    def _phase(self) -> Phase:
+        if self._closing:
+            return Phase.LINGERING if self._lingering else Phase.CLOSING
+        flow = self._flow
+        if flow.write_paused:
+            return Phase.STALLED
+        if flow.reading_paused:
+            return Phase.HELD
+        if self._in_message:
+            return Phase.BODY if self._in_body else Phase.HEAD
+        if self._busy:
+            return Phase.ANSWERING
+        return Phase.IDLE if self._task is not None else Phase.GREETING
+
     def _pause_reading(self) -> None:
         """Stop reading; no read timeout runs meanwhile (the client cannot move on), only the send timeout."""
-        if not self._reading_paused and not self._closing and self._transport is not None:
-            self._reading_paused = True
-            self._transport.pause_reading()
-        if not self._write_paused:
-            self.deadline = math.inf
+        if not self._closing:
+            self._flow.pause_reading()
+        self._move()
 
     def _resume_reading(self) -> None:
         """Read again, unless the client is still not reading its answers; the read timeouts start over."""
-        if self._write_paused or self._closing or not self._reading_paused:
-            return
-        self._reading_paused = False
-        self._transport.resume_reading()  # type: ignore[union-attr]
-        now = self._loop.time()
-        if self._in_message:
-            self.deadline = now + (self._connections.body_timeout if self._in_body else
-                                   self._connections.header_timeout)
-        elif not self._busy:
-            self.deadline = now + self._connections.keepalive_timeout
+        if not self._closing and self._flow.resume_reading():
+            self._move()
 
     def expire(self) -> None:
         """The deadline passed: a request that has not arrived in time is answered 408 (after the answers due
         before it); an idle connection is closed; one that is closing, or whose client does not read, is cut."""
+        phase = self._phase()
         self.deadline = math.inf
         if self._transport is None:
             return
-        if self._closing or self._write_paused:
+        if phase in (Phase.STALLED, Phase.CLOSING, Phase.LINGERING):
             self._closing = self._ended = True
             self._transport.abort()
-        elif self._in_message:
-            phase = "body" if self._in_body else "header"
-            self._reject(self._error_response(408, f"the request did not arrive in time (--http-{phase}-timeout-secs)"))
-        elif not self._busy:
+        elif phase in (Phase.HEAD, Phase.BODY):
+            name = "body" if phase is Phase.BODY else "header"
+            self._reject(self._error_response(408, f"the request did not arrive in time (--http-{name}-timeout-secs)"))
+        elif phase in (Phase.IDLE, Phase.GREETING):
             self._close()
 
     def _reject(self, response: HttpResponse) -> None:
@@ -506,8 +527,7 @@ class HttpConnection(asyncio.Protocol):
         self._in_message = self._in_body = False
         if self._busy:
             self._queue.append((response, False))
-            if not self._write_paused:  # the answers before it bound the wait
-                self.deadline = math.inf
+            self._move()  # the answers before it bound the wait
         else:
             self._write(response, keep_alive=False)
             self._close(linger=True)
@@ -521,10 +541,10 @@ class HttpConnection(asyncio.Protocol):
         assert transport is not None
         if linger and transport.can_write_eof():
             transport.write_eof()
-            self.deadline = self._loop.time() + _LINGER_S
+            self._lingering = True
         else:
             transport.close()
-            self.deadline = self._loop.time() + self._connections.send_timeout
+        self._move(restart=True)
 
     def _headers_too_large(self) -> str:
         return (f"the request's header fields exceed {self._connections.limits.max_header_size} bytes "
