@@ -18,10 +18,10 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
+from transerve.backends.lightseq.decoding import output_types
 from transerve.backends.lightseq.schema import MODEL_TYPES
 from transerve.backends.lightseq.weights import FormatError, LightSeqWeights, read
 from transerve.backends.threaded import import_engine
-from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import ServerError, unavailable
 from transerve.repository.paths import inside
 
@@ -76,15 +76,6 @@ def _read(path: Path, model_type: str) -> LightSeqWeights:
         raise unavailable(f"'{path.name}' is not a LightSeq {model_type} model that transerve serves: {exc}") from None
     except OSError as exc:
         raise unavailable(f"cannot read '{path.name}': {exc}") from None
-
-
-def output_types(config: model_config_pb2.ModelConfig) -> dict[str, tuple[str, Any]]:
-    """The config's outputs: name -> (datatype, numpy dtype)."""
-    types = {}
-    for output in config.output:
-        datatype = config_to_protocol(model_config_pb2.DataType.Name(output.data_type))
-        types[output.name] = (datatype, NUMPY_DTYPES[datatype])
-    return types
 
 
 async def _load_generation(context: ModelContext, weights: LightSeqWeights, placements: list[Placement],

@@ -15,11 +15,14 @@ length ** length_penalty); LightSeq uses GNMT's ((5 + length) / 6) ** length_pen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.generation.engine import DecodingOptions, GenerationResult, Hypothesis
 from transerve.backends.lightseq.weights import FormatError, LightSeqWeights
+from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 
 TRANSFORMER_METHODS = ("beam_search", "topk", "topp", "topk_greedy")
 GPT_METHODS = ("topk", "topp")
@@ -114,3 +117,12 @@ def decoding(weights: LightSeqWeights, max_step: int) -> Decoding:
                           "'ppl' scores sequences and is not generation)")
     return Decoding("Gpt", "token_ids", int(conf.get("src_padding_id", 0)), int(conf.get("eos_id", 0)), max_step,
                     int(conf.get("extra_decode_length", 0)), method, top_k=top_k, top_p=top_p or 1.0)
+
+
+def output_types(config: model_config_pb2.ModelConfig) -> dict[str, tuple[str, Any]]:
+    """The config's outputs: name -> (datatype, numpy dtype)."""
+    types = {}
+    for output in config.output:
+        datatype = config_to_protocol(model_config_pb2.DataType.Name(output.data_type))
+        types[output.name] = (datatype, NUMPY_DTYPES[datatype])
+    return types

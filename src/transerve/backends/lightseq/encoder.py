@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from transerve.backends.base import ModelContext, Placement
+from transerve.backends.lightseq.decoding import output_types
 from transerve.backends.lightseq.weights import FormatError, LightSeqWeights
 from transerve.backends.threaded import ThreadedInstance, import_engine, open_engines
 from transerve.core.errors import invalid_arg, unavailable
@@ -54,7 +55,6 @@ class BertEncoder:
 
 async def load_bert(context: ModelContext, weights: LightSeqWeights, placements: list[Placement],
                     loop: asyncio.AbstractEventLoop) -> list[ThreadedInstance]:
-    from transerve.backends.lightseq.backend import output_types
     from transerve.backends.lightseq.models import bert_model
 
     outputs = output_types(context.config)
