@@ -117,6 +117,7 @@ def test_prompts_from_a_jsonl_file(server, capsys, tmp_path):
 BAD = [
     (["-m", "gpt2", "--request-rate-range", "5"], "use --concurrency-range"),
     (["-m", "gpt2", "-b", "2"], "-b must be 1"),
+    (["-m", "gpt2", "-t", "1", "-c", "0", "-l", "100"], "leave out -l"),
     (["-m", "gpt2", "--output-tokens-mean", "0"], "--output-tokens-mean must be between"),
     (["-m", "gpt2", "--num-prompts", "0"], "--num-prompts must be between"),
     (["-m", "gpt2", "--token-id-range", "9:3"], "--token-id-range"),

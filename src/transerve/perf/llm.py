@@ -437,6 +437,8 @@ def run(args: argparse.Namespace, options: Options) -> int:
         raise PerfError("--llm measures closed loops: use --concurrency-range")
     if options.batch_size != 1:
         raise PerfError("--llm sends one prompt a request: -b must be 1")
+    if options.latency_threshold_ms:
+        raise PerfError("--llm measures every level it is given: leave out -l (perf_analyzer's latency limit)")
     if not 1 <= args.output_tokens_mean <= MAX_TOKENS:
         raise PerfError(f"--output-tokens-mean must be between 1 and {MAX_TOKENS}")
     api = connect(options.protocol, options.url, options.model, options.version)
