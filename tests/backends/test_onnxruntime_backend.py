@@ -388,8 +388,9 @@ def test_the_cuda_libraries_of_onnxruntime_gpu_are_preloaded_once_before_the_fir
 
 
 def _gather_model(path: Path) -> None:
-    """`ids` (INT32) cast and gathered from a 10-row table, and `free` (INT64) gathered from a table computed at
-    run time (the table plus zero): the first bound is found from the graph, the second only when it fails."""
+    """`ids` (INT32) cast, unsqueezed and gathered from a 10-row table, and `free` (INT64) gathered from a table
+    computed at run time (the table plus zero): the first bound is found from the graph, the second only when it
+    fails."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -397,7 +398,8 @@ def _gather_model(path: Path) -> None:
     zero = helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
     nodes = [
         helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64),
-        helper.make_node("Gather", ["table", "ids64"], ["rows"], axis=0),
+        helper.make_node("Unsqueeze", ["ids64", "axes"], ["ids3d"]),
+        helper.make_node("Gather", ["table", "ids3d"], ["rows"], axis=0),
         helper.make_node("Add", ["table", "zero"], ["computed"]),
         helper.make_node("Gather", ["computed", "free"], ["free_rows"], axis=0),
     ]
@@ -405,9 +407,9 @@ def _gather_model(path: Path) -> None:
         nodes, "gathers",
         [helper.make_tensor_value_info("ids", TensorProto.INT32, ["b", 3]),
          helper.make_tensor_value_info("free", TensorProto.INT64, ["b", 3])],
-        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["b", 3, 2]),
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["b", 3, 1, 2]),
          helper.make_tensor_value_info("free_rows", TensorProto.FLOAT, ["b", 3, 2])],
-        initializer=[table, zero])
+        initializer=[table, zero, helper.make_tensor("axes", TensorProto.INT64, [1], [2])])
     path.parent.mkdir(parents=True)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
@@ -434,8 +436,8 @@ def test_ids_outside_an_embedding_table_are_refused_alone_with_the_range(tmp_pat
         assert [b["batch_size"] for b in server.statistics("tokens")["model_stats"][0]["batch_stats"]] == [3]
 
         good = {"ids": ("INT32", np.array([[0, 9, 3]], np.int32)), "free": ("INT64", np.array([[0, 1, 9]]))}
-        assert outputs(await server.infer(request("gathers", **good)))["rows"][0, 1].tolist() == [18.0, 19.0]
-        with pytest.raises(ServerError) as caught:  # found through the Cast
+        assert outputs(await server.infer(request("gathers", **good)))["rows"][0, 1, 0].tolist() == [18.0, 19.0]
+        with pytest.raises(ServerError) as caught:  # found through the Cast and the Unsqueeze
             await server.infer(request("gathers", **(good | {"ids": ("INT32", np.array([[0, 10, 1]], np.int32))})))
         assert caught.value.code == ErrorCode.INVALID_ARG
         assert caught.value.message.startswith("input 'ids' holds id 10, outside the vocabulary (0..9)")

@@ -210,6 +210,17 @@ class _ComputedTable(torch.nn.Module):
         return torch.nn.functional.embedding(ids, self.table * 1.0)
 
 
+class _ReshapedIds(torch.nn.Module):
+    """An embedding of its argument converted and reshaped first: the bound is still found."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids.to(torch.int64).reshape(-1))
+
+
 TOKENS_CONFIG = """
     platform: "pytorch_libtorch"
     max_batch_size: 8
@@ -224,12 +235,17 @@ TOKENS_CONFIG = """
 def test_ids_outside_an_embedding_table_are_refused_alone_with_the_range(tmp_path: Path):
     add_model(tmp_path, "tokens", TOKENS_CONFIG, model="token_states")
     (tmp_path / "computed" / "1").mkdir(parents=True)
+    (tmp_path / "reshaped" / "1").mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.jit.script(_ComputedTable()).save(str(tmp_path / "computed" / "1" / "model.pt"))
+        torch.jit.script(_ReshapedIds()).save(str(tmp_path / "reshaped" / "1" / "model.pt"))
     (tmp_path / "computed" / "config.pbtxt").write_text(
         'platform: "pytorch_libtorch"\nmax_batch_size: 4\ninput [ { name: "INPUT__0" data_type: TYPE_INT64 '
         'dims: [ -1 ] } ]\noutput [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n')
+    (tmp_path / "reshaped" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch"\nmax_batch_size: 0\ninput [ { name: "ids" data_type: TYPE_INT32 '
+        'dims: [ -1, -1 ] } ]\noutput [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ -1, 2 ] } ]\n')
 
     def tokens(*ids: int):
         row = np.array([ids], dtype=np.int64)
@@ -252,5 +268,12 @@ def test_ids_outside_an_embedding_table_are_refused_alone_with_the_range(tmp_pat
         assert caught.value.code == ErrorCode.INVALID_ARG
         assert caught.value.message.startswith("an input holds an id outside its embedding table: ")
         assert "index out of range" in caught.value.message
+
+        reshaped = outputs(await server.infer(request("reshaped", ids=("INT32", np.array([[9, 0]], np.int32)))))
+        assert reshaped["OUTPUT__0"].shape == (2, 2)
+        with pytest.raises(ServerError) as caught:  # found through the conversion and the reshape
+            await server.infer(request("reshaped", ids=("INT32", np.array([[3, 10]], np.int32))))
+        assert caught.value.message == ("input 'ids' holds id 10, outside the vocabulary (0..9) of the embedding "
+                                        "table 'embedding.weight'")
 
     with_server(tmp_path, check)

@@ -1,8 +1,8 @@
 """The inputs of an ONNX model that index an embedding table: a `Gather` along axis 0 whose data is an
 initializer (the table, its first dimension the rows) and whose indices are a graph input, directly or through
-`Cast`/`Identity` (value-preserving steps an exporter inserts). Read with the `onnx` package from the file's
-graph only (external weights are not loaded); without `onnx` installed no bound is found, and an id past a table
-is still a 400, for the whole run (`ORT_BAD_INDEX`)."""
+steps that keep its values (`Cast`, `Identity`, reshapes an exporter inserts). Read with the `onnx` package from
+the file's graph only (external weights are not loaded); without `onnx` installed no bound is found, and an id
+past a table is still a 400, for the whole run (`ORT_BAD_INDEX`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ log = logging.getLogger(__name__)
 
 #: onnxruntime's message for a Gather past its data's end (a run that checks nothing first reports this).
 ORT_BAD_INDEX = "out of data bounds"
-_PASS_THROUGH = ("Cast", "Identity")
+#: Operators whose first input's values reach their output unchanged (only rearranged): an index input keeps its
+#: bounds through them. A Cast of integers to wider integers keeps values; exporters cast int32 ids to int64.
+_PASS_THROUGH = ("Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 
 
 def embedding_bounds(path: Path) -> list[IndexBound]:

@@ -1,5 +1,6 @@
 """The forward arguments of a TorchScript module that index an embedding table: `aten::embedding` calls in the
-module's inlined graph whose indices are an argument itself, the table a weight reached from the module by
+module's inlined graph whose indices are an argument, directly or through steps that keep its values (a dtype
+conversion, a reshape), the table a weight reached from the module by
 attribute names (`model.bert.embeddings.word_embeddings.weight`), its first dimension the rows. A table
 computed, or indices computed from an argument, are not found; an id past such a table is still a 400, for the
 whole batch (`TORCH_BAD_INDEX`)."""
@@ -15,6 +16,10 @@ log = logging.getLogger(__name__)
 
 #: torch's message for an embedding lookup past the table (`IndexError`).
 TORCH_BAD_INDEX = "index out of range"
+#: Operators whose first input's values reach their output unchanged (only rearranged, or converted between
+#: integer types): an index argument keeps its bounds through them.
+_PASS_THROUGH = frozenset({"aten::to", "aten::contiguous", "aten::clone", "aten::view", "aten::reshape",
+                           "aten::flatten", "aten::squeeze", "aten::unsqueeze", "aten::long", "aten::int"})
 
 
 def embedding_bounds(module: Any, arguments: dict[str, str]) -> list[IndexBound]:
@@ -32,7 +37,7 @@ def embedding_bounds(module: Any, arguments: dict[str, str]) -> list[IndexBound]
         if node.kind() != "aten::embedding":
             continue
         weight, indices = list(node.inputs())[:2]
-        argument = names.get(indices)
+        argument = names.get(_source(indices, names))
         if argument not in arguments:
             continue
         path = _attribute_path(weight, self_value)
@@ -40,6 +45,18 @@ def embedding_bounds(module: Any, arguments: dict[str, str]) -> list[IndexBound]
         if table is not None and getattr(table, "dim", lambda: 0)() >= 1:
             bounds.append(IndexBound(arguments[argument], int(table.shape[0]), ".".join(path)))
     return merge_bounds(bounds)
+
+
+def _source(value: Any, parameters: dict[Any, str]) -> Any:
+    """The argument `value` is a copy of, following value-preserving operators (at most a few steps)."""
+    for _ in range(8):
+        if value in parameters:
+            return value
+        node = value.node()
+        if node.kind() not in _PASS_THROUGH:
+            return None
+        value = next(iter(node.inputs()))
+    return None
 
 
 def _argument_name(debug_name: str) -> str:
