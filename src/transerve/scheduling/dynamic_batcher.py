@@ -28,12 +28,9 @@ from transerve.core.errors import internal, unavailable
 from transerve.core.stats import ModelStats
 from transerve.core.types import InferRequest, InferResponse
 from transerve.scheduling import OnDone, OnIdle
-from transerve.scheduling.cancellation import Watcher, dropped, settle, watch
+from transerve.scheduling.cancellation import TIMEOUT_MESSAGE, Watcher, dropped, settle, watch
 from transerve.scheduling.queues import Pending, RequestQueue
 from transerve.scheduling.strategy import batching_strategy
-
-TIMEOUT_MESSAGE = "Request timeout expired"
-"""Triton's words (and code, UNAVAILABLE) for a request rejected by its queue policy's timeout."""
 
 
 class _Execution:

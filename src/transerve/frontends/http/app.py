@@ -250,14 +250,7 @@ class HttpFrontend:
         except BaseException:
             trace.finish()
             raise
-        trace.capture("HTTP_SEND_START")
-
-        def sent() -> None:
-            trace.capture("HTTP_SEND_END")
-            trace.finish()
-
-        answer.on_sent = sent
-        return answer
+        return _finished_when_sent(answer, trace)
 
     async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
         model = self.server.get_version(name, version)
@@ -293,14 +286,7 @@ class HttpFrontend:
         if answer.stream is not None:
             answer.stream = traced_events(answer.stream, trace)
             return answer
-        trace.capture("HTTP_SEND_START")
-
-        def sent() -> None:
-            trace.capture("HTTP_SEND_END")
-            trace.finish()
-
-        answer.on_sent = sent
-        return answer
+        return _finished_when_sent(answer, trace)
 
     def _trace_setting(self, request: HttpRequest, model_name: str) -> HttpResponse:
         """The trace extension: GET reads the settings of a model ("" for the global ones), POST changes them."""
@@ -384,6 +370,18 @@ async def _generate_answer(stream: ResponseStream | TracedResponses, streaming: 
     # As in Triton, the first response sets the status: an error there is the request's error.
     status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
     return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
+
+
+def _finished_when_sent(answer: HttpResponse, trace: Trace) -> HttpResponse:
+    """A traced answer: Triton's send stamps around its write, the trace done once it is written."""
+    trace.capture("HTTP_SEND_START")
+
+    def sent() -> None:
+        trace.capture("HTTP_SEND_END")
+        trace.finish()
+
+    answer.on_sent = sent
+    return answer
 
 
 def _json_body(body: bytes) -> dict[str, Any]:
