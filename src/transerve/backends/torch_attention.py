@@ -1,10 +1,10 @@
 """Which attention kernels torch may pick where transerve runs torch models on a GPU.
 
 On Hopper GPUs PyTorch 2.11's `scaled_dot_product_attention` picks cuDNN's kernel, which builds an execution plan
-for each new shape: 3.3-3.9 ms of CPU per call against 8-16 us of GPU time. Decoding changes the key length every
-step, and TorchScript encoders see a new length with each batch, so the plan is built on almost every call: the
-torch generation engine kept the GPU idle 97% of the time. Without cuDNN's kernel torch falls back to its flash or
-memory-efficient kernels, which take any shape without a plan: the engine ran 5-12x faster (issue 22, H200, fp16;
+for each new shape, at a CPU cost per call far above the kernel's GPU time. Decoding changes the key length every
+step, and TorchScript encoders see a new length with each batch, so the plan is built on almost every call and
+the GPU idles. Without cuDNN's kernel torch falls back to its flash or memory-efficient kernels, which take any
+shape without a plan (the engine's speed either way: benchmarks/README.md, "Figures behind the code";
 docs/generation.md, "On a GPU"). The switch is process-wide, and only ever turned off here.
 """
 

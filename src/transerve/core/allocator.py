@@ -2,11 +2,11 @@
 
 glibc serves allocations above a threshold (128 KiB, rising as such blocks are freed, to at most 32 MiB) with a
 fresh mmap and returns them to the system when freed, so every large request body, protobuf message or tensor
-copy touches new pages: measured on the 2-core development machine, a 16 MiB FP32 tensor through the `identity`
-example took 140 ms over gRPC and 98 ms over HTTP that way, 99 and 62 ms with large blocks kept in the heap
-(benchmarks/README.md, "Large tensors"). So allocations up to `MMAP_THRESHOLD` come from the heap, and up to
-`TRIM_THRESHOLD` of free heap is kept for the next request rather than given back. A server started with
-glibc's own MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in its environment keeps those instead.
+copy touches new pages, which costs a large tensor's trip through the server much of its time
+(benchmarks/README.md, "Large tensors" and "Figures behind the code"). So allocations up to `MMAP_THRESHOLD`
+come from the heap, and up to `TRIM_THRESHOLD` of free heap is kept for the next request rather than given back.
+A server started with glibc's own MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ in its environment keeps
+those instead.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Any
 
 #: The row count the weights are packed for: the rows of a decoding step (a batch of sequences) or a short prompt.
 PACKED_FOR_ROWS = 16
-#: Fewer rows than this take a slower path in oneDNN's packed GEMM than this many do (measured: a 1-row GPT-2
-#: small step at 1 thread 40 -> 33 ms, a 2-row one 53 -> 38 ms), so they are padded with zero rows to it.
+#: Fewer rows than this take a slower path in oneDNN's packed GEMM than this many do (benchmarks/README.md,
+#: "Figures behind the code"), so they are padded with zero rows to it.
 MIN_PACKED_ROWS = 4
 
 

@@ -243,9 +243,7 @@ def _on_own_thread(function: Callable[[], Any]) -> Any:
     such threads than cores, every pool's workers stop spinning between regions and go to sleep, and waking them
     costs each parallel region time. Loading runs parallel regions (packing weights for oneDNN does), so it must
     not leave a pool behind in the caller's thread (an executor's, which lives on), or the engine thread decodes
-    slower: on a 2-core machine, a 16-row GPT-2 small step (packed oneDNN weights) took 65.7 ms with 1.5 cores
-    busy after the model was loaded in a thread that lived on, 55.8 ms with 2 cores busy after loading in a thread
-    that had ended."""
+    slower (benchmarks/README.md, "Figures behind the code")."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-generation-load") as loader:
         return loader.submit(function).result()
 

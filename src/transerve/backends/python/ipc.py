@@ -44,7 +44,7 @@ INLINE_LIMIT = 64 * 1024
 #: Descriptors one datagram may carry: one overflow region for tensors, one for a spilled message.
 MAX_FDS = 4
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # an int: enum arithmetic costs ~0.5 µs a message
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)  # an int: enum arithmetic would cost every message
 _PICKLE = pickle.HIGHEST_PROTOCOL
 
 #: Message ops. Lifecycle replies are (None, value), or ((error code name, one-line message), None).

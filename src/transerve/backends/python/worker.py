@@ -168,7 +168,7 @@ class ModelRunner:
 
     def _settle(self, result: Any) -> Any:
         """Run a coroutine to completion on the worker's own event loop (`async def` methods)."""
-        if type(result) is list or not asyncio.iscoroutine(result):  # a list, as usual: no ABC check (~1 µs)
+        if type(result) is list or not asyncio.iscoroutine(result):  # a list, as usual: no ABC check
             return result
         return self.event_loop().run_until_complete(result)
 

@@ -203,7 +203,7 @@ def _render_request(request: RequestTrace) -> str:
     trace_id = request.id
     parts = []
     for kind, name, value in request.entries:
-        if kind in (STAMP, CAPTURE):  # names are this package's constants: no escaping needed, and 3x faster
+        if kind in (STAMP, CAPTURE):  # names are this package's constants: no escaping needed, and far faster
             parts.append(f'{{"id":{trace_id},"timestamps":[{{"name":"{name}","ns":{value}}}]}}')
             continue
         if kind == HEADER:

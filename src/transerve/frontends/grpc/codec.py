@@ -229,8 +229,8 @@ def encode_infer_response(response: InferResponse) -> service_pb2.ModelInferResp
 
 def encode_infer_response_bytes(response: InferResponse) -> bytes:
     """`encode_infer_response`'s message, serialized. Large outputs are appended to the rest of the message as
-    `raw_output_contents` fields in protobuf's wire format: protobuf's serializer took 27-42 ms for 16 MiB of them
-    here, where copying them takes about 2."""
+    `raw_output_contents` fields in protobuf's wire format: protobuf's serializer takes many times longer over
+    large bytes fields than copying them does (benchmarks/README.md, "Figures behind the code")."""
     if sum(tensor.data.nbytes for tensor in response.outputs) <= _APPEND_RAW_ABOVE:
         return encode_infer_response(response).SerializeToString()
     parts = [_response_message(response).SerializeToString()]

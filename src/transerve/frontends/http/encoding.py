@@ -19,21 +19,18 @@ from typing import Any
 ENCODINGS = "gzip, deflate"
 
 #: Steps of inflating done on the event loop before the rest of a body moves to a thread. A step there feeds zlib
-#: at most 16 KiB and takes at most 16 KiB out, or starts a gzip member. Measured on the 2-core development
-#: machine: a thread hop costs 25-50 us, inflating 64 KiB costs 25 us (zeros) to 400 us (float tensors, which
-#: barely compress); below about that much work, the hop would cost more than it spares the loop.
+#: at most 16 KiB and takes at most 16 KiB out, or starts a gzip member. Below about that much inflating, a thread
+#: hop would cost more than it spares the loop (benchmarks/README.md, "Figures behind the code").
 INLINE_STEPS = 4
 _INLINE_STEP = 16 * 1024
 
 #: A step in the thread: large, because the loop may wait for the GIL each time the thread takes it back from
-#: zlib. Measured with a 1 ms timer on the loop while 64 MiB bodies of zeros inflate (the machine loaded): on the
-#: loop the timer is 620 ms late; in the thread, 10 ms at p99 (2 ms idle), with a median lateness of 0.1 ms for
-#: 4 MiB steps and 1.5 ms for 16 KiB ones. The pieces are joined in the thread too: that 64 MiB copy on the loop
-#: made it 110 ms.
+#: zlib; the pieces are joined in the thread too, since a large copy on the loop holds it as long (the loop's
+#: lateness either way: benchmarks/README.md, "Figures behind the code").
 _THREAD_STEP = 4 * 1024 * 1024
 
-#: gzip members allowed per byte of the limit: a member costs about 2 us to start however little it holds, so a
-#: body of empty members would cost seconds; BGZF files (members of up to 64 KiB) stay well within this.
+#: gzip members allowed per byte of the limit: each member costs a start however little it holds, so a body of
+#: empty members would cost seconds; BGZF files (members of up to 64 KiB) stay well within this.
 _BYTES_PER_MEMBER = 16 * 1024
 _MIN_MEMBERS = 1024
 
