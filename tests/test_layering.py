@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "ray": {"core"},  # Ray Serve replicas run `transerve serve` as a child process: nothing of the server
     "cli": {"version", "core", "config", "server", "frontends", "export", "convert", "scheduling", "perf", "client",
             "ray"},
-    "__main__": {"cli"},
+    "__main__": {"cli", "core"},  # core: Ctrl-C held while the command loads (core/interrupts.py)
 }
 
 #: The only backend modules the schedulers may import: the contract they drive instances through.
