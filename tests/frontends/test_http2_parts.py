@@ -175,10 +175,17 @@ class _Calls:
     def __init__(self) -> None:
         self.streams: list[Stream] = []
 
-    def call_opened(self, connection: Http2Connection, stream: Stream) -> None:
+    def call_opened(self, connection: Http2Connection, stream: Stream) -> bool:
         self.streams.append(stream)
+        return False
 
-    def call_ended(self, connection: Http2Connection, stream: Stream) -> None:
+    def call_ended(self, connection: Http2Connection, stream: Stream) -> bool:
+        return False
+
+    def call_closed(self, connection: Http2Connection, stream: Stream) -> None:
+        pass
+
+    def call_cancelled(self, connection: Http2Connection, stream: Stream) -> None:
         pass
 
 

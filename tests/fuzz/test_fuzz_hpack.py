@@ -137,10 +137,16 @@ def test_blocks_decode_as_the_reference_decoder_decodes_them(
 
 
 class _Calls:
-    def call_opened(self, connection: object, stream: Stream) -> None:
+    def call_opened(self, connection: object, stream: Stream) -> bool:
+        return False
+
+    def call_ended(self, connection: object, stream: Stream) -> bool:
+        return False
+
+    def call_closed(self, connection: object, stream: Stream) -> None:
         pass
 
-    def call_ended(self, connection: object, stream: Stream) -> None:
+    def call_cancelled(self, connection: object, stream: Stream) -> None:
         pass
 
 

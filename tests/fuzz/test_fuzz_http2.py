@@ -34,14 +34,21 @@ def loop() -> Iterator[Loop]:
 class _Answer:
     """Answers each call once its request has all arrived, as a unary gRPC method would."""
 
-    def call_opened(self, connection: Http2Connection, stream: Stream) -> None:
-        pass
+    def call_opened(self, connection: Http2Connection, stream: Stream) -> bool:
+        return False
 
-    def call_ended(self, connection: Http2Connection, stream: Stream) -> None:
+    def call_ended(self, connection: Http2Connection, stream: Stream) -> bool:
         if stream.head.http_status != 200:
             connection.reply_http(stream, stream.head.http_status)
         else:
             connection.respond(stream, b"".join(bytes(message) for message in stream.messages) or b"empty")
+        return False
+
+    def call_closed(self, connection: Http2Connection, stream: Stream) -> None:
+        pass
+
+    def call_cancelled(self, connection: Http2Connection, stream: Stream) -> None:
+        pass
 
 
 async def _drive(chunks: list[bytes]) -> tuple[FakeTransport, Http2Connection]:

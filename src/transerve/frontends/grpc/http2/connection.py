@@ -2,26 +2,25 @@
 streams. What a call does is the `CallHandler`'s business; this module only moves frames and messages, and keeps
 what a client can make the connection cost bounded (see `limits.py` and docs/security.md).
 
-Reading: bytes are given back (WINDOW_UPDATE) as the calls take them: the message a stream's reader needs next is
-given window as it arrives, so that a message larger than the windows still flows, and whatever queues behind it
-waits until its reader gets to it. A connection holds at most `held_limit` bytes of such messages; nothing else it
-buffers exceeds its window. Reading stops while the socket's writes are paused (a client that does not read its
-answers, PING ACKs included, stops being read), and unary calls wait to start while more than `BACKLOG_HIGH` bytes
-of answers wait for the client. Writing: DATA goes out only within the peer's connection and stream windows and
-while the socket's buffer is below its high-water mark; what cannot go waits on its stream, for at most the stall
-timeout. Frames written in one turn of the event loop leave in one write.
+Its life is one `Phase` (preface, settings, open, draining, closed), changed in one place along `MOVES`. Reading:
+the windows (`windows.py`) give the client window as the calls take their messages, so a message larger than the
+windows still flows and whatever queues behind it waits for its reader; a connection holds at most `held_limit`
+bytes of such messages, and nothing else it buffers exceeds its window. Reading stops while the socket's writes are
+paused (a client that does not read its answers, PING ACKs included, stops being read), and unary calls wait to
+start while more than `BACKLOG_HIGH` bytes of answers wait for the client. Writing: DATA goes out only within the
+peer's windows and while the socket's buffer is below its high-water mark; what cannot go waits on its stream, for
+at most the stall timeout. Frames written in one turn of the event loop leave in one write. A call's work (its
+task, its deadline) is the handler's: the connection tells it when a stream closes or its call must stop.
 
-One module, past the ~600 lines others keep to, because it is one state machine: reading and writing share the
-connection's windows, its streams, the backlog that gates both, the budgets and the one timer, and each frame's
-handler changes several of them at once. Its sections read top to bottom in the order a connection lives:
-asyncio's callbacks, reading frames, answering calls, timeouts, the connection as a whole. The frame codecs
-(`frames.py`), header blocks (`headers.py`), a stream's own state (`stream.py`) and the budgets (`limits.py`) are
-already apart; splitting the rest would spread one state over modules (or add a call per frame between them).
+Its sections read top to bottom in the order a connection lives: asyncio's callbacks, reading frames, answering
+calls, timeouts, the connection as a whole. The frame codecs (`frames.py`), header blocks (`headers.py`), a
+stream's own state (`stream.py`), the windows (`windows.py`) and the budgets (`limits.py`) are apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -40,8 +39,8 @@ from transerve.frontends.grpc.http2.headers import (
     trailers,
 )
 from transerve.frontends.grpc.http2.stream import CallRefused, Stream
+from transerve.frontends.grpc.http2.windows import ReceiveWindows, SendWindows
 from transerve.frontends.grpc.limits import (
-    CONNECTION_WINDOW,
     EMPTY_FRAMES,
     MAX_CONCURRENT_STREAMS,
     MAX_CONTINUATIONS,
@@ -76,12 +75,40 @@ _HEADERS_END = h2.END_HEADERS | h2.END_STREAM
 _JOIN_BELOW = 1 << 16
 
 
+class Phase(enum.Enum):
+    """Where a connection is in its life. It changes in one place, `Http2Connection._move`, along `MOVES`."""
+
+    PREFACE = "preface"  # the client's connection preface has not all arrived
+    SETTINGS = "settings"  # its first frame, which must be SETTINGS, has not
+    OPEN = "open"  # streams open and close
+    DRAINING = "draining"  # GOAWAY sent: no new streams; the open ones are answered, then the connection closes
+    CLOSED = "closed"  # closing or gone: nothing more is read, and nothing more is written past what is buffered
+
+
+#: Each phase's legal next phases. A connection can drain or close from any phase before; one that has not yet read
+#: its client's SETTINGS has no streams, so draining closes it at once.
+MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.PREFACE: frozenset({Phase.SETTINGS, Phase.DRAINING, Phase.CLOSED}),
+    Phase.SETTINGS: frozenset({Phase.OPEN, Phase.DRAINING, Phase.CLOSED}),
+    Phase.OPEN: frozenset({Phase.DRAINING, Phase.CLOSED}),
+    Phase.DRAINING: frozenset({Phase.CLOSED}),
+    Phase.CLOSED: frozenset(),
+}
+
+
 class CallHandler(Protocol):
-    """What runs the calls: told when a call's request headers arrive and when the client has sent all of it."""
+    """What runs the calls: told when a call's request headers arrive and when the client has sent all of it (each
+    answers whether it started the call's work then), when its stream closes, and when its work must stop (the
+    client reset it, its request was refused, the connection is gone). The work is the handler's: the connection
+    never touches it."""
 
-    def call_opened(self, connection: Http2Connection, stream: Stream) -> None: ...
+    def call_opened(self, connection: Http2Connection, stream: Stream) -> bool: ...
 
-    def call_ended(self, connection: Http2Connection, stream: Stream) -> None: ...
+    def call_ended(self, connection: Http2Connection, stream: Stream) -> bool: ...
+
+    def call_closed(self, connection: Http2Connection, stream: Stream) -> None: ...
+
+    def call_cancelled(self, connection: Http2Connection, stream: Stream) -> None: ...
 
 
 class Http2Connection(asyncio.Protocol):
@@ -91,27 +118,21 @@ class Http2Connection(asyncio.Protocol):
         self._handler = handler
         self._limits = limits
         self._max_message = limits.max_message
-        self._held_limit = max(HELD_LIMIT, limits.max_message + 5)
         self._on_lost = on_lost
         # Kept rather than looked up per call: CPython's get_running_loop() costs a getpid() syscall.
         self.loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._need = len(h2.PREFACE)
-        self._preface = False  # the client's preface has arrived
-        self._settings = False  # ... and its first SETTINGS
+        self.phase = Phase.PREFACE
         self._decoder = HeaderDecoder(MAX_HEADER_LIST)
         self._continuation: tuple[int, int, bytearray] | None = None  # stream, END_STREAM flag, block so far
         self._continuations = 0  # CONTINUATION frames of the block in `_continuation`
         self.streams: dict[int, Stream] = {}
         self._last_stream = 0
         self._acked = False  # the client acknowledged our SETTINGS
-        self._recv_window = h2.DEFAULT_WINDOW
-        self._recv_unacked = 0
-        self._held = 0  # bytes given window before their call took them, over all streams
-        self._send_window = h2.DEFAULT_WINDOW
-        self._peer_window = h2.DEFAULT_WINDOW  # SETTINGS_INITIAL_WINDOW_SIZE of the client
-        self._peer_frame = h2.DEFAULT_MAX_FRAME
+        self._recv = ReceiveWindows(self._write, max(HELD_LIMIT, limits.max_message + 5))
+        self._send = SendWindows()
         self._table_update = False  # the next header block must say our dynamic table is empty
         self._blocked: dict[int, Stream] = {}  # streams with DATA waiting for window or a drained socket
         self._backlog = 0  # bytes of answers queued on streams
@@ -122,8 +143,6 @@ class Http2Connection(asyncio.Protocol):
         self._out: list[bytes | memoryview] = []
         self._flush_scheduled = False
         self._tls = False  # the transport encrypts: see `_flush`
-        self.goaway_sent = False
-        self._closing = False
         self.closed: asyncio.Future[None] = self.loop.create_future()
         now = self.loop.time()
         self._resets = TokenBucket(RESETS, now)
@@ -147,12 +166,11 @@ class Http2Connection(asyncio.Protocol):
             h2.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
             h2.MAX_FRAME_SIZE: MAX_FRAME,
             h2.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-        }) + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW))
-        self._recv_window = CONNECTION_WINDOW
+        }) + self._recv.opening_update())
         self._arm(self._born + self._limits.handshake_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closing = True
+        self._move(Phase.CLOSED)
         for stream in list(self.streams.values()):
             self._close(stream, cancel=True)
         self._deferred.clear()
@@ -178,7 +196,7 @@ class Http2Connection(asyncio.Protocol):
         self._pump_blocked()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self.phase is Phase.CLOSED:
             return
         buffer = self._buffer
         if buffer:
@@ -188,7 +206,7 @@ class Http2Connection(asyncio.Protocol):
             data = bytes(buffer)
             buffer.clear()
         try:
-            if not self._preface:
+            if self.phase is Phase.PREFACE:
                 data = self._read_preface(data)
             offset = self._frames(data)
         except H2ConnectionError as exc:
@@ -198,7 +216,7 @@ class Http2Connection(asyncio.Protocol):
             log.exception("unhandled error reading a gRPC connection")
             self.fail(h2.INTERNAL_ERROR, "internal error")
             return
-        if offset < len(data) and not self._closing:
+        if offset < len(data) and self.phase is not Phase.CLOSED:
             buffer += memoryview(data)[offset:]
             if self._turn_full:  # the rest in a later turn; nothing more is read meanwhile
                 self._turn_full = False
@@ -210,7 +228,7 @@ class Http2Connection(asyncio.Protocol):
             self._need = h2.HEAD_SIZE + (HEAD.unpack_from(buffer)[0] >> 8 if len(buffer) >= h2.HEAD_SIZE else 0)
 
     def _next_turn(self) -> None:
-        if self._closing:
+        if self.phase is Phase.CLOSED:
             return
         if not self._write_paused:
             assert self._transport is not None
@@ -226,7 +244,7 @@ class Http2Connection(asyncio.Protocol):
             return b""
         if not data.startswith(h2.PREFACE):
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        self._preface = True
+        self._move(Phase.SETTINGS)
         return data[size:]
 
     def _spend(self, bucket: TokenBucket, what: str) -> None:
@@ -242,7 +260,7 @@ class Http2Connection(asyncio.Protocol):
         size = len(data)
         offset = 0
         turn = FRAMES_PER_TURN
-        while size - offset >= h2.HEAD_SIZE and not self._closing:
+        while size - offset >= h2.HEAD_SIZE and self.phase is not Phase.CLOSED:
             turn -= 1
             if turn < 0:
                 self._turn_full = True
@@ -258,10 +276,10 @@ class Http2Connection(asyncio.Protocol):
             stream_id &= 0x7FFFFFFF
             payload = view[offset + h2.HEAD_SIZE:end]
             offset = end
-            if not self._settings:
+            if self.phase is Phase.SETTINGS:
                 if kind != h2.SETTINGS or flags & h2.ACK:
                     raise H2ConnectionError(h2.PROTOCOL_ERROR, "the first frame must be SETTINGS")
-                self._settings = True
+                self._move(Phase.OPEN)
             if self._continuation is not None and kind != h2.CONTINUATION:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "a header block was interrupted")
             try:
@@ -296,12 +314,10 @@ class Http2Connection(asyncio.Protocol):
         length = len(payload)
         if stream_id == 0:
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "DATA on stream 0")
-        if length > self._recv_window:
-            raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_window -= length
+        self._recv.receive(length)
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed or length > stream.recv_window:
-            self._give_back(length)  # nothing holds these bytes
+            self._recv.give_back(length)  # nothing holds these bytes
             if stream is None:
                 if stream_id > self._last_stream:
                     raise H2ConnectionError(h2.PROTOCOL_ERROR, "DATA on an idle stream")
@@ -313,7 +329,7 @@ class Http2Connection(asyncio.Protocol):
         if flags & h2.PADDED:
             if not length or payload[0] >= length:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "padding exceeds the DATA frame")
-            self._credit(stream, payload[0] + 1)  # padding holds no memory
+            self._recv.credit(stream, payload[0] + 1)  # padding holds no memory
             payload = payload[1:length - payload[0]]
         if payload:
             stream.received += len(payload)
@@ -321,8 +337,7 @@ class Http2Connection(asyncio.Protocol):
                 stream.feed(payload, self._max_message)
             except CallRefused as exc:
                 self.finish(stream, exc.status, exc.message, discard=True)
-                if stream.task is not None:
-                    stream.task.cancel()
+                self._handler.call_cancelled(self, stream)
                 return
             stream.wake()
         elif not flags & h2.END_STREAM:
@@ -332,56 +347,20 @@ class Http2Connection(asyncio.Protocol):
         self._advance(stream)
 
     def _advance(self, stream: Stream) -> None:
-        """Give window for the message the stream's reader takes next, as far as it has arrived: the client can
-        then finish a message larger than the windows, while what it queues behind waits for the reader."""
-        if stream.closed or (self._backlogged and stream.task is None):
+        """Give window for the message the stream's reader takes next, as far as it has arrived (windows.py)."""
+        if stream.closed or (self._backlogged and not stream.running):
             return  # a call not started while answers pile up for this client gets no window (see `_relieve`)
-        messages = stream.messages
-        target = min(stream.received, stream.taken + (len(messages[0]) + 5 if messages else stream.need))
-        grant = target - stream.credited
-        if grant <= 0:
-            return
-        if self._held + grant > self._held_limit:
+        grant = self._recv.wanted(stream)
+        if grant > 0 and not self._recv.hold(stream, grant):
             self.finish(stream, RESOURCE_EXHAUSTED, f"the connection's request messages in progress exceed "
-                        f"{self._held_limit} bytes", discard=True)
-            if stream.task is not None:
-                stream.task.cancel()
-            return
-        stream.credited = target
-        self._held += grant
-        self._credit(stream, grant)
-
-    def _credit(self, stream: Stream, size: int) -> None:
-        """Give `size` bytes of window back to the client, in WINDOW_UPDATEs of at least half a window unless its
-        window is running low."""
-        unacked = self._recv_unacked = self._recv_unacked + size
-        if unacked >= CONNECTION_WINDOW // 2 or self._recv_window < CONNECTION_WINDOW // 4:
-            self._write(h2.window_update(0, unacked))
-            self._recv_window += unacked
-            self._recv_unacked = 0
-        if not stream.remote_closed:
-            unacked = stream.recv_unacked = stream.recv_unacked + size
-            if unacked >= STREAM_WINDOW // 2 or stream.recv_window < STREAM_WINDOW // 4:
-                self._write(h2.window_update(stream.id, unacked))
-                stream.recv_window += unacked
-                stream.recv_unacked = 0
-
-    def _give_back(self, size: int) -> None:
-        """Connection window for bytes that no stream holds (any more)."""
-        if size:
-            unacked = self._recv_unacked = self._recv_unacked + size
-            if unacked >= CONNECTION_WINDOW // 2 or self._recv_window < CONNECTION_WINDOW // 4:
-                self._write(h2.window_update(0, unacked))
-                self._recv_window += unacked
-                self._recv_unacked = 0
+                        f"{self._recv.held_limit} bytes", discard=True)
+            self._handler.call_cancelled(self, stream)
 
     def take(self, stream: Stream) -> bytes | bytearray | memoryview:
         """The stream's next request message, for its call; its window then goes to the message after it."""
         message = stream.messages.popleft()
         if not stream.closed:
-            size = len(message) + 5
-            stream.taken += size
-            self._held -= size
+            self._recv.taken(stream, len(message))
             self._advance(stream)
         return message
 
@@ -448,12 +427,12 @@ class Http2Connection(asyncio.Protocol):
             raise H2StreamError(h2.PROTOCOL_ERROR, "a stream cannot depend on itself")
         # The limit holds from the first frame: a client that has not yet acknowledged our SETTINGS is refused too
         # (REFUSED_STREAM, which it may retry), and one that goes on opening streams runs out of its reset budget.
-        if self.goaway_sent or len(self.streams) >= MAX_CONCURRENT_STREAMS:
+        if self.phase is Phase.DRAINING or len(self.streams) >= MAX_CONCURRENT_STREAMS:
             raise H2StreamError(h2.REFUSED_STREAM, "stream refused")
-        stream = Stream(stream_id, head, STREAM_WINDOW, self._peer_window)
+        stream = Stream(stream_id, head, STREAM_WINDOW, self._send.initial)
         self.streams[stream_id] = stream
         stream.remote_closed = bool(end_stream)
-        self._handler.call_opened(self, stream)
+        stream.running = self._handler.call_opened(self, stream)
         if end_stream and not stream.closed:
             self._call_ended(stream)
 
@@ -467,8 +446,8 @@ class Http2Connection(asyncio.Protocol):
         """The client sent all of the call: start it, unless answers already wait for this client (then later)."""
         if self._backlogged:
             self._deferred.append(stream)
-        else:
-            self._handler.call_ended(self, stream)
+        elif self._handler.call_ended(self, stream):
+            stream.running = True
 
     def _relieve(self) -> None:
         """The backlog is below BACKLOG_HIGH again: start the calls that waited, give their requests window."""
@@ -476,10 +455,10 @@ class Http2Connection(asyncio.Protocol):
         deferred = self._deferred
         while deferred:
             stream = deferred.popleft()
-            if not stream.closed:
-                self._handler.call_ended(self, stream)
+            if not stream.closed and self._handler.call_ended(self, stream):
+                stream.running = True
         for stream in list(self.streams.values()):
-            if stream.task is None:
+            if not stream.running:
                 self._advance(stream)
 
     def _on_window_update(self, stream_id: int, payload: memoryview) -> None:
@@ -489,9 +468,7 @@ class Http2Connection(asyncio.Protocol):
         if stream_id == 0:
             if not increment:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > h2.MAX_WINDOW:
-                raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "connection window above 2^31-1")
+            self._send.grow(increment)
             self._pump_blocked()
             return
         stream = self.streams.get(stream_id)
@@ -501,9 +478,7 @@ class Http2Connection(asyncio.Protocol):
             return
         if not increment:
             raise H2StreamError(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-        stream.send_window += increment
-        if stream.send_window > h2.MAX_WINDOW:
-            raise H2StreamError(h2.FLOW_CONTROL_ERROR, "stream window above 2^31-1")
+        self._send.grow_stream(stream, increment)
         self._pump(stream)
 
     def _on_rst_stream(self, stream_id: int, payload: memoryview) -> None:
@@ -533,17 +508,11 @@ class Http2Connection(asyncio.Protocol):
         self._spend(self._settings_frames, "SETTINGS frames")
         for key, value in h2.parse_settings(payload):
             if key == h2.INITIAL_WINDOW_SIZE:
-                if value > h2.MAX_WINDOW:
-                    raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1")
-                delta, self._peer_window = value - self._peer_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > h2.MAX_WINDOW:
-                        raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "a stream window above 2^31-1")
+                self._send.set_initial(value, list(self.streams.values()))
             elif key == h2.MAX_FRAME_SIZE:
                 if not h2.DEFAULT_MAX_FRAME <= value <= h2.MAX_FRAME_LIMIT:
                     raise H2ConnectionError(h2.PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
-                self._peer_frame = value
+                self._send.max_frame = value
             elif key == h2.ENABLE_PUSH:
                 if value > 1:
                     raise H2ConnectionError(h2.PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH other than 0 or 1")
@@ -591,13 +560,11 @@ class Http2Connection(asyncio.Protocol):
         if stream.closed:
             return
         size = len(message) + 5
-        if (size > self._peer_frame or size > self._send_window or size > stream.send_window or stream.headers_sent
-                or self._write_paused or self._table_update):
+        if not self._send.fits(stream, size) or stream.headers_sent or self._write_paused or self._table_update:
             self.send_message(stream, message)
             self.finish(stream, OK)
             return
-        self._send_window -= size
-        stream.send_window -= size
+        self._send.spend(stream, size)
         stream_id = stream.id
         self._answered = True
         self._write(b"".join((
@@ -664,7 +631,7 @@ class Http2Connection(asyncio.Protocol):
         if self._table_update:
             self._table_update = False
             block = TABLE_SIZE_ZERO + block
-        limit = self._peer_frame
+        limit = self._send.max_frame
         if len(block) <= limit:
             return HEAD.pack(len(block) << 8 | h2.HEADERS, flags | h2.END_HEADERS, stream_id) + block
         parts = [block[i:i + limit] for i in range(0, len(block), limit)]
@@ -678,7 +645,7 @@ class Http2Connection(asyncio.Protocol):
         outbox = stream.outbox
         sent = 0
         while outbox:
-            room = min(self._send_window, stream.send_window, self._peer_frame)
+            room = self._send.room(stream)
             if room <= 0 or self._write_paused:
                 if stream.id not in self._blocked:
                     self._blocked[stream.id] = stream
@@ -693,8 +660,7 @@ class Http2Connection(asyncio.Protocol):
             else:
                 chunk, outbox[0] = chunk[:room], chunk[room:]
             size = len(chunk)
-            self._send_window -= size
-            stream.send_window -= size
+            self._send.spend(stream, size)
             sent += size
             self._write(HEAD.pack(size << 8 | h2.DATA, 0, stream.id))
             self._write(chunk)
@@ -717,7 +683,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _pump_blocked(self) -> None:
         for stream in list(self._blocked.values()):
-            if self._send_window <= 0 or self._write_paused:
+            if self._send.window <= 0 or self._write_paused:
                 return
             self._pump(stream)
 
@@ -726,7 +692,7 @@ class Http2Connection(asyncio.Protocol):
             self._backlog -= stream.outbox_bytes
             stream.outbox_bytes = 0
             stream.outbox.clear()
-            if self._backlogged and self._backlog <= BACKLOG_HIGH and not self._closing:
+            if self._backlogged and self._backlog <= BACKLOG_HIGH and self.phase is not Phase.CLOSED:
                 self._relieve()
 
     def _ended(self, stream: Stream) -> None:
@@ -746,21 +712,17 @@ class Http2Connection(asyncio.Protocol):
         stream.closed = True
         self.streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
-        # What the stream still holds is freed: its window goes back to the connection.
-        self._held -= stream.credited - stream.taken
-        self._give_back(stream.received - stream.credited)
-        stream.taken = stream.credited = stream.received
+        self._recv.release(stream)  # what the stream still holds is freed: its window goes back to the connection
         self._drop_outbox(stream)
-        if stream.timer is not None:
-            stream.timer.cancel()
+        self._handler.call_closed(self, stream)
         stream.wake()
         if stream.drain_waiter is not None and not stream.drain_waiter.done():
             stream.drain_waiter.set_result(None)
-        if cancel and stream.task is not None:
-            stream.task.cancel()
+        if cancel:
+            self._handler.call_cancelled(self, stream)
         if not self.streams:
             self._idle_since = self.loop.time()
-            if self.goaway_sent:
+            if self.phase is Phase.DRAINING:
                 self.close()
             elif self._timer is None:  # the last check found calls open and armed nothing: the idle timeout starts
                 self._arm(self._idle_since + self._limits.idle_timeout)
@@ -773,14 +735,14 @@ class Http2Connection(asyncio.Protocol):
             if self._timer_at <= when:
                 return
             self._timer.cancel()
-        if not self._closing:
+        if self.phase is not Phase.CLOSED:
             self._timer_at = when
             self._timer = self.loop.call_at(when, self._check)
 
     def _check(self) -> None:
         """The handshake, idle and stall timeouts; each check arms the next."""
         self._timer = None
-        if self._closing:
+        if self.phase is Phase.CLOSED:
             return
         limits, now = self._limits, self.loop.time()
         due = float("inf")
@@ -799,7 +761,7 @@ class Http2Connection(asyncio.Protocol):
             for stream in list(self._blocked.values()):
                 if now < stream.stalled_since + limits.stall_timeout:
                     due = min(due, stream.stalled_since + limits.stall_timeout)
-                elif self._send_window <= 0:  # the connection's window, not the stream's, is shut: all are stuck
+                elif self._send.window <= 0:  # the connection's window, not the stream's, is shut: all are stuck
                     self.fail(h2.ENHANCE_YOUR_CALM, "the client does not read its answers")
                     return
                 else:
@@ -818,11 +780,19 @@ class Http2Connection(asyncio.Protocol):
 
     # ---- the connection as a whole -------------------------------------------------------------------------------
 
+    def _move(self, phase: Phase) -> None:
+        """The one place the phase changes; a move `MOVES` does not list is a bug here, not the client's doing."""
+        if phase is self.phase:
+            return
+        if phase not in MOVES[self.phase]:
+            raise RuntimeError(f"an HTTP/2 connection cannot move from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
     def goaway(self) -> None:
         """Refuse new streams (GOAWAY NO_ERROR); close once the open ones are done."""
-        if self._closing or self.goaway_sent:
+        if self.phase in (Phase.DRAINING, Phase.CLOSED):
             return
-        self.goaway_sent = True
+        self._move(Phase.DRAINING)
         self._write(h2.goaway(self._last_stream, h2.NO_ERROR))
         if not self.streams:
             self.close()
@@ -834,17 +804,16 @@ class Http2Connection(asyncio.Protocol):
             self.finish(stream, status, message, discard=True)
             if not stream.closed:  # its trailers wait for window the client will not give: reset it instead
                 self.reset(stream.id, h2.CANCEL)
-            elif stream.task is not None:
-                stream.task.cancel()
+            else:
+                self._handler.call_cancelled(self, stream)
         self.close()
 
     def fail(self, code: int, message: str) -> None:
         """A connection error: GOAWAY with its code, and close; a client that does not read is cut soon after."""
-        if self._closing:
+        if self.phase is Phase.CLOSED:
             return
         log.info("closing a gRPC connection: %s", message)
         self._write(h2.goaway(self._last_stream, code, message.encode()[:256]))
-        self.goaway_sent = True
         self.close(linger=0.0 if self._write_paused else FAIL_LINGER)
         for stream in list(self.streams.values()):
             self._close(stream, cancel=True)
@@ -852,9 +821,9 @@ class Http2Connection(asyncio.Protocol):
     def close(self, linger: float | None = None) -> None:
         """Close after what is written so far has gone out, or after `linger` seconds (default: the stall timeout)
         whatever has not."""
-        if self._closing:
+        if self.phase is Phase.CLOSED:
             return
-        self._closing = True
+        self._move(Phase.CLOSED)
         self._flush()
         transport = self._transport
         if transport is not None:

@@ -32,33 +32,45 @@ class Router:
         self._routes = routes
         self._service = service
 
-    def call_opened(self, connection: Http2Connection, stream: Stream) -> None:
+    def call_opened(self, connection: Http2Connection, stream: Stream) -> bool:
         head = stream.head
         if head.http_status != 200:
             connection.reply_http(stream, head.http_status)
-            return
+            return False
         if head.refusal is not None:
             connection.finish(stream, *head.refusal)
-            return
+            return False
         if self._service.restrictions is not None:  # first, as Triton, whose every method exists
             refusal = self._service.refusal(head.path.rpartition(b"/")[2].decode("latin-1"), head.metadata)
             if refusal is not None:
                 connection.finish(stream, UNAVAILABLE, refusal)
-                return
+                return False
         rpc = self._routes.get(head.path)
         if rpc is None:
             connection.finish(stream, UNIMPLEMENTED, f"method {head.path.decode('latin-1')} is not implemented")
-            return
+            return False
         stream.route = rpc
         if head.timeout is not None:
             stream.timer = connection.loop.call_later(head.timeout, _deadline, connection, stream)
         if rpc.streaming:
             stream.task = connection.loop.create_task(_run_streaming(connection, stream, rpc))
+            return True
+        return False
 
-    def call_ended(self, connection: Http2Connection, stream: Stream) -> None:
+    def call_ended(self, connection: Http2Connection, stream: Stream) -> bool:
         rpc = stream.route
-        if rpc is not None and not rpc.streaming:
-            stream.task = connection.loop.create_task(_run_unary(connection, stream, rpc))
+        if rpc is None or rpc.streaming:
+            return False
+        stream.task = connection.loop.create_task(_run_unary(connection, stream, rpc))
+        return True
+
+    def call_closed(self, connection: Http2Connection, stream: Stream) -> None:
+        if stream.timer is not None:
+            stream.timer.cancel()
+
+    def call_cancelled(self, connection: Http2Connection, stream: Stream) -> None:
+        if stream.task is not None:
+            stream.task.cancel()
 
 
 def _deadline(connection: Http2Connection, stream: Stream) -> None:

@@ -21,11 +21,12 @@ class CallRefused(Exception):
 
 
 class Stream:
-    """A call's HTTP/2 stream. `route` and `task` belong to the server that runs the call."""
+    """A call's HTTP/2 stream. `route`, `task` and `timer` belong to the handler that runs the call; `running` is
+    the connection's note of whether the handler has started it."""
 
     __slots__ = (
-        "id", "head", "route", "task", "timer", "remote_closed", "closed", "recv_window", "recv_unacked", "inbox",
-        "need", "messages", "waiter", "send_window", "headers_sent", "outbox", "outbox_bytes", "trailers",
+        "id", "head", "route", "task", "timer", "running", "remote_closed", "closed", "recv_window", "recv_unacked",
+        "inbox", "need", "messages", "waiter", "send_window", "headers_sent", "outbox", "outbox_bytes", "trailers",
         "drain_waiter", "received", "credited", "taken", "stalled_since",
     )
 
@@ -35,6 +36,7 @@ class Stream:
         self.route: Any = None
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.running = False  # the handler started the call's work (a unary call waits for its whole request)
         self.remote_closed = False  # the client sent END_STREAM
         self.closed = False  # nothing more goes out: trailers sent, or the stream was reset
         self.recv_window = recv_window
