@@ -76,8 +76,10 @@ def run_client(workspace: Path, client: str, http_url: str, grpc_url: str, proto
     else:
         client = client.replace('url = "localhost:8000"', f'url = "{http_url}"')
     (workspace / "client.py").write_text(client)
+    # `python` as the page writes it, found first where the suite's interpreter is (its venv, activated or not).
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     run = subprocess.run(shlex.split(command), cwd=workspace, input=PROMPT + "\n", capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env={**os.environ, "PATH": path})
     assert run.returncode == 0, run.stderr
     return run.stdout
 
