@@ -44,20 +44,25 @@ def parse(task: str, inputs: list[str], outputs: list[str]) -> dict[str, str]:
     renamed: dict[str, str] = {}
     for flag, specs, choices in (("--input-name", inputs, INPUTS[task]), ("--output-name", outputs, OUTPUTS[task])):
         for spec in specs:
-            old, equals, new = spec.partition("=")
-            if not equals:
-                raise ExportError(f"{flag} '{spec}': expected OLD=NEW, e.g. {choices[0]}={choices[0].upper()}")
-            if old not in choices:
-                raise ExportError(f"{flag} '{spec}': the {task} ensemble has no {flag[2:-5]} '{old}' "
-                                  f"(its {flag[2:-5]}s: {', '.join(choices)})")
-            if old in renamed:
-                raise ExportError(f"{flag} '{spec}': '{old}' is renamed twice")
-            if not _VALID.fullmatch(new):
-                raise ExportError(f"{flag} '{spec}': '{new}' is not a tensor name: use 1-128 letters, digits, "
-                                  "'_', '.' or '-', not starting with a digit")
-            renamed[old] = new
+            _rename(renamed, flag, spec, choices, f"{task} ensemble", flag[2:-5], choices[0].upper())
     _check_unique(renamed, {*INPUTS[task], *OUTPUTS[task], *BETWEEN_STEPS})
     return renamed
+
+
+def _rename(renamed: dict[str, str], flag: str, spec: str, choices: tuple[str, ...], owner: str, kind: str,
+            example: str) -> None:
+    """One `OLD=NEW` of `flag` into `renamed`: OLD one of `choices` (the `owner`'s `kind`s), NEW a tensor name."""
+    old, equals, new = spec.partition("=")
+    if not equals:
+        raise ExportError(f"{flag} '{spec}': expected OLD=NEW, e.g. {choices[0]}={example}")
+    if old not in choices:
+        raise ExportError(f"{flag} '{spec}': the {owner} has no {kind} '{old}' (its {kind}s: {', '.join(choices)})")
+    if old in renamed:
+        raise ExportError(f"{flag} '{spec}': '{old}' is renamed twice")
+    if not _VALID.fullmatch(new):
+        raise ExportError(f"{flag} '{spec}': '{new}' is not a tensor name: use 1-128 letters, digits, '_', '.' or "
+                          "'-', not starting with a digit")
+    renamed[old] = new
 
 
 def _check_unique(renamed: dict[str, str], tensors: set[str]) -> None:
@@ -79,19 +84,7 @@ def parse_tokenizer_inputs(task: str, specs: list[str]) -> dict[str, str]:
     choices = TOKENIZER_INPUTS[task]
     renamed: dict[str, str] = {}
     for spec in specs:
-        old, equals, new = spec.partition("=")
-        if not equals:
-            raise ExportError(f"--tokenizer-input-name '{spec}': expected OLD=NEW, e.g. {choices[0]}="
-                              f"{choices[0].lower()}")
-        if old not in choices:
-            raise ExportError(f"--tokenizer-input-name '{spec}': the {task} tokenizer has no input '{old}' (its "
-                              f"inputs: {', '.join(choices)})")
-        if old in renamed:
-            raise ExportError(f"--tokenizer-input-name '{spec}': '{old}' is renamed twice")
-        if not _VALID.fullmatch(new):
-            raise ExportError(f"--tokenizer-input-name '{spec}': '{new}' is not a tensor name: use 1-128 letters, "
-                              "digits, '_', '.' or '-', not starting with a digit")
-        renamed[old] = new
+        _rename(renamed, "--tokenizer-input-name", spec, choices, f"{task} tokenizer", "input", choices[0].lower())
     final = [renamed.get(name, name) for name in choices]
     if len(set(final)) < len(final):
         raise ExportError(f"--tokenizer-input-name: the tokenizer's inputs would share a name ({', '.join(final)})")
