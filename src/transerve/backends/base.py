@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,15 +137,18 @@ class Placement:
     device_id: int
 
 
+def group_placements(group: model_config_pb2.ModelInstanceGroup, indexes: Iterable[int]) -> list[Placement]:
+    """The placements of a normalized group's instances at these indexes: named `<group name>_<index in group>`,
+    and for KIND_GPU one on every listed GPU, as Triton creates them."""
+    kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
+    devices = list(group.gpus) if kind == "GPU" else [0]
+    return [Placement(f"{group.name}_{index}", kind, device) for index in indexes for device in devices]
+
+
 def instance_placements(config: model_config_pb2.ModelConfig) -> list[Placement]:
-    """Every instance of a normalized config, as Triton creates them: `count` per group, named
-    `<group name>_<index in group>`, and for KIND_GPU that many on every listed GPU."""
-    placements = []
-    for group in config.instance_group:
-        kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
-        devices = list(group.gpus) if kind == "GPU" else [0]
-        for index in range(max(group.count, 1)):
-            placements.extend(Placement(f"{group.name}_{index}", kind, device) for device in devices)
+    """Every instance of a normalized config: `count` per group (`group_placements`)."""
+    placements = [placement for group in config.instance_group
+                  for placement in group_placements(group, range(max(group.count, 1)))]
     return placements or [Placement(f"{config.name}_0", "CPU", 0)]
 
 

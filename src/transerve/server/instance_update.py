@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import BackendInstance, Placement
+from transerve.backends.base import BackendInstance, Placement, group_placements
 from transerve.config.model_config import to_json_dict
 from transerve.scheduling.warmup import warm_up
 from transerve.server.registry import ModelVersion
@@ -53,21 +52,13 @@ def group_signature(group: model_config_pb2.ModelInstanceGroup) -> bytes:
     return copy.SerializeToString(deterministic=True)
 
 
-def _group_placements(group: model_config_pb2.ModelInstanceGroup, indexes: Iterable[int]) -> list[Placement]:
-    """The placements of a normalized group's instances at these indexes (Triton's `<group>_<index>` names, on
-    every listed GPU for KIND_GPU)."""
-    kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
-    devices = list(group.gpus) if kind == "GPU" else [0]
-    return [Placement(f"{group.name}_{index}", kind, device) for index in indexes for device in devices]
-
-
 def instance_groups(
     config: model_config_pb2.ModelConfig, instances: list[BackendInstance]
 ) -> list[tuple[BackendInstance, bytes]] | None:
     """Each instance a model was loaded with and its group's signature, in the order backends create them
     (`backends.base.instance_placements`); None when the instances do not follow that order."""
     signatures = [group_signature(group) for group in config.instance_group
-                  for _ in _group_placements(group, range(max(group.count, 1)))]
+                  for _ in group_placements(group, range(max(group.count, 1)))]
     if len(signatures) != len(instances):
         return None
     return list(zip(instances, signatures, strict=True))
@@ -85,14 +76,14 @@ def plan(
     added: list[tuple[Placement, bytes]] = []
     for group in config.instance_group:
         signature = group_signature(group)
-        per_index = len(_group_placements(group, [0]))
+        per_index = len(group_placements(group, [0]))
         wanted = max(group.count, 1) * per_index
         matching = available.get(signature, [])
         kept.extend((instance, signature) for instance in matching[:wanted])
         missing = wanted - len(matching[:wanted])
         del matching[:wanted]
         indexes = _free_indexes(group.name, taken, -(-missing // per_index))
-        for placement in _group_placements(group, indexes)[:missing]:
+        for placement in group_placements(group, indexes)[:missing]:
             taken.add(placement.name)
             added.append((placement, signature))
     removed = [instance for instances in available.values() for instance in instances]

@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.base import Backend, BackendInstance, BackendModel, ModelContext, Placement
+from transerve.backends.base import (
+    Backend,
+    BackendInstance,
+    BackendModel,
+    ModelContext,
+    Placement,
+    instance_placements,
+)
 from transerve.backends.python.environments import DEFAULT_MAX_BYTES as DEFAULT_ENV_MAX_BYTES
 from transerve.backends.python.environments import PARAMETER as ENV_PARAMETER
 from transerve.backends.python.environments import ExecutionEnvironments
@@ -88,39 +94,17 @@ class PythonBackend(Backend):
                 "implicit state (sequence_batching.state) is not supported by the python backend: "
                 "keep the state in the model, keyed by the CORRID control input",
             )
-        names = _instance_names(config)
-        first = await WorkerProcess.start(spec, names[0][0])
+        placements = instance_placements(config)
+        first = await WorkerProcess.start(spec, placements[0].name)
         if context.auto_complete:
             try:
                 config = await _auto_complete(first, config, context.name)
             except BaseException:
                 await first.abort()
                 raise
-        decoupled = config.model_transaction_policy.decoupled
         rescheduling = Rescheduling(config) if config.sequence_batching.iterative_sequence else None
-        restarts: Counter[str] = Counter()
-        instances = [
-            PythonInstance(
-                spec,
-                name,
-                _initialize_args(context, config, name, kind, device),
-                decoupled,
-                context.runtime,
-                rescheduling,
-                restarts,
-            )
-            for name, kind, device in names
-        ]
-        outcomes = await asyncio.gather(
-            *(instance.start(first if index == 0 else None) for index, instance in enumerate(instances)),
-            return_exceptions=True,
-        )
-        failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
-        if failure is not None:
-            await asyncio.gather(*(instance.close() for instance in instances))
-            raise failure
-        model = PythonModel(config, instances, context, spec, rescheduling)
-        model.restarts = restarts
+        model = PythonModel(config, [], context, spec, rescheduling)
+        model.instances.extend(await model.add_instances(config, placements, first))
         return model
 
 
@@ -143,9 +127,10 @@ class PythonModel(BackendModel):
         self._rescheduling = rescheduling
 
     async def add_instances(
-        self, config: model_config_pb2.ModelConfig, placements: list[Placement]
+        self, config: model_config_pb2.ModelConfig, placements: list[Placement], first: WorkerProcess | None = None
     ) -> list[BackendInstance]:
-        """A worker per placement, its `initialize` given the updated config, as Triton initializes them."""
+        """A worker per placement (`first`, already started, for the first), its `initialize` given `config`, as
+        Triton initializes them; on failure none is left running."""
         instances = [
             PythonInstance(
                 self._spec,
@@ -158,7 +143,10 @@ class PythonModel(BackendModel):
             )
             for placement in placements
         ]
-        outcomes = await asyncio.gather(*(instance.start() for instance in instances), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(instance.start(first if index == 0 else None) for index, instance in enumerate(instances)),
+            return_exceptions=True,
+        )
         failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
         if failure is not None:
             await asyncio.gather(*(instance.close() for instance in instances))
@@ -178,19 +166,6 @@ async def _auto_complete(
     except model_config.ConfigError as exc:
         raise ServerError(ErrorCode.INVALID_ARG, f"auto-completed config is invalid: {exc}") from None
     return config
-
-
-def _instance_names(config: model_config_pb2.ModelConfig) -> list[tuple[str, str, int]]:
-    """(name, kind, device id) of every instance, as Triton creates them: `count` instances per group, each
-    named `<group name>_<index in group>`, and for KIND_GPU that many on every listed GPU."""
-    names = []
-    for group in config.instance_group:
-        kind = model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind).removeprefix("KIND_")
-        devices = list(group.gpus) if kind == "GPU" else [0]
-        names.extend(
-            (f"{group.name}_{index}", kind, device) for index in range(max(group.count, 1)) for device in devices
-        )
-    return names or [(f"{config.name}_0", "CPU", 0)]
 
 
 def _initialize_args(
