@@ -56,6 +56,10 @@ def test_parameters_may_hold_inputs_and_a_repeated_parameter_keeps_its_first_val
         (b"[1]", "the generate request must be a JSON object"),
         (b'{"a": NaN}', "failed to parse the request JSON buffer"),
         (b'{"a": "\\ud800"}', "failed to parse the request JSON buffer"),
+        (b'{"a": -Infinity}', "failed to parse the request JSON buffer: -Infinity is not valid JSON"),
+        (b'{"a": "\\udc00\\ud800"}', "failed to parse the request JSON buffer"),
+        (b'{"a": "\xff"}', "failed to parse the request JSON buffer"),
+        (b'{"a": "\xed\xa0\x80"}', "failed to parse the request JSON buffer"),  # a surrogate, UTF-8 encoded
         (b"[" * 100_000, "failed to parse the request JSON buffer"),
         (b"", "failed to parse the request JSON buffer"),
     ],
@@ -76,3 +80,9 @@ def test_response_is_flat_and_in_tritons_order():
     assert document == {"N": [1, 2], "TEXT": "hi", "done": True, "id": "r1", "model_name": "chat",
                         "model_version": "1"}
     assert "id" not in encode_generate_response(InferResponse("chat", "1", []))
+
+
+def test_a_surrogate_pair_and_other_unicode_escapes_are_read():
+    request = decode(b'{"PROMPT": "\\ud83d\\ude00 \\u00e9", "p": "\\ud83d\\ude00"}')
+    assert request.inputs[0].data.tolist() == [["\U0001f600 \u00e9".encode()]]
+    assert request.parameters == {"p": "\U0001f600"}

@@ -14,6 +14,7 @@ stream).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -48,13 +49,22 @@ class _JsonObject:
 
 
 def _parse(body: bytes) -> Any:
-    """The document with its objects as `_JsonObject`s. orjson checks it first (syntax, UTF-8, lone surrogates,
-    NaN, nesting), with its clear messages; the standard parser then keeps duplicate members."""
+    """The document with its objects as `_JsonObject`s, parsed once by the standard parser (the one that keeps
+    duplicate members), held to what orjson accepts elsewhere: strict UTF-8, no NaN or Infinity, bounded nesting.
+    Only a body with a surrogate escape (`\\ud800`) is also read by orjson, which refuses a lone one."""
     try:
-        orjson.loads(body)
-        return json.loads(body, object_pairs_hook=_JsonObject)
-    except (orjson.JSONDecodeError, RecursionError) as exc:
+        if _SURROGATE_ESCAPE.search(body):
+            orjson.loads(body)
+        return json.loads(body.decode(), object_pairs_hook=_JsonObject, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, orjson's error
         raise invalid_arg(f"failed to parse the request JSON buffer: {exc}") from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def decode_generate_request(name: str, version: str, signature: ModelSignature, body: bytes) -> InferRequest:
