@@ -172,6 +172,9 @@ class BackendModel:
         self.instances = list(instances)
         #: Instances restarted, by reason ("crash", "memory", "hung"): python workers; exported as a metric.
         self.restarts: Counter[str] = Counter()
+        #: Why the model cannot serve any more though loaded (a python instance past its restart cap); "" while it can.
+        #: The registry then answers it not ready, with this reason, until it is loaded again.
+        self.unavailable = ""
 
     async def unload(self) -> None:
         await asyncio.gather(*(instance.close() for instance in self.instances))

@@ -72,6 +72,13 @@ class ModelRecord:
         return self.versions[max(self.versions)] if self.versions else None
 
 
+def _servable(model: ModelVersion) -> ModelVersion:
+    """A loaded version, unless its backend gave it up (`BackendModel.unavailable`)."""
+    if model.backend_model.unavailable:
+        raise unavailable(f"model '{model.name}' is not ready (UNAVAILABLE): {model.backend_model.unavailable}")
+    return model
+
+
 class ModelRegistry:
     """The models by name and the questions asked of them; `Server` adds loading and the request path."""
 
@@ -88,12 +95,12 @@ class ModelRegistry:
             serving = record.versions.get(int(version)) if version.isdigit() else None
             if serving is None:
                 raise not_found(f"Request for unknown model: '{name}' version {version} is not found")
-            return serving
+            return _servable(serving)
         latest = record.latest()
         if latest is None:
             reason = f": {record.reason}" if record.reason else ""
             raise unavailable(f"model '{name}' is not ready ({record.state.value}){reason}")
-        return latest
+        return _servable(latest)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -129,11 +136,12 @@ class ModelRegistry:
                 continue
             if record.versions or record.failed:
                 for version in sorted(set(record.versions) | set(record.failed)):
-                    if version in record.versions:
+                    given_up = version in record.versions and record.versions[version].backend_model.unavailable
+                    if version in record.versions and not given_up:
                         entries.append({"name": name, "version": str(version), "state": "READY"})
                     elif not ready_only:
                         entries.append({"name": name, "version": str(version), "state": "UNAVAILABLE",
-                                        "reason": record.failed[version]})
+                                        "reason": given_up or record.failed[version]})
             elif not ready_only or record.state is ModelState.READY:
                 entry = {"name": name, "state": record.state.value}
                 if record.reason:

@@ -140,6 +140,7 @@ class PythonModel(BackendModel):
                 self._context.runtime,
                 self._rescheduling,
                 self.restarts,
+                self._given_up,
             )
             for placement in placements
         ]
@@ -152,6 +153,10 @@ class PythonModel(BackendModel):
             await asyncio.gather(*(instance.close() for instance in instances))
             raise failure
         return list(instances)
+
+    def _given_up(self, reason: str) -> None:
+        """An instance is not restarted any more: the model is UNAVAILABLE, with why, until it is loaded again."""
+        self.unavailable = self.unavailable or reason
 
 
 async def _auto_complete(

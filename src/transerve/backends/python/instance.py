@@ -1,4 +1,5 @@
-"""A python-backend model instance: one worker process (`process.WorkerProcess`), restarted when it dies.
+"""A python-backend model instance: one worker process (`process.WorkerProcess`), restarted when it dies (with a
+growing delay, and not past a cap: `restarts.RestartBudget`; the instance is then given up and its model told).
 
 Executions are sent to the worker with up to `max_inflight` queued in its socket; a reply settles the execution,
 unless the model answers some requests later through response senders (`_Completion`) or reschedules them under an
@@ -22,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 from transerve.backends.base import BackendInstance, ExecutionResult, Rerun
 from transerve.backends.python.ipc import OP_EXECUTE, OP_INITIALIZE, OP_IS_READY, PENDING, RESCHEDULED
 from transerve.backends.python.process import WorkerProcess, WorkerSpec, describe_exit
+from transerve.backends.python.restarts import RestartBudget
 from transerve.backends.python.shm import Entry
 from transerve.backends.python.streams import LateResponse, WorkerStreams
 from transerve.backends.runtime import Runtime
@@ -56,6 +58,7 @@ class PythonInstance(BackendInstance):
         runtime: Runtime | None,
         rescheduling: Rescheduling | None = None,
         restarts: Counter[str] | None = None,
+        on_given_up: Callable[[str], None] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self.name = name
@@ -78,6 +81,10 @@ class PythonInstance(BackendInstance):
         #: A worker killed by `abort`, for `close` to wait on.
         self._aborted: WorkerProcess | None = None
         self._rss_timer: asyncio.TimerHandle | None = None
+        self._budget = RestartBudget()
+        #: Why the worker is not restarted any more (`restarts`); None while it is.
+        self.given_up: str | None = None
+        self._on_given_up = on_given_up
 
     async def start(self, worker: WorkerProcess | None = None) -> None:
         """Start (or adopt, after auto-complete) a worker and initialize the model in it."""
@@ -85,7 +92,9 @@ class PythonInstance(BackendInstance):
         if self._spec.max_rss_bytes:
             self._rss_timer = self._loop.call_later(RSS_POLL_S, self._check_rss)
 
-    async def _launch(self, worker: WorkerProcess | None = None) -> WorkerProcess:
+    async def _launch(self, worker: WorkerProcess | None = None, delay: float = 0.0) -> WorkerProcess:
+        if delay:
+            await asyncio.sleep(delay)
         if worker is None:
             worker = await WorkerProcess.start(self._spec, self.name)
         streams = worker.streams = WorkerStreams(
@@ -138,12 +147,25 @@ class PythonInstance(BackendInstance):
                 )
         self._rss_timer = self._loop.call_later(RSS_POLL_S, self._check_rss)
 
-    def _restart(self) -> asyncio.Task[WorkerProcess]:
-        """The running restart, or a new one (a failed restart is retried by the next request)."""
+    def _restart(self) -> asyncio.Task[WorkerProcess] | None:
+        """The running restart, or a new one after the budget's delay (a failed restart is retried by the next
+        request); None once the budget refuses it, and the instance is given up."""
+        if self.given_up is not None:
+            return None
         if self._starting is None or self._starting.done():
-            self._starting = self._loop.create_task(self._launch())
+            delay = self._budget.next_delay()
+            if delay is None:
+                self._give_up(self._budget.refusal())
+                return None
+            self._starting = self._loop.create_task(self._launch(delay=delay))
             self._starting.add_done_callback(self._restarted)
         return self._starting
+
+    def _give_up(self, reason: str) -> None:
+        self.given_up = reason
+        logger.error("model '%s' instance '%s' is UNAVAILABLE: %s", self._spec.model_name, self.name, reason)
+        if self._on_given_up is not None:
+            self._on_given_up(f"instance '{self.name}': {reason}")
 
     def _restarted(self, task: asyncio.Task[WorkerProcess]) -> None:
         if task.cancelled():
@@ -161,8 +183,11 @@ class PythonInstance(BackendInstance):
             return self._worker
         if self._closed:
             raise ServerError(ErrorCode.UNAVAILABLE, f"model instance '{self.name}' is closed")
+        starting = self._restart()
+        if starting is None:
+            raise ServerError(ErrorCode.UNAVAILABLE, f"model instance '{self.name}' is not available: {self.given_up}")
         try:
-            return await asyncio.shield(self._restart())
+            return await asyncio.shield(starting)
         except ServerError as exc:
             raise ServerError(
                 ErrorCode.UNAVAILABLE, f"model instance '{self.name}' is not available: {exc.message}"

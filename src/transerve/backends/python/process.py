@@ -1,9 +1,14 @@
 """A python-backend worker process, as the server sees it: how it is started (its interpreter, environment and
-model), called, watched (a pidfd says when it exits; its resident memory is read from /proc) and stopped."""
+model), called, watched (a pidfd says when it exits; its resident memory is read from /proc) and stopped.
+
+Each worker leads its own process group (a session of its own), and the group is killed when the worker ends, so
+the processes a model starts (a `subprocess.Popen` in `initialize`) end with it; one that starts a session of
+its own escapes. Its stdout and stderr reach the server's log through `output.WorkerOutput`, within a budget."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +22,7 @@ from typing import Any
 
 from transerve.backends.python.environments import Interpreter
 from transerve.backends.python.ipc import OP_FINALIZE, OP_LOAD, AsyncConnection, ConnectionLost, Endpoint, socket_pair
+from transerve.backends.python.output import WorkerOutput
 from transerve.backends.python.shm import Region
 from transerve.backends.python.streams import WorkerStreams
 from transerve.core.errors import ErrorCode, ServerError
@@ -61,10 +67,13 @@ class WorkerProcess:
     is noticed even when a child process of the model still holds the socket open.
     """
 
-    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket, endpoint: Endpoint, instance: str):
+    def __init__(
+        self, process: subprocess.Popen[bytes], sock: socket.socket, endpoint: Endpoint, instance: str, output: int
+    ):
         self._loop = asyncio.get_running_loop()
         self.process = process
         self.instance = instance
+        self.output = WorkerOutput(output, instance, self._loop)
         self.exit_code: asyncio.Future[int] = self._loop.create_future()
         self.connection = AsyncConnection(sock, endpoint, self._loop)
         #: Why the server killed this worker on purpose (unload, memory, a hung execute); None while it has not.
@@ -99,22 +108,27 @@ class WorkerProcess:
         if spec.log_fd is not None:
             command += ["--log-settings-fd", str(spec.log_fd)]
             passed.append(spec.log_fd)
+        output, written = os.pipe()
         try:
             process = subprocess.Popen(
                 command,
                 pass_fds=passed,
                 stdin=subprocess.DEVNULL,
-                stdout=_stderr_fd(),
+                stdout=written,
+                stderr=written,
+                start_new_session=True,
                 env=spec.interpreter.environment if spec.interpreter else _worker_environment(),
             )
         except BaseException:
             parent.close()
+            os.close(output)
             raise
         finally:
+            os.close(written)
             child.close()
             to_worker.close_fd()
             from_worker.close_fd()
-        worker = cls(process, parent, Endpoint(outgoing=to_worker, incoming=from_worker), instance)
+        worker = cls(process, parent, Endpoint(outgoing=to_worker, incoming=from_worker), instance, output)
         load = {
             "model_name": spec.model_name,
             "model_version": spec.model_version,
@@ -153,11 +167,15 @@ class WorkerProcess:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
+        # The worker is a zombie until reaped below, so its pid still names its group: end what the model started.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         try:
             # Messages the worker sent before it died are still in the socket: deliver them first.
             self.connection.read_ready(drain=True)
         finally:
             self.connection.lose()
+            self.output.close()
             self.exit_code.set_result(self.process.wait())
 
     async def stop(self) -> None:
@@ -208,14 +226,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             pass
     return f"code {code}"
-
-
-def _stderr_fd() -> int:
-    """Where worker output goes: the server's stderr (fd 2 when sys.stderr is not a real file)."""
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return 2
 
 
 def _worker_environment() -> dict[str, str]:

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import importlib
 import inspect
+import io
 import itertools
 import json
 import mmap
@@ -547,8 +548,11 @@ def main(argv: list[str] | None = None) -> None:
     # Triton's stub embeds the interpreter without arguments, so models see `sys.argv == [""]`; models that run
     # `unittest.main(...)` parse it and would reject the worker's own options.
     sys.argv = [""]
-    # The server decides when its workers stop; Ctrl-C in a terminal reaches the whole group.
+    # The server decides when its workers stop (each leads a session of its own, out of the terminal's reach).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # stdout is a pipe to the server's log: a model's prints reach it line by line, as on a terminal.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     # `python -m` puts the working directory first on sys.path; a Triton stub has no such entry.
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]

@@ -1,0 +1,144 @@
+"""A python model that misbehaves in its worker, met end to end with a bystander model served beside it: a flood
+of output reaches the log within its budget, the processes a model starts end with its worker, and a worker that
+dies right after each start is restarted with a growing delay and then given up, its model UNAVAILABLE with the
+reason (docs/security.md, "Faults")."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import requests
+from support import start_transerve
+from support.repositories import int32_in_out, write_model
+
+TIMEOUT_S = 10
+
+ECHO_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                .as_numpy())]) for r in requests]
+'''
+
+#: Prints as fast as it can, forever, from a thread started in `initialize`.
+FLOOD_MODEL = ECHO_MODEL.replace("class TritonPythonModel:", '''import sys, threading
+
+def flood():
+    line = "flood " + "x" * 200 + "\\n"
+    while True:
+        sys.stdout.write(line * 50)
+
+class TritonPythonModel:
+    def initialize(self, args):
+        threading.Thread(target=flood, daemon=True).start()
+''')
+
+#: Starts a child process in `initialize` and writes its pid beside the config.
+FORKING_MODEL = ECHO_MODEL.replace("class TritonPythonModel:", '''import os, subprocess
+
+class TritonPythonModel:
+    def initialize(self, args):
+        child = subprocess.Popen(["sleep", "1000"])
+        with open(os.path.join(args["model_repository"], "child.pid"), "w") as out:
+            out.write(str(child.pid))
+''')
+
+#: Exits 0.1 s after each start; each start leaves a file named by its pid.
+EXITING_MODEL = ECHO_MODEL.replace("class TritonPythonModel:", '''import os, threading
+
+class TritonPythonModel:
+    def initialize(self, args):
+        folder = os.path.join(args["model_repository"], "starts")
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        threading.Timer(0.1, os._exit, (3,)).start()
+''')
+
+
+def infer(url: str, model: str, value: int = 7) -> requests.Response:
+    body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [value]}]}
+    return requests.post(f"{url}/v2/models/{model}/infer", json=body, timeout=TIMEOUT_S)
+
+
+def bystander_latencies(url: str, seconds: float) -> list[float]:
+    """Infer on the bystander for `seconds`; each answer must be right."""
+    latencies = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        answer = infer(url, "echo", len(latencies))
+        latencies.append(time.monotonic() - started)
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [len(latencies) - 1]
+    return latencies
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_flood_of_output_reaches_the_log_within_its_budget(tmp_path: Path):
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", int32_in_out("echo"), ECHO_MODEL)
+    write_model(repo, "flood", int32_in_out("flood"), FLOOD_MODEL)
+    with start_transerve(repo) as server:
+        before = server.log_path.stat().st_size
+        latencies = bystander_latencies(server.base_url, 3.0)
+        assert infer(server.base_url, "flood").status_code == 200
+        grown = server.log_path.stat().st_size - before
+        log = server.log
+    # The budget: a 1 MiB burst, then 64 KiB a second (the flood writes hundreds of MB a second unchecked).
+    assert grown < 2 << 20, grown
+    assert "model instance 'flood_0': flood xxx" in log
+    assert "model instance 'flood_0': suppressed" in log
+    latencies.sort()
+    assert latencies[int(len(latencies) * 0.99)] < 1.0, latencies[-5:]
+
+
+def test_processes_a_model_starts_end_with_its_worker(tmp_path: Path):
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", int32_in_out("echo"), ECHO_MODEL)
+    write_model(repo, "forking", int32_in_out("forking"), FORKING_MODEL)
+    with start_transerve(repo, "--model-control-mode=explicit", "--load-model=*") as server:
+        child = int((repo / "forking" / "child.pid").read_text())
+        assert alive(child)
+        answer = requests.post(f"{server.base_url}/v2/repository/models/forking/unload", timeout=TIMEOUT_S)
+        assert answer.status_code == 200
+        deadline = time.monotonic() + TIMEOUT_S
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+        assert infer(server.base_url, "echo").status_code == 200
+
+
+def test_a_worker_that_dies_after_each_start_is_given_up(tmp_path: Path):
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", int32_in_out("echo"), ECHO_MODEL)
+    write_model(repo, "exiting", int32_in_out("exiting"), EXITING_MODEL)
+    with start_transerve(repo) as server:
+        url = server.base_url
+        ready = f"{url}/v2/models/exiting/ready"
+        deadline = time.monotonic() + 40  # 5 restarts after delays of 0, 0.5, 1, 2 and 4 s, plus the starts
+        while requests.get(ready, timeout=TIMEOUT_S).status_code == 200 and time.monotonic() < deadline:
+            assert infer(url, "echo").status_code == 200
+            time.sleep(0.1)
+        assert requests.get(ready, timeout=TIMEOUT_S).status_code == 400
+        starts = os.listdir(repo / "exiting" / "starts")
+        assert len(starts) == 6  # the first start and 5 restarts
+        time.sleep(1.0)  # and no more
+        assert len(os.listdir(repo / "exiting" / "starts")) == 6
+        index = requests.post(f"{url}/v2/repository/index", json={}, timeout=TIMEOUT_S).json()
+        entry = next(entry for entry in index if entry["name"] == "exiting")
+        assert entry["state"] == "UNAVAILABLE" and "restarted 5 times within 60s" in entry["reason"]
+        failed = infer(url, "exiting")
+        assert failed.status_code == 400 or failed.status_code == 503
+        assert "restarted 5 times" in failed.json()["error"]
+        assert "model 'exiting' instance 'exiting_0' is UNAVAILABLE" in server.log
+        assert infer(url, "echo").status_code == 200
