@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
              "makes its own folder there and removes it at exit")
     add("--model-repository-max-model-bytes", type=int, default=32 << 30, metavar="N",
         help="the most one model may download from object storage (default 32 GiB)")
+    add("--max-response-bytes", type=int, default=1 << 30, metavar="BYTES",
+        help="most bytes one response's outputs may hold; a larger response fails with a 400 (default 1 GiB)")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=int, default=8000)
     add("--grpc-address", default="0.0.0.0")
@@ -300,7 +302,15 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                                  log_error=args.log_error, log_verbose_level=args.log_verbose,
                                  log_format=args.log_format),
         trace=trace,
+        max_response_bytes=_positive(args, "max_response_bytes"),
     )
+
+
+def _positive(args: argparse.Namespace, flag: str) -> int:
+    """A flag's value; SystemExit unless it is positive."""
+    if getattr(args, flag) <= 0:
+        raise SystemExit(f"transerve serve: --{flag.replace('_', '-')} must be positive")
+    return getattr(args, flag)
 
 
 @dataclass(frozen=True)

@@ -142,3 +142,41 @@ def test_a_worker_that_dies_after_each_start_is_given_up(tmp_path: Path):
         assert "restarted 5 times" in failed.json()["error"]
         assert "model 'exiting' instance 'exiting_0' is UNAVAILABLE" in server.log
         assert infer(url, "echo").status_code == 200
+
+
+#: Answers IN[0] bytes of zeros.
+BIG_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(
+            int(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()[0]), np.uint8))]) for r in requests]
+'''
+
+BIG_CONFIG = ('name: "big" backend: "python" input [{name: "IN" data_type: TYPE_INT32 dims: [1]}] '
+              'output [{name: "OUT" data_type: TYPE_UINT8 dims: [-1]}]')
+
+
+def rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_response_past_the_size_bound_fails_without_being_copied(tmp_path: Path):
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", int32_in_out("echo"), ECHO_MODEL)
+    write_model(repo, "big", BIG_CONFIG, BIG_MODEL)
+    with start_transerve(repo, f"--max-response-bytes={32 << 20}") as server:
+        url = server.base_url
+        small = infer(url, "big", 1000)
+        assert small.status_code == 200 and len(small.json()["outputs"][0]["data"]) == 1000
+        before = rss_bytes(server.process.pid)
+        for _ in range(3):
+            refused = infer(url, "big", 128 << 20)
+            assert refused.status_code == 400
+            assert refused.json()["error"] == (f"the response of model 'big' holds {128 << 20} bytes of outputs, "
+                                               f"more than the {32 << 20} allowed (--max-response-bytes)")
+            assert infer(url, "echo").status_code == 200
+        assert rss_bytes(server.process.pid) - before < 64 << 20  # the 128 MiB outputs were never read
+        assert infer(url, "big", 1000).status_code == 200

@@ -52,3 +52,5 @@ class ServerOptions:
     repository_cache: Path | None = None
     #: `--model-repository-max-model-bytes`: the most one model may download.
     max_model_bytes: int = 32 << 30
+    #: `--max-response-bytes`: the most one response's outputs may hold (1 GiB: under gRPC's 2 GiB messages).
+    max_response_bytes: int = 1 << 30

@@ -16,7 +16,7 @@ import time
 from transerve.config.model_config import backend_name
 from transerve.core.classification import PARAMETER as CLASSIFICATION
 from transerve.core.classification import class_count, classify_response
-from transerve.core.errors import ServerError
+from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.streams import ResponseStream
 from transerve.core.types import InferRequest, InferResponse
 from transerve.server.registry import ModelVersion
@@ -34,14 +34,29 @@ def shaped_outputs(request: InferRequest) -> bool:
     )
 
 
+def response_bytes(response: InferResponse) -> int:
+    """The bytes a response's outputs hold (a BYTES element counts its length and Triton's 4-byte prefix)."""
+    total = 0
+    for tensor in response.outputs:
+        data = tensor.data
+        if data.dtype == object:
+            total += 4 * data.size + sum(len(element) for element in data.flat if isinstance(element, (bytes, str)))
+        else:
+            total += data.nbytes
+    return total
+
+
 class RequestPath:
-    """What the calls of one server share: the in-flight count and the shared memory regions outputs go to."""
+    """What the calls of one server share: the in-flight count, the shared memory regions outputs go to and the
+    bound on a response's size (`--max-response-bytes`: a larger one is refused before any frontend encodes or
+    copies it, its memory let go; a python model's large outputs are still views into its worker's memory then)."""
 
-    __slots__ = ("inflight", "shared_memory")
+    __slots__ = ("inflight", "shared_memory", "max_response_bytes")
 
-    def __init__(self, shared_memory: SharedMemoryRegistry) -> None:
+    def __init__(self, shared_memory: SharedMemoryRegistry, max_response_bytes: int = 1 << 30) -> None:
         self.inflight = 0
         self.shared_memory = shared_memory
+        self.max_response_bytes = max_response_bytes
 
 
 class Call:
@@ -80,9 +95,19 @@ class Call:
         return True
 
     def answer(self, response: InferResponse) -> InferResponse:
-        """Count a success and shape the response to what the request asked for."""
-        if not self._settle():
+        """Count a success and shape the response to what the request asked for; a response past the size bound
+        fails the request (INVALID_ARG) instead."""
+        if not self._open:
             return response
+        size = response_bytes(response)
+        if size > self._path.max_response_bytes:
+            response.outputs = []  # let the memory go now
+            error = ServerError(ErrorCode.INVALID_ARG, (
+                f"the response of model '{self.model.name}' holds {size} bytes of outputs, more than the "
+                f"{self._path.max_response_bytes} allowed (--max-response-bytes)"))
+            self.fail(error)
+            raise error
+        self._settle()
         model, request = self.model, self.request
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
         if request.trace is not None:

@@ -81,7 +81,7 @@ class Server(ModelRegistry):
         #: Metric families that model code created (pb_utils.MetricFamily), shown on /metrics.
         self.custom_metrics = CustomMetrics()
         self._loader = ModelLoader(options, self, self.response_cache, self._load_composing_models)
-        self._path = RequestPath(self.shared_memory)
+        self._path = RequestPath(self.shared_memory, options.max_response_bytes)
         self._live = False
         #: Why the start failed, when the server serves on anyway (`--exit-on-error=false`): neither live nor ready.
         self.start_error: str | None = None
