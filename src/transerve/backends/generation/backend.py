@@ -82,6 +82,7 @@ async def serve(context: ModelContext, interface: TensorInterface,
         # the engines' own count where the config does not set it (sized from each GPU's memory): the smallest
         max_batch_rows=min(engine.max_batch_rows for engine in engines),
         decoupled=config.model_transaction_policy.decoupled,
+        vocab_size=min(engine.vocab_size for engine in engines),
     )
     instances = [
         GenerationInstance(context.name, context.version, placement.name, engine, interface, limits, loop)

@@ -54,6 +54,7 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
     TopLogProbs,
+    check_token_options,
 )
 from transerve.backends.threaded import import_engine
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
@@ -64,6 +65,8 @@ logger = logging.getLogger(__name__)
 _SEED_LOCK = threading.Lock()
 #: CTranslate2's "no seed" value: worker threads that start later draw a seed from std::random_device.
 _UNSEEDED = 2**32 - 1
+#: The call's sampling options (top_k, top_p, temperature) that decode greedily.
+_GREEDY = (1, 1.0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,8 @@ class _Sequence:
     log_probs: list[float] = field(default_factory=list)
     top: list[TopLogProbs] = field(default_factory=list)
     stopped: bool = False
+    #: Tokens already streamed: a call tried again (`_decode`) streams only those past them.
+    streamed: int = 0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -259,9 +264,7 @@ class CTranslate2Engine:
         if options.top_logprobs and options.beam_width > 1:
             raise invalid_arg("top_logprobs needs beam_width 1 with the CTranslate2 engine: beam search has no step "
                               "callback there")
-        for name, words in (("bad_words", options.bad_words), ("stop_sequences", options.stop_sequences)):
-            if any(not word or any(not 0 <= t < self.vocab_size for t in word) for word in words):
-                raise invalid_arg(f"{name} must be non-empty token sequences with ids in [0, {self.vocab_size})")
+        check_token_options(options, self.vocab_size)
         end_ids = tuple(options.end_ids) if options.end_ids else tuple(self.eos_token_ids)
         if any(not 0 <= t < self.vocab_size for t in end_ids):
             raise invalid_arg(f"end ids must lie in [0, {self.vocab_size})")
@@ -270,7 +273,7 @@ class CTranslate2Engine:
             if any(len(stop) > 1 for stop in options.stop_sequences):
                 raise invalid_arg("stop sequences of several tokens need beam_width 1 with the CTranslate2 engine")
             end_ids += tuple(stop[0] for stop in options.stop_sequences if stop[0] not in end_ids)
-        sampling = (max(options.top_k, 0), options.top_p, options.temperature) if options.sampling else (1, 1.0, 1.0)
+        sampling = (max(options.top_k, 0), options.top_p, options.temperature) if options.sampling else _GREEDY
         seed = options.random_seed % _UNSEEDED if options.sampling and options.random_seed is not None else None
         return _CallKey(
             beam_width=beam,
@@ -336,8 +339,17 @@ class CTranslate2Engine:
         except Exception as exc:  # noqa: BLE001 - a failed call fails its sequences, not the engine
             logger.exception("CTranslate2 call failed")
             error = exc if isinstance(exc, ServerError) else internal(f"CTranslate2 failed: {exc}")
+            if len(batch) == 1:
+                batch[0].finish(error)
+                return
+            # Which sequence failed the call is unknown: each is tried alone, so that only its culprit fails. A
+            # greedy one streams on from where it was (it decodes the same tokens again); a sampled one that
+            # streamed already cannot (its draws would differ), so it fails with the call.
             for sequence in batch:
-                sequence.finish(error)
+                if key.sampling != _GREEDY and sequence.streamed:
+                    sequence.finish(error)
+                else:
+                    self._decode([sequence])
             return
         for sequence, result in zip(batch, results, strict=True):
             if self._closed:
@@ -427,7 +439,8 @@ class CTranslate2Engine:
             sequence.log_probs.append(step.log_prob)
             if options.top_logprobs:
                 sequence.top.append(self._top(step, options.top_logprobs))
-            if sequence.on_tokens is not None and sequence.request.stream:
+            if sequence.on_tokens is not None and sequence.request.stream and len(sequence.tokens) > sequence.streamed:
+                sequence.streamed = len(sequence.tokens)
                 try:
                     if options.return_log_probs:
                         top = sequence.top[-1:] if options.top_logprobs else None

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from transerve.core.errors import invalid_arg
+
 
 @dataclass(slots=True)
 class DecodingOptions:
@@ -63,6 +65,43 @@ class GenerationRequest:
 
 #: The largest `top_logprobs` a request may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: Bounds on one sequence's word lists (`bad_words`, `stop_sequences`), each list on its own: how many words, and
+#: how many token ids in all. Every step checks every running sequence's words, so one client's lists are bounded
+#: for the sake of the sequences that share its batch (docs/generation.md).
+MAX_WORDS = 1024
+MAX_WORD_TOKENS = 8192
+#: The most end ids one sequence may name.
+MAX_END_IDS = 64
+
+
+def check_token_options(options: DecodingOptions, vocab_size: int) -> None:
+    """INVALID_ARG, naming the field, for an option that names a token the model cannot produce or a word list
+    past its bounds: checked before a sequence is queued, because inside a running batch such a token would fail
+    the step of every sequence that shares it."""
+    for name, words in (("bad_words", options.bad_words), ("stop_words", options.stop_sequences)):
+        check_word_count(name, len(words))
+        if sum(len(word) for word in words) > MAX_WORD_TOKENS:
+            raise invalid_arg(f"{name} holds {sum(len(word) for word in words)} token ids in all; at most "
+                              f"{MAX_WORD_TOKENS} are taken")
+        for word in words:
+            if not word:
+                raise invalid_arg(f"{name} holds an empty word: each word needs at least one token id")
+            outside = next((token for token in word if not 0 <= token < vocab_size), None)
+            if outside is not None:
+                raise invalid_arg(f"{name} holds token id {outside}, outside this model's vocabulary "
+                                  f"[0, {vocab_size})")
+    if options.end_ids is not None:
+        if len(options.end_ids) > MAX_END_IDS:
+            raise invalid_arg(f"end_id names {len(options.end_ids)} tokens; at most {MAX_END_IDS} are taken")
+        outside = next((token for token in options.end_ids if not 0 <= token < vocab_size), None)
+        if outside is not None:
+            raise invalid_arg(f"end_id {outside} is outside this model's vocabulary [0, {vocab_size})")
+
+
+def check_word_count(name: str, count: int) -> None:
+    """INVALID_ARG for a word list of more than `MAX_WORDS` words (checked while parsing, before it is copied)."""
+    if count > MAX_WORDS:
+        raise invalid_arg(f"{name} holds {count} words; at most {MAX_WORDS} are taken")
 
 #: One generated token's `top_logprobs` likeliest tokens: (token id, log-probability), likeliest first.
 TopLogProbs = list[tuple[int, float]]

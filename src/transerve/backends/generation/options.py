@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from transerve.backends.generation.engine import MAX_TOP_LOGPROBS, DecodingOptions
+from transerve.backends.generation.engine import (
+    MAX_TOP_LOGPROBS,
+    MAX_WORD_TOKENS,
+    DecodingOptions,
+    check_token_options,
+    check_word_count,
+)
 from transerve.core.errors import invalid_arg
 from transerve.core.protocol_parameters import FRONTEND_PARAMETERS, SCHEDULING_PARAMETERS
 
@@ -138,6 +144,8 @@ def _word_list(key: str, value: Any) -> list[list[int]]:
         except ValueError:
             value = None
     words = value if isinstance(value, list) else None
+    if words is not None:
+        check_word_count(key, len(words))
     if words is not None and all(isinstance(word, int) and not isinstance(word, bool) for word in words):
         words = [[word] for word in words]  # a flat list: one single-token sequence per id
     if words is None or not all(
@@ -153,7 +161,11 @@ def _flattened_words(name: str, data: np.ndarray) -> list[list[int]]:
     """FasterTransformer's `[2, L]` word list: row 0 the concatenated ids, row 1 each word's end offset, -1 padded."""
     if data.ndim != 2 or data.shape[0] != 2:
         raise invalid_arg(f"input '{name}' must be [batch, 2, L], got a row of shape {list(data.shape)}")
+    if data.shape[1] > MAX_WORD_TOKENS:
+        raise invalid_arg(f"input '{name}' holds {data.shape[1]} token ids per row; at most {MAX_WORD_TOKENS} are "
+                          "taken")
     ids, offsets = data[0].tolist(), [int(o) for o in data[1].tolist() if o >= 0]
+    check_word_count(name, len(offsets))
     words, start = [], 0
     for end in offsets:
         if not start < end <= len(ids) or any(t < 0 for t in ids[start:end]):
@@ -171,6 +183,8 @@ class Limits:
     max_new_tokens: int
     max_batch_rows: int
     decoupled: bool
+    #: Token ids an option may name (bad and stop words, end ids): `[0, vocab_size)`; None: checked by the engine.
+    vocab_size: int | None = None
 
 
 def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[DecodingOptions, bool]:
@@ -243,4 +257,6 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         return_log_probs=values.get("return_log_probs", False) or top_logprobs > 0,
         top_logprobs=top_logprobs,
     )
+    if limits.vocab_size is not None:
+        check_token_options(options, limits.vocab_size)
     return options, stream

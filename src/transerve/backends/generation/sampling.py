@@ -28,8 +28,9 @@ class TokenRules:
     min_new_tokens: int
     #: Single-token bad words (masked always).
     banned: list[int]
-    #: Multi-token bad words as (prefix, last token): the last token is masked right after the prefix.
-    banned_after: list[tuple[tuple[int, ...], int]]
+    #: Multi-token bad words, by prefix length then prefix: the last tokens masked right after that prefix (one
+    #: look-up per length and row each step, however many words a sequence bans).
+    banned_after: dict[int, dict[tuple[int, ...], list[int]]]
     #: The model's own constraints (its generation config): the first token, and the end tokens at the last step.
     forced_first: int | None = None
     forced_last: list[int] | None = None
@@ -64,7 +65,10 @@ def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules 
     model = model or ModelRules()
     words = [[int(t) for t in word] for word in options.bad_words] + [word for word in model.bad_words if word]
     single = [word[0] for word in words if len(word) == 1 and word[0] not in end_ids]
-    multi = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
+    multi: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for word in words:
+        if len(word) > 1:
+            multi.setdefault(len(word) - 1, {}).setdefault(tuple(word[:-1]), []).append(word[-1])
     return TokenRules(
         end_ids, options.repetition_penalty, options.min_new_tokens, single, multi, model.forced_first,
         model.forced_last, options.max_new_tokens, model.no_repeat_ngram_size,
@@ -93,9 +97,10 @@ def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int,
     if rules.banned:
         scores.index_fill_(1, ids(rules.banned), -math.inf)
     for row, context in enumerate(contexts):
-        for prefix, last in rules.banned_after:
-            if len(context) >= len(prefix) and tuple(context[len(context) - len(prefix):]) == prefix:
-                scores[row, last] = -math.inf
+        for length, prefixes in rules.banned_after.items():
+            if len(context) >= length:
+                for last in prefixes.get(tuple(context[len(context) - length:]), ()):
+                    scores[row, last] = -math.inf
     if generated < rules.min_new_tokens and rules.end_ids:
         scores.index_fill_(1, ids(rules.end_ids), -math.inf)
     if rules.forced_first is not None and generated == 0:

@@ -31,7 +31,7 @@ class _StandIn(Sequence):
 
 
 def _stand_in(token: int) -> _StandIn:
-    rules = TokenRules(end_ids=[], repetition_penalty=1.0, min_new_tokens=0, banned=[], banned_after=[])
+    rules = TokenRules(end_ids=[], repetition_penalty=1.0, min_new_tokens=0, banned=[], banned_after={})
     return _StandIn(GenerationRequest([token], _ENDLESS), None, lambda outcome: None, rules, 1, 0, [token], [token])
 
 

@@ -292,12 +292,20 @@ class TorchEngine:
         prompts: tuple[list[list[int]], list[int]] | None = None
         if admitted:
             admitted = self._await_prepared(admitted)
-            self.scheduler.running.extend(admitted)  # from here on a failure reaches them too
+            fresh: list[Sequence] = []
             if self.runner.forward.fuses_joins and self.runner.batch is not None:
                 fresh = [s for s in admitted if s.prepared is None]  # prefilled in the step's forward, after the rest
                 prompts = ([s.input_ids for s in fresh], [s.rows for s in fresh]) if fresh else None
                 admitted = [s for s in admitted if s.prepared is not None]
-            new = self._new_rows(admitted) if admitted else None
+            try:
+                new = self._new_rows(admitted) if admitted else None
+            except Exception as exc:  # their rows never reached the batch: they fail, the running ones go on
+                logger.exception("computing joining sequences' rows failed")
+                for sequence in admitted:
+                    self.scheduler.release(sequence)
+                    _report(sequence.done, internal(f"generation failed: {exc}"))
+                admitted = []
+            self.scheduler.running.extend(admitted + fresh)  # from here on a failure reaches them too
         logits = self.runner.step(new, prompts)
         if logits is not None:
             self._advance(logits)
@@ -386,6 +394,8 @@ class TorchEngine:
         """Choose every running sequence's next token(s) from `logits` [rows, vocab] (`torch_selection`); the
         scheduling says which rows decode on; finished sequences are answered."""
         choices = choose(self.scheduler.running, logits)
+        for error in choices.errors.values():
+            logger.error("a sequence failed in its step, the batch goes on", exc_info=error)
         stays = self.scheduling.decode_on(choices)
         if choices.finished:  # the rows that stay fill the places of those that left, so that few of them move
             order = fewest_moves([start for _, start, _, _ in stays], [len(rows) for _, _, rows, _ in stays])
@@ -406,7 +416,12 @@ class TorchEngine:
             except Exception:
                 logger.exception("on_tokens callback failed")
         for sequence, reason, _ in choices.finished:
-            self._finish(sequence, reason)
+            error = choices.errors.get(sequence)
+            if error is None:
+                self._finish(sequence, reason)
+            else:
+                self.scheduler.release(sequence)
+                _report(sequence.done, internal(f"generation failed: {error}"))
 
     def _finish(self, sequence: Sequence, reason: str) -> None:
         self.scheduler.release(sequence)

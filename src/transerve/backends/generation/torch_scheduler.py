@@ -17,7 +17,13 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from transerve.backends.generation.engine import MAX_TOP_LOGPROBS, DoneCallback, GenerationRequest, TokenCallback
+from transerve.backends.generation.engine import (
+    MAX_TOP_LOGPROBS,
+    DoneCallback,
+    GenerationRequest,
+    TokenCallback,
+    check_token_options,
+)
 from transerve.backends.generation.sampling import token_rules
 from transerve.backends.generation.torch_sequence import Sequence
 from transerve.core.errors import invalid_arg
@@ -117,8 +123,7 @@ class Scheduler:
         if options.top_logprobs and options.beam_width > 1:
             raise invalid_arg("top_logprobs needs beam_width 1: the likeliest tokens are reported for greedy and "
                               "sampled sequences only")
-        if any(not word for word in options.bad_words) or any(not stop for stop in options.stop_sequences):
-            raise invalid_arg("bad words and stop sequences must not be empty")
+        check_token_options(options, model.vocab_size)
         decoder_length = (1 if model.is_encoder_decoder else len(ids)) + options.max_new_tokens
         if model.max_positions is not None and decoder_length > model.max_positions:
             raise invalid_arg(

@@ -7,13 +7,15 @@ and when sampling after temperature, top-k and top-p. A greedy or sampled hypoth
 hypothesis' score is transformers' `sequences_scores` (their sum divided by length ** length_penalty). Stop
 sequences match the new tokens only. With `top_logprobs` k, a sequence's step also reports the k likeliest tokens
 of that same distribution (one `topk` over the rows that ask), so the chosen token's log-probability is exactly its
-entry there, and a greedy step's first entry is its token. A part of its own because it is pure arithmetic on
-logits: it never touches the batch's cache or the queue, and the schedulings share it.
+entry there, and a greedy step's first entry is its token. An error in one sequence's own work (its rules, its draw,
+its beams) fails that sequence only: it leaves with reason "failed" and its error, the others go on. A part of its
+own because it is pure arithmetic on logits: it never touches the batch's cache or the queue, and the schedulings
+share it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
@@ -39,6 +41,8 @@ class Choices:
     streamed: list[tuple[Sequence, int]]
     #: The token chosen for every row of the step (beams: each row's best, which beam search does not feed on).
     tokens: list[int]
+    #: The error of each sequence that finished "failed".
+    errors: dict[Sequence, Exception] = field(default_factory=dict)
 
 
 def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
@@ -46,25 +50,32 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     consecutive rows, in `running`'s order)."""
     import torch
 
+    errors: dict[Sequence, Exception] = {}
     row = 0
     for sequence in running:
         if sequence.beam is None:
             scores = logits[row:row + 1]
-            if sequence.rules.active:
-                apply_rules(scores, [sequence.prefix + sequence.tokens], len(sequence.tokens), sequence.rules)
-            if sequence.generator is not None:
-                warp(scores, sequence.request.options)
+            try:
+                if sequence.rules.active:
+                    apply_rules(scores, [sequence.prefix + sequence.tokens], len(sequence.tokens), sequence.rules)
+                if sequence.generator is not None:
+                    warp(scores, sequence.request.options)
+            except Exception as error:  # noqa: BLE001 - this sequence fails, the batch goes on
+                errors[sequence] = error
         row += sequence.rows
     choice = logits.argmax(dim=-1)
     row = 0
     for sequence in running:
-        if sequence.generator is not None:
-            choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
+        if sequence.generator is not None and sequence not in errors:
+            try:
+                choice[row:row + 1] = sample(logits[row:row + 1], sequence.generator)
+            except Exception as error:  # noqa: BLE001
+                errors[sequence] = error
         row += sequence.rows
     # One log-softmax for every row: logsumexp alone costs several times more on CPU (its exp of the whole
     # vocabulary is slow where most values underflow); beams search on these log-probabilities.
     log_probs = torch.log_softmax(logits, dim=-1)
-    beam_rows, keep = _beam_rows(running, log_probs)
+    beam_rows, keep = _beam_rows(running, log_probs, errors)
     asking = _asking_top(running)
     asking_rows = [row for row, _ in asking]
     top_k = min(max((wanted for _, wanted in asking), default=0), log_probs.shape[-1])
@@ -87,32 +98,46 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     streamed: list[tuple[Sequence, int]] = []
     row = 0
     for sequence in running:
-        if sequence.beam is not None:
-            ranked = sequence.beam.keep
-            ids, values = zip(*(beam_tops[row + beam] for beam in range(sequence.rows)), strict=True)
-            rows = sequence.beam.step([top[:ranked] for top in ids], [top[:ranked] for top in values],
-                                      lambda candidate, sequence=sequence: _ends(sequence, candidate))
-            if rows is None:
-                finished.append((sequence, "end", row))
-            else:
-                beams = [beam[-1] for beam in sequence.beam.running_tokens]
-                stays.append((sequence, row, [row + r for r in rows], beams))
-        else:
-            token = tokens[row]
-            sequence.tokens.append(token)
-            sequence.log_probs.append(chosen_log_probs[row])
-            if row in tops:
-                sequence.top.append(tops[row])
-            sequence.score += chosen_log_probs[row]
-            if sequence.request.stream and sequence.on_tokens is not None:
-                streamed.append((sequence, token))
-            reason = _finish_reason(sequence)
-            if reason is None:
-                stays.append((sequence, row, [row], [token]))
-            else:
-                finished.append((sequence, reason, row))
+        if sequence not in errors:
+            try:
+                _advance(sequence, row, tokens, chosen_log_probs, beam_tops, tops, stays, finished, streamed)
+            except Exception as error:  # noqa: BLE001
+                errors[sequence] = error
+        if sequence in errors:
+            finished.append((sequence, "failed", row))
         row += sequence.rows
-    return Choices(stays, finished, streamed, tokens)
+    return Choices(stays, finished, streamed, tokens, errors)
+
+
+def _advance(sequence: Sequence, row: int, tokens: list[int], chosen_log_probs: list[float],
+             beam_tops: dict[int, tuple[list[int], list[float]]], tops: dict[int, TopLogProbs], stays: list[Stay],
+             finished: list[tuple[Sequence, str, int]], streamed: list[tuple[Sequence, int]]) -> None:
+    """One sequence's part of a step, from the step's copy: its beams' step, or its token appended; it stays
+    (`stays`) or ends (`finished`), and a streaming one's token is `streamed`."""
+    if sequence.beam is not None:
+        ranked = sequence.beam.keep
+        ids, values = zip(*(beam_tops[row + beam] for beam in range(sequence.rows)), strict=True)
+        rows = sequence.beam.step([top[:ranked] for top in ids], [top[:ranked] for top in values],
+                                  lambda candidate, sequence=sequence: _ends(sequence, candidate))
+        if rows is None:
+            finished.append((sequence, "end", row))
+        else:
+            beams = [beam[-1] for beam in sequence.beam.running_tokens]
+            stays.append((sequence, row, [row + r for r in rows], beams))
+    else:
+        token = tokens[row]
+        sequence.tokens.append(token)
+        sequence.log_probs.append(chosen_log_probs[row])
+        if row in tops:
+            sequence.top.append(tops[row])
+        sequence.score += chosen_log_probs[row]
+        if sequence.request.stream and sequence.on_tokens is not None:
+            streamed.append((sequence, token))
+        reason = _finish_reason(sequence)
+        if reason is None:
+            stays.append((sequence, row, [row], [token]))
+        else:
+            finished.append((sequence, reason, row))
 
 
 def result(sequence: Sequence, reason: str) -> GenerationResult:
@@ -160,17 +185,21 @@ def _top_log_probs(asking: list[tuple[int, int]], likeliest: dict[int, tuple[lis
     return tops
 
 
-def _beam_rows(running: list[Sequence], log_probs: torch.Tensor) -> tuple[list[int], int]:
+def _beam_rows(running: list[Sequence], log_probs: torch.Tensor,
+               errors: dict[Sequence, Exception]) -> tuple[list[int], int]:
     """The rows of beam searches, with the rules applied to their log-probabilities (in place: beam search
     processes log-probabilities, not logits, as transformers' does), and how many of each row's likeliest tokens
-    the searches rank (the most any of them keeps)."""
+    the searches rank (the most any of them keeps). A search whose rules fail is in `errors`."""
     rows, keep, row = [], 0, 0
     for sequence in running:
         beam = sequence.beam
         if beam is not None:
             if sequence.rules.active:
                 contexts = [sequence.prefix + tokens for tokens in beam.running_tokens]
-                apply_rules(log_probs[row:row + sequence.rows], contexts, beam.generated, sequence.rules)
+                try:
+                    apply_rules(log_probs[row:row + sequence.rows], contexts, beam.generated, sequence.rules)
+                except Exception as error:  # noqa: BLE001 - this search fails, the batch goes on
+                    errors[sequence] = error
             rows.extend(range(row, row + sequence.rows))
             keep = max(keep, beam.keep)
         row += sequence.rows
