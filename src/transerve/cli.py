@@ -34,7 +34,7 @@ from transerve.ray import command as ray_command
 from transerve.scheduling.response_cache import parse_cache_config
 from transerve.server import ControlMode, Server, ServerOptions
 from transerve.server.metrics_config import parse_metrics_config
-from transerve.server.options import StorageUrl, parse_repository
+from transerve.server.options import InputLimits, StorageUrl, parse_repository
 
 log = logging.getLogger("transerve")
 
@@ -98,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
              "makes its own folder there and removes it at exit")
     add("--model-repository-max-model-bytes", type=int, default=32 << 30, metavar="N",
         help="the most one model may download from object storage (default 32 GiB)")
+    limits = InputLimits()
+    add("--model-config-max-bytes", type=int, default=limits.config_bytes, metavar="BYTES",
+        help=f"longest config a load request or a config.pbtxt may hold (default {limits.config_bytes})")
+    add("--model-load-max-files", type=int, default=limits.load_files, metavar="N",
+        help=f"most 'file:' parameters in one load request (default {limits.load_files})")
+    add("--model-load-max-bytes", type=int, default=limits.load_bytes, metavar="BYTES",
+        help=f"most bytes of 'file:' contents in one load request (default {limits.load_bytes})")
+    add("--max-shared-memory-regions", type=int, default=limits.shm_regions, metavar="N",
+        help=f"most system shared memory regions registered at once (default {limits.shm_regions})")
+    add("--max-shared-memory-regions-per-object", type=int, default=limits.shm_regions_per_object, metavar="N",
+        help=f"most regions registered on one shared memory object (default {limits.shm_regions_per_object})")
     add("--max-response-bytes", type=int, default=1 << 30, metavar="BYTES",
         help="most bytes one response's outputs may hold; a larger response fails with a 400 (default 1 GiB)")
     add("--http-address", default="0.0.0.0")
@@ -288,6 +299,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         remote_repositories=[url for url in args.model_repository if isinstance(url, StorageUrl)],
         repository_cache=args.model_repository_cache,
         max_model_bytes=args.model_repository_max_model_bytes,
+        limits=input_limits_from_args(args),
         control_mode=ControlMode(args.model_control_mode),
         load_models=args.load_model,
         strict_readiness=args.strict_readiness,
@@ -311,6 +323,16 @@ def _positive(args: argparse.Namespace, flag: str) -> int:
     if getattr(args, flag) <= 0:
         raise SystemExit(f"transerve serve: --{flag.replace('_', '-')} must be positive")
     return getattr(args, flag)
+
+
+def input_limits_from_args(args: argparse.Namespace) -> InputLimits:
+    """SystemExit for a bound that is not positive."""
+    flags = ("model_config_max_bytes", "model_load_max_files", "model_load_max_bytes", "max_shared_memory_regions",
+             "max_shared_memory_regions_per_object")
+    for flag in flags:
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"transerve serve: --{flag.replace('_', '-')} must be positive")
+    return InputLimits(*(getattr(args, flag) for flag in flags))
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,9 @@ def test_placement_parameters(parameters: dict, expected: object) -> None:
 
 
 def test_a_region_an_input_still_reads_stays_registered(key: str) -> None:
-    """Inputs are read-only views of the region, not copies; while one is alive the region is in use: unregistering
-    it fails at once with Triton's words and it stays registered, until the view is gone."""
+    """Inputs are read-only copies of the region (never a mapping of it, which a truncation would turn into
+    SIGBUS); while one is alive the region is in use, as in Triton: unregistering it fails at once with Triton's
+    words and it stays registered, until the copy is gone."""
     registry = SharedMemoryRegistry()
     registry.register("r", key, 0, 64)
     view = np.frombuffer(registry.read("r", 8, 8), np.float32)

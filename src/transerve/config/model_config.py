@@ -43,6 +43,12 @@ _FILE_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtor
 _DETECTED = ("tensorrt", "onnxruntime", "pytorch", "python")
 
 
+#: `--model-config-max-bytes`: the longest config a load request or a `config.pbtxt` may hold. Real configs are a
+#: few KB (an ensemble of 1024 steps, the most allowed, some hundreds); protobuf's pure-Python parsers take seconds
+#: on megabytes.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 class ConfigError(ValueError):
     """The configuration cannot be served; the message says why in one line."""
 
@@ -57,8 +63,12 @@ def parse_config_text(text: str, source: str = "config.pbtxt") -> ModelConfig:
     return config
 
 
-def parse_config_json(text: str | bytes) -> ModelConfig:
-    """Parse a JSON ModelConfig, as sent in a load request's `config` parameter."""
+def parse_config_json(text: str | bytes, max_bytes: int | None = None) -> ModelConfig:
+    """Parse a JSON ModelConfig, as sent in a load request's `config` parameter (with `max_bytes`, refused past
+    that length before it is parsed)."""
+    if max_bytes is not None and len(text) > max_bytes:
+        raise ConfigError(f"the 'config' parameter is {len(text)} bytes long, more than the {max_bytes} allowed "
+                          "(--model-config-max-bytes)")
     config = ModelConfig()
     try:
         json_format.Parse(text, config)
@@ -67,13 +77,18 @@ def parse_config_json(text: str | bytes) -> ModelConfig:
     return config
 
 
-def load_config_file(model_path: Path) -> ModelConfig:
-    """Read `<model_path>/config.pbtxt`; a missing file gives an empty config for auto-completion."""
+def load_config_file(model_path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> ModelConfig:
+    """Read `<model_path>/config.pbtxt`; a missing file gives an empty config for auto-completion. A file longer
+    than `max_bytes` is refused unread: parsing it would take seconds."""
     path = model_path / "config.pbtxt"
     if not path.is_file():
         return ModelConfig()
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ConfigError(f"{path} is more than {max_bytes} bytes long, the limit (--model-config-max-bytes)")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     return parse_config_text(text, str(path))

@@ -8,6 +8,14 @@ from pathlib import Path, PurePosixPath
 
 from transerve.core.errors import invalid_arg
 
+#: `--model-load-max-files`, `--model-load-max-bytes`: a model's folder sent in one load request. Room for any real
+#: model folder (a handful of files; one large weights file), not for a request that costs seconds to write.
+MAX_LOAD_FILES = 1024
+MAX_LOAD_BYTES = 1 << 30
+#: Longest file or folder name, and whole path, a `file:` parameter may give (Linux's NAME_MAX and PATH_MAX).
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
+
 
 def write_model_files(model_name: str, files: dict[str, bytes]) -> Path:
     """Write the files under `<new temporary folder>/<model_name>/` and return the temporary folder.
@@ -30,7 +38,20 @@ def write_model_files(model_name: str, files: dict[str, bytes]) -> Path:
 
 def _checked_path(model_name: str, path: str) -> PurePosixPath:
     relative = PurePosixPath(path)
-    if not path or relative.is_absolute() or any(part in ("", ".", "..") for part in path.split("/")):
-        raise invalid_arg(f"failed to load '{model_name}': invalid file path 'file:{path}' "
+    parts = path.split("/")
+    if not path or relative.is_absolute() or any(part in ("", ".", "..") for part in parts):
+        raise invalid_arg(f"failed to load '{model_name}': invalid file path 'file:{_shown(path)}' "
                           "(expected file:<version>/<file name> inside the model folder)")
+    if "\0" in path:
+        raise invalid_arg(f"failed to load '{model_name}': the file path 'file:{_shown(path)}' holds a NUL byte")
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES or any(
+            len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in parts):
+        raise invalid_arg(f"failed to load '{model_name}': the file path 'file:{_shown(path)}' is too long (at most "
+                          f"{MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)")
     return relative
+
+
+def _shown(path: str) -> str:
+    """A client's path as a message shows it: printable, and short."""
+    shown = path.encode("unicode_escape").decode("ascii")
+    return shown if len(shown) <= 80 else shown[:77] + "..."

@@ -27,9 +27,15 @@ class DuplicateModelError(ConfigError):
     """Two repositories hold a model of the same name."""
 
 
+#: The longest model name: a folder name (Linux's NAME_MAX), in bytes.
+MAX_MODEL_NAME_BYTES = 255
+
+
 def is_plain_model_name(name: str) -> bool:
-    """A model name must be one plain path component, so it can never point outside the repository."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    """A model name must be one plain path component, so it can never point outside the repository, and short
+    enough to be a folder's name."""
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+            and len(name.encode("utf-8", "surrogatepass")) <= MAX_MODEL_NAME_BYTES)
 
 
 class ModelRepository:

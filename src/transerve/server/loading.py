@@ -10,13 +10,15 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import Backend, ModelContext
+from transerve.backends.ensemble.backend import MAX_DEPTH
 from transerve.backends.runtime import Runtime
 from transerve.config.model_config import (
+    MAX_CONFIG_BYTES,
     ConfigError,
     backend_name,
     complete_backend_fields,
@@ -31,7 +33,13 @@ from transerve.core.signature import ModelSignature
 from transerve.core.stats import EnsembleStats, ModelStats
 from transerve.repository.fingerprint import fingerprint
 from transerve.repository.labels import load_labels
-from transerve.repository.repository import ModelLocation, available_versions, select_versions
+from transerve.repository.repository import (
+    ModelLocation,
+    ModelRepository,
+    available_versions,
+    is_plain_model_name,
+    select_versions,
+)
 from transerve.scheduling import create_scheduler
 from transerve.scheduling.response_cache import CachingScheduler, ResponseCache
 from transerve.scheduling.warmup import warm_up
@@ -69,15 +77,58 @@ def backend_registry() -> dict[str, type[Backend]]:
     }
 
 
-def ensemble_steps(location: ModelLocation) -> set[str] | None:
-    """The models an ensemble's steps name; None for a model that is not an ensemble."""
+def ensemble_steps(location: ModelLocation, max_config_bytes: int = MAX_CONFIG_BYTES) -> set[str] | None:
+    """The models an ensemble's steps name; None for a model that is not an ensemble (or whose config does not
+    read: its own load says why)."""
     try:
-        config = load_config_file(location.path)
+        config = load_config_file(location.path, max_config_bytes)
     except ConfigError:
         return None
     if backend_name(config) != "ensemble":
         return None
     return {step.model_name for step in config.ensemble_scheduling.step}
+
+
+def composing_order(
+    name: str,
+    config: model_config_pb2.ModelConfig,
+    repository: ModelRepository,
+    loaded: Callable[[str], bool],
+    max_config_bytes: int = MAX_CONFIG_BYTES,
+) -> list[str]:
+    """The models ensemble `name` needs that are not `loaded`, and those they need, each after what it needs: the
+    order explicit control loads them in. Walked with a stack, and refused past the nesting the ensemble backend
+    serves (MAX_DEPTH), so a chain of any length costs neither Python's stack nor more than MAX_DEPTH reads. Reads
+    config files: run it off the event loop."""
+    order: list[str] = []
+    seen = {name}
+    #: The ensembles being walked, each with the steps still to visit and its depth (`name` is one deep).
+    stack: list[tuple[str, Iterator[str], int]] = [
+        (name, iter(sorted({step.model_name for step in config.ensemble_scheduling.step})), 1)]
+    while stack:
+        model, steps, depth = stack[-1]
+        step = next(steps, None)
+        if step is None:
+            stack.pop()
+            if model != name:
+                order.append(model)
+            continue
+        if step in seen or loaded(step):
+            continue
+        seen.add(step)
+        try:
+            location = repository.locate(step) if is_plain_model_name(step) else None
+        except ConfigError:
+            location = None  # its own load names the problem
+        named = ensemble_steps(location, max_config_bytes) if location is not None else None
+        if named is None:
+            order.append(step)
+            continue
+        if depth + 1 > MAX_DEPTH:
+            raise invalid_arg(f"ensemble '{name}' nests ensembles more than {MAX_DEPTH} deep (through '{step}'); at "
+                              f"most {MAX_DEPTH} levels are served")
+        stack.append((step, iter(sorted(named)), depth + 1))
+    return order
 
 
 class ModelLoader:
@@ -102,10 +153,12 @@ class ModelLoader:
         self, location: ModelLocation, config_json: str | bytes | None
     ) -> tuple[model_config_pb2.ModelConfig, list[int]]:
         """The model's config (a load request's, or its file's), completed and checked, and the versions its
-        policy selects."""
+        policy selects. Parses and reads files: run it off the event loop."""
         name = location.name
+        limit = self._options.limits.config_bytes
         try:
-            config = parse_config_json(config_json) if config_json else load_config_file(location.path)
+            config = (parse_config_json(config_json, limit) if config_json
+                      else load_config_file(location.path, limit))
             complete_backend_fields(config, location.path)
             normalize(config, name)
             validate(config, name, partial_io=self._options.auto_complete)
@@ -148,8 +201,9 @@ class ModelLoader:
         name = location.name
         if self._options.control_mode is ControlMode.EXPLICIT and backend_name(config) == "ensemble":
             await self._load_composing(name, config)
-        record = ModelRecord(name, ModelState.READY, fingerprint=fingerprint(location.path), source_config=config,
-                             files_fingerprint=fingerprint(location.path, CONFIG_FILE))
+        digests = await asyncio.to_thread(lambda: (fingerprint(location.path), fingerprint(location.path, CONFIG_FILE)))
+        record = ModelRecord(name, ModelState.READY, fingerprint=digests[0], source_config=config,
+                             files_fingerprint=digests[1])
         results = await asyncio.gather(
             *(self._load_version(location, config, version) for version in versions), return_exceptions=True
         )

@@ -7,10 +7,13 @@ and the repository, and hands each backend itself as the `backends.runtime.Runti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,10 @@ from transerve.core.tracing import Tracer
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.overrides import write_model_files
 from transerve.repository.remote import RemoteRepository, StorageError
-from transerve.repository.repository import ModelLocation, is_plain_model_name
+from transerve.repository.repository import MAX_MODEL_NAME_BYTES, ModelLocation, is_plain_model_name
 from transerve.scheduling import OnDone
 from transerve.scheduling.response_cache import ResponseCache
-from transerve.server.loading import ModelLoader, ensemble_steps
+from transerve.server.loading import ModelLoader, composing_order, ensemble_steps
 from transerve.server.options import ControlMode, ServerOptions
 from transerve.server.polling import poll_forever, poll_once
 from transerve.server.registry import ModelRecord, ModelRegistry, ModelState, ModelVersion
@@ -57,6 +60,14 @@ EXTENSIONS = [
 ]
 
 
+@dataclass(slots=True)
+class _ModelLock:
+    """A model's lock and how many hold or await it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 class Server(ModelRegistry):
     """Owns the models; frontends call `infer` and the metadata/control methods."""
 
@@ -71,7 +82,7 @@ class Server(ModelRegistry):
         super().__init__(options.repositories, remotes)
         self.options = options
         #: The system shared memory regions clients registered (Triton's shared memory extension).
-        self.shared_memory = SharedMemoryRegistry()
+        self.shared_memory = SharedMemoryRegistry(options.limits.shm_regions, options.limits.shm_regions_per_object)
         #: The log settings, which clients may read and change (Triton's logging extension).
         self.log = ServerLog(options.log_settings)
         #: Which requests are traced, and the settings clients may read and change (Triton's trace extension).
@@ -86,7 +97,7 @@ class Server(ModelRegistry):
         #: Why the start failed, when the server serves on anyway (`--exit-on-error=false`): neither live nor ready.
         self.start_error: str | None = None
         self._stopping = False
-        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._model_locks: dict[str, _ModelLock] = {}
         #: Unloads of reloaded models' old versions, and polling.
         self._tasks = BackgroundTasks()
         self._poll_task: asyncio.Task[None] | None = None
@@ -127,7 +138,7 @@ class Server(ModelRegistry):
             names = list(found)
         # Ensembles check their steps against loaded models, so they load after everything else, and after the
         # ensembles they contain.
-        steps = {name: ensemble_steps(found[name]) for name in names if name in found}
+        steps = {name: ensemble_steps(found[name], self.options.limits.config_bytes) for name in names if name in found}
         ensembles = {name: named for name, named in steps.items() if named is not None}
         await asyncio.gather(*(self.load_logged(name) for name in names if name not in ensembles))
         while ensembles:
@@ -261,11 +272,21 @@ class Server(ModelRegistry):
 
     # ---- model control ---------------------------------------------------------------------------
 
-    def _lock(self, name: str) -> asyncio.Lock:
+    @contextlib.asynccontextmanager
+    async def _lock(self, name: str) -> AsyncIterator[None]:
+        """Hold model `name`'s lock; the lock is kept only while someone holds or awaits it, so that names a client
+        makes up (loads and unloads of models that do not exist) leave nothing behind."""
         lock = self._model_locks.get(name)
         if lock is None:
-            lock = self._model_locks[name] = asyncio.Lock()
-        return lock
+            lock = self._model_locks[name] = _ModelLock()
+        lock.users += 1
+        try:
+            async with lock.lock:
+                yield
+        finally:
+            lock.users -= 1
+            if not lock.users:
+                del self._model_locks[name]
 
     async def load_model(
         self, name: str, config_json: str | bytes | None = None, files: dict[str, bytes] | None = None
@@ -275,25 +296,27 @@ class Server(ModelRegistry):
         `files` (a load request's `file:<version>/<name>` contents) replace the model's folder: they are
         written to a temporary folder, never into the repository, and need `config_json` beside them.
         """
-        if not is_plain_model_name(name):
-            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        _check_model_name(name)
+        files = files or {}
+        self.options.limits.check_load(name, len(config_json or ""), len(files),
+                                       sum(len(content) for content in files.values()))
         async with self._lock(name):
             override = None
             if files:
                 if not config_json:
                     raise invalid_arg(f"failed to load '{name}': 'file:' contents need a 'config' parameter too")
-                override = write_model_files(name, files)
+                override = await asyncio.to_thread(write_model_files, name, files)
                 location = ModelLocation(name, override / name, override)
             else:
                 await self._fetch(name)
-                location = self.repository.locate(name)
+                location = await asyncio.to_thread(self.repository.locate, name)
                 if location is None:
                     raise invalid_arg(f"failed to load '{name}', failed to poll from model repository")
             old = self._models.get(name)
             if old is None:
                 self._models[name] = ModelRecord(name, ModelState.LOADING)
             try:
-                config, versions = self._loader.read_config(location, config_json)
+                config, versions = await asyncio.to_thread(self._loader.read_config, location, config_json)
                 if old is not None and override is None and await self._loader.update_in_place(
                         old, location, config, versions, self._tasks):
                     log.info("model '%s' is %s (versions %s)", name, old.state.value, sorted(old.versions))
@@ -345,8 +368,9 @@ class Server(ModelRegistry):
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Unload a model; with `unload_dependents`, an ensemble's composing models too."""
-        if not is_plain_model_name(name):
-            raise invalid_arg(f"invalid model name '{name}': it must be a single folder name")
+        _check_model_name(name)
+        if name not in self._models and name not in self._model_locks:
+            return  # nothing to unload, and nothing kept for a name a client made up
         async with self._lock(name):
             record = self._models.pop(name, None)
             if record is None:
@@ -360,15 +384,27 @@ class Server(ModelRegistry):
                         await self.unload_model(step.model_name, unload_dependents=True)
 
     async def _load_composing_models(self, name: str, config: model_config_pb2.ModelConfig) -> None:
-        """Explicit control loads what an ensemble needs first, as Triton does."""
-        for step in config.ensemble_scheduling.step:
-            if step.model_name != name and step.model_name not in self._models:
-                try:
-                    await self.load_model(step.model_name)
-                except ServerError as exc:
-                    raise invalid_arg(f"ensemble '{name}': composing model '{step.model_name}' failed to load: "
-                                      f"{exc.message}") from None
+        """Explicit control loads what an ensemble needs first, as Triton does: the models its steps name that are
+        not loaded, and theirs, leaves first (see `composing_order`), so that none of their loads loads another
+        and a chain of ensembles never recurses."""
+        order = await asyncio.to_thread(composing_order, name, config, self.repository, self._models.__contains__,
+                                        self.options.limits.config_bytes)
+        for model_name in order:
+            if model_name in self._models:
+                continue
+            try:
+                await self.load_model(model_name)
+            except ServerError as exc:
+                raise invalid_arg(f"ensemble '{name}': composing model '{model_name}' failed to load: "
+                                  f"{exc.message}") from None
 
     async def poll_once(self) -> None:
         """Load added models, unload removed ones, reload changed ones (a failed reload keeps the old)."""
         await poll_once(self)
+
+
+def _check_model_name(name: str) -> None:
+    if not is_plain_model_name(name):
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        raise invalid_arg(f"invalid model name '{shown}': it must be a single folder name of at most "
+                          f"{MAX_MODEL_NAME_BYTES} bytes")

@@ -2,14 +2,20 @@
 (`tritonclient.utils.shared_memory`), registers it under a region name, and then passes inputs in, and has outputs
 written into, that region instead of the request and response bodies.
 
-Regions are mapped once, at registration. An input is a read-only numpy view of its region (no copy: a backend
-that needs the bytes elsewhere copies them once, as from any request body), so, as in Triton, a client must not
-overwrite a region while a request that reads it runs. An unregistered region is unmapped once the last view of it
-is gone. Outputs are written into their region, in one copy, when the response is ready.
+Regions are never mapped into the server. A client owns its objects and may shrink one at any time (`ftruncate`),
+and a read of a mapped page past the new end kills the whole process with SIGBUS, in whatever thread touches it
+(a backend's included), which no check before the read can rule out. So an input is read with `preadv` into a
+buffer of the server's own (the one copy a backend would otherwise make), and an output written with `pwrite`:
+past an object's end these read short or extend it, and never fault. Before each, the object's size is checked
+(`fstat`), and a region whose object is now smaller than registered is refused with a 400 naming it.
+
+One descriptor is held per object (the same file, however many regions are registered on it, closed with its last
+region), and the regions are capped per server and per object (`--max-shared-memory-regions`,
+`--max-shared-memory-regions-per-object`): what a client can make the server hold is bounded.
 
 A region an inference still uses cannot be unregistered, as in Triton: the refusal comes at once and the region
-stays registered. An input region is in use while a view of it is alive (the mapping refuses to close); an output
-region while a request that will write into it is in flight (`pin_outputs`, released as the request settles).
+stays registered. An input region is in use while the buffer read from it is alive; an output region while a
+request that will write into it is in flight (`pin_outputs`, released as the request settles).
 
 Errors keep Triton's wording, but what Triton answers with a 500 (a key that does not open, a region smaller than
 registered, an output region too small, an unregister of a region in use) is a 400 here: the client's mistake,
@@ -25,13 +31,16 @@ to clients trusted with the host's /dev/shm.
 
 from __future__ import annotations
 
-import mmap
+import itertools
 import os
 import re
 import stat
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.tensors import wire_view
@@ -44,6 +53,14 @@ SHM_DIR = Path("/dev/shm")
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
 OFFSET = "shared_memory_offset"
+
+#: `--max-shared-memory-regions` and `--max-shared-memory-regions-per-object`: room for every client's regions
+#: (Triton's tests use a handful) while keeping what a client can make the server hold small.
+MAX_REGIONS = 1024
+MAX_REGIONS_PER_OBJECT = 256
+
+#: Tokens of the buffers read from regions (next() on a count is atomic).
+_TOKENS = itertools.count()
 
 #: A POSIX shared memory name: one optional leading slash, then no slash (so never a path elsewhere).
 _KEY = re.compile(r"/?[^/\x00]+")
@@ -63,7 +80,17 @@ class UnopenedRegion(ServerError):
         super().__init__(ErrorCode.INVALID_ARG, f"Unable to open shared memory region: '{key}': {why}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
+class SharedObject:
+    """An open shared memory object: one descriptor for every region registered on it."""
+
+    #: (st_dev, st_ino): the same file, whichever key opened it (a name unlinked and made again is another one).
+    identity: tuple[int, int]
+    descriptor: int
+    regions: int = 0
+
+
+@dataclass(slots=True, eq=False)
 class Region:
     """A registered region: `byte_size` bytes from `offset` of the shared memory object `key`."""
 
@@ -71,23 +98,44 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    mapping: mmap.mmap
+    source: SharedObject
     #: Requests in flight that will write an output into the region.
     writers: int = 0
+    #: A token for each buffer read from it that is still alive (discarded as the buffer is freed, in any thread:
+    #: set.add and set.discard are atomic, a counter's `-= 1` is not).
+    readers: set[int] = field(default_factory=set)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    def check_size(self) -> None:
+        """Refuse a region whose object is now smaller than it was registered."""
+        end = self.offset + self.byte_size
+        size = os.fstat(self.source.descriptor).st_size
+        if size < end:
+            raise _shrunk(self, size)
+
+
+def _shrunk(region: Region, size: int) -> ServerError:
+    return invalid_arg(f"shared memory region '{region.name}' is no longer usable: its object '{region.key}' is now "
+                       f"{size} bytes, smaller than the {region.offset + region.byte_size} bytes registered")
 
 
 class SharedMemoryRegistry:
     """The server's registered regions, by name; used on the event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_regions: int = MAX_REGIONS, max_regions_per_object: int = MAX_REGIONS_PER_OBJECT) -> None:
         self._regions: dict[str, Region] = {}
+        self._objects: dict[tuple[int, int], SharedObject] = {}
+        self.max_regions = max_regions
+        self.max_regions_per_object = max_regions_per_object
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if name in self._regions:
             raise ServerError(ErrorCode.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        if len(self._regions) >= self.max_regions:
+            raise invalid_arg(f"failed to register shared memory region '{name}': the server has {self.max_regions} "
+                              "regions registered, its limit (--max-shared-memory-regions)")
         if not _KEY.fullmatch(key) or key.lstrip("/") in (".", ".."):
             raise UnopenedRegion(key, "not a shared memory object name")
         try:  # never through a symbolic link: a region is a shared memory object, not a file elsewhere
@@ -102,10 +150,21 @@ class SharedMemoryRegistry:
             if size == 0 or offset + byte_size > size:
                 raise invalid_arg(f"failed to register shared memory region '{name}': invalid args: registering "
                                   f"{byte_size} bytes from offset {offset} of '{key}', an object of {size} bytes")
-            mapping = mmap.mmap(descriptor, size)
-        finally:
+            source = self._objects.get((found.st_dev, found.st_ino))
+            if source is not None and source.regions >= self.max_regions_per_object:
+                raise invalid_arg(f"failed to register shared memory region '{name}': '{key}' has "
+                                  f"{self.max_regions_per_object} regions registered, the limit per object "
+                                  "(--max-shared-memory-regions-per-object)")
+        except BaseException:
             os.close(descriptor)
-        self._regions[name] = Region(name, key, offset, byte_size, mapping)
+            raise
+        if source is None:
+            source = self._objects[(found.st_dev, found.st_ino)] = SharedObject((found.st_dev, found.st_ino),
+                                                                                descriptor)
+        else:
+            os.close(descriptor)
+        source.regions += 1
+        self._regions[name] = Region(name, key, offset, byte_size, source)
 
     def unregister(self, name: str | None = None) -> None:
         """Forget region `name` (every region when None); an unknown name is no error, as in Triton. A region in
@@ -121,15 +180,22 @@ class SharedMemoryRegistry:
                               + "".join(f"{n} ," for n in refused))
 
     def _release(self, region: Region) -> bool:
-        """Unmap and forget a region no request uses; False (and nothing changed) for one in use."""
-        if region.writers:
-            return False
-        try:
-            region.mapping.close()
-        except BufferError:  # an input still reads it
+        """Forget a region no request uses (closing its object with its last region); False, and nothing changed,
+        for one in use."""
+        if region.writers or region.readers:
             return False
         del self._regions[region.name]
+        source = region.source
+        source.regions -= 1
+        if not source.regions:
+            del self._objects[source.identity]
+            os.close(source.descriptor)
         return True
+
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors the registry holds: one per object."""
+        return len(self._objects)
 
     def pin_outputs(self, request: InferRequest) -> list[Region] | None:
         """The regions `request`'s outputs will be written into, counted as in use until `unpin`; None when it
@@ -162,9 +228,17 @@ class SharedMemoryRegistry:
         return [region.status()]
 
     def read(self, name: str, offset: int, byte_size: int) -> memoryview:
-        """The `byte_size` bytes from `offset` of region `name`, read-only, in place."""
+        """The `byte_size` bytes from `offset` of region `name`, read-only, copied out of the object (a region
+        whose object shrank is refused, never faulted on)."""
         region, start = self._locate(name, offset, byte_size)
-        return memoryview(region.mapping)[start:start + byte_size].toreadonly()
+        region.check_size()
+        buffer = np.empty(byte_size, np.uint8)
+        if byte_size and os.preadv(region.source.descriptor, [buffer], start) < byte_size:
+            raise _shrunk(region, os.fstat(region.source.descriptor).st_size)  # shrunk since the check
+        token = next(_TOKENS)
+        region.readers.add(token)
+        weakref.finalize(buffer, region.readers.discard, token)
+        return memoryview(buffer).toreadonly()
 
     def write_outputs(self, request: InferRequest, response: InferResponse) -> None:
         """Write the outputs `request` placed in regions into them (marking them `in_shared_memory`)."""
@@ -181,8 +255,8 @@ class SharedMemoryRegistry:
                     f"bytes) should be at least {data.nbytes} bytes to hold the results"
                 )
             region, start = self._locate(parameters[REGION], parameters.get(OFFSET, 0), byte_size)
-            with memoryview(region.mapping) as target:
-                target[start:start + data.nbytes] = data
+            region.check_size()
+            _write_all(region.source.descriptor, data, start)
             tensor.in_shared_memory = True
 
     def _locate(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
@@ -194,6 +268,13 @@ class SharedMemoryRegistry:
         if offset + byte_size > region.byte_size:
             raise invalid_arg(f"Invalid offset + byte size for shared memory region: '{name}'")
         return region, region.offset + offset
+
+
+def _write_all(descriptor: int, data: memoryview, position: int) -> None:
+    """pwrite until every byte is written (one call writes at most about 2 GiB)."""
+    while data.nbytes:
+        written = os.pwrite(descriptor, data, position)
+        data, position = data[written:], position + written
 
 
 def placement(name: str, parameters: dict[str, Any], kind: str) -> tuple[str, int, int] | None:

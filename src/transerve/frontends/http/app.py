@@ -49,6 +49,7 @@ from transerve.frontends.http.protocol import Connections, HttpConnection, HttpL
 from transerve.frontends.http.routes import ROUTES, TABLE
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import ControlMode, Server
+from transerve.server.options import InputLimits
 from transerve.server.shared_memory import CUDA_IPC_HANDLE_BYTES, CUDA_REGISTER_REFUSAL
 
 log = logging.getLogger("transerve.http")
@@ -335,7 +336,10 @@ class HttpFrontend:
         return _json(self.server.repository_index(ready_only=bool(options.get("ready", False))))
 
     async def _on_load(self, request: HttpRequest, model: str) -> HttpResponse:
-        config, files = _load_parameters(self._control_parameters(request))
+        limits = self.server.options.limits
+        # Parsed, bounded and decoded in a thread: a load request may carry tens of megabytes.
+        config, files = await asyncio.to_thread(
+            lambda: _load_parameters(self._control_parameters(request), model, limits))
         await self.server.load_model(model, config, files)
         return HttpResponse(200, b"", "application/json")
 
@@ -444,11 +448,16 @@ def _check_cuda_registration(options: dict[str, Any]) -> None:
     _check_sizes(device_id=options.get("device_id"), byte_size=options.get("byte_size"))
 
 
-def _load_parameters(parameters: dict[str, Any]) -> tuple[str | None, dict[str, bytes]]:
-    """The `config` override and the base64 `file:<path>` contents of a load request."""
+def _load_parameters(parameters: dict[str, Any], model: str, limits: InputLimits) -> tuple[str | None,
+                                                                                         dict[str, bytes]]:
+    """The `config` override and the base64 `file:<path>` contents of a load request, within `limits` (checked
+    before anything is decoded)."""
     config = parameters.get("config")
     if config is not None and not isinstance(config, str):
         raise invalid_arg("load parameter 'config' must be a string holding the JSON model configuration")
+    encoded = [value for key, value in parameters.items() if key.startswith("file:")]
+    limits.check_load(model, len(config or ""), len(encoded),
+                      sum(len(value) * 3 // 4 for value in encoded if isinstance(value, str)))
     files: dict[str, bytes] = {}
     for key, value in parameters.items():
         if key.startswith("file:"):
