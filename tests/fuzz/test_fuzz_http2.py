@@ -71,8 +71,8 @@ async def _drive(chunks: list[bytes]) -> tuple[FakeTransport, Http2Connection]:
 def _assert_bounded(connection: Http2Connection) -> None:
     """What a client makes the connection hold: at most one frame unparsed, one header block being collected."""
     assert len(connection._buffer) <= h2.HEAD_SIZE + MAX_FRAME
-    if connection._continuation is not None:
-        assert len(connection._continuation[2]) <= MAX_HEADER_LIST
+    if connection._blocks.pending is not None:
+        assert len(connection._blocks.pending[2]) <= MAX_HEADER_LIST
 
 
 def _check_answer(transport: FakeTransport) -> list[tuple[int, int, int, bytes]]:
