@@ -73,7 +73,7 @@ from benchmarks.common.generation_models import (
 )
 from benchmarks.common.machine import OtherWork, wait_for_quiet
 from benchmarks.common.results import add_json_option, commit, write_json
-from transerve.backends.generation.ctranslate2_engine import threads_per_call
+from transerve.backends.generation.ctranslate2.engine import threads_per_call
 
 PARTS = ("ceiling", "baseline", "served", "ttft")
 LABELS = {

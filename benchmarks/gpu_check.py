@@ -202,8 +202,8 @@ def engine_alone(model: Model, requests: list[Request], scheduling: str, rows: i
     steps run under torch's profiler (`profiled`), whose tables go to stderr: where a step's time goes, not a row
     to report. `graphs`: the engine's default steps (CUDA graphs on a GPU), else eager ones."""
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
-    from transerve.backends.generation.static_scheduling import scheduling_named
-    from transerve.backends.generation.torch_engine import TorchEngine
+    from transerve.backends.generation.torch.engine import TorchEngine
+    from transerve.backends.generation.torch.static_scheduling import scheduling_named
 
     engine = TorchEngine(model.hf_dir, device=device, compute_type=dtype, max_batch_rows=rows,
                          scheduling=scheduling_named(scheduling) if scheduling != "inflight" else None,
@@ -270,7 +270,7 @@ def profiled(enabled: bool, device: str, title: str) -> Any:
     import torch
     from torch.profiler import ProfilerActivity
 
-    from transerve.backends.generation.torch_runner import BatchRunner
+    from transerve.backends.generation.torch.batch_runner import BatchRunner
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     original = BatchRunner.step

@@ -60,10 +60,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
-    from transerve.backends.generation.torch_engine import TorchEngine
+    from transerve.backends.generation.torch.engine import TorchEngine
 
     try:  # the engine takes a scheduling object; revisions before the split took its name
-        from transerve.backends.generation.static_scheduling import scheduling_named
+        from transerve.backends.generation.torch.static_scheduling import scheduling_named
 
         scheduling = scheduling_named(args.scheduling)
     except ImportError:

@@ -1,5 +1,5 @@
 """What in-flight batching can gain over request-level batching on this machine, from the cost of a decoding step
-alone: the torch engine's step (`decoder_batch.ModelRunner.step`, as the engine calls it) timed at 1 to 16 rows on
+alone: the torch engine's step (`torch.model_runner.ModelRunner.step`, as the engine calls it) timed at 1 to 16 rows on
 the random-weight t5-small and GPT-2 small shapes that benchmarks.inflight_vs_request builds, and the load of
 that benchmark (8 to 128 new tokens per sequence, uniform) decoded in batches of 16 under each scheduling with
 those step costs:

@@ -41,8 +41,8 @@ def measure(model_dir: Path, threads: int, repeats: int, agreement: int) -> dict
     import torch
     import transformers
 
-    from transerve.backends.generation.decoder_batch import ModelRunner
-    from transerve.backends.generation.onednn_linear import use_onednn_linears
+    from transerve.backends.generation.torch.model_runner import ModelRunner
+    from transerve.backends.generation.torch.onednn_linear import use_onednn_linears
 
     torch.set_num_threads(threads)
     config = transformers.AutoConfig.from_pretrained(model_dir)

@@ -42,7 +42,7 @@ def test_loading_a_generation_engine_onto_a_gpu_turns_it_off(switches, tmp_path:
     pytest.importorskip("transformers")
     from support.generation_models import build_generation_model
 
-    from transerve.backends.generation.torch_engine import TorchEngine
+    from transerve.backends.generation.torch.engine import TorchEngine
 
     model = build_generation_model("gpt2", tmp_path / "gpt2")
     if torch.cuda.is_available():

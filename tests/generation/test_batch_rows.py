@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from transerve.backends.generation.batch_rows import (
+from transerve.backends.generation.torch.batch_rows import (
     CPU_ROWS,
     MAX_GPU_ROWS,
     default_batch_rows,

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from transerve.backends.generation.cache_buffers import (  # noqa: E402
+from transerve.backends.generation.torch.cache_buffers import (  # noqa: E402
     HEADROOM,
     append,
     buffer_rows,

@@ -19,7 +19,7 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine  # noqa: E402
+from transerve.backends.generation.ctranslate2.engine import CTranslate2Engine  # noqa: E402
 
 TEXTS = ["translate English to German: The house is wonderful.", "Hello world", "The quick brown fox jumps"]
 
@@ -392,7 +392,7 @@ INTEL_AVX512 = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse4_1 avx avx2 avx512
 ])
 def test_isa_hint_only_for_float32_threads_on_amd_avx512_cpus(device, compute_type, threads, cpuinfo, environ,
                                                               hinted):
-    from transerve.backends.generation.ctranslate2_engine import isa_hint
+    from transerve.backends.generation.ctranslate2.engine import isa_hint
 
     hint = isa_hint(device, compute_type, threads, cpuinfo, environ)
     assert (hint is not None) == hinted

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transerve.backends.generation.fastertransformer import _INERT, _INERT_OUTPUTS
+from transerve.backends.generation.fastertransformer.backend import _INERT, _INERT_OUTPUTS
 from transerve.backends.generation.interface import Inert, RowResult, TensorInterface
 from transerve.config.model_config import parse_config_text
 from transerve.core.errors import ErrorCode, ServerError

@@ -23,8 +23,8 @@ from support.generation_models import build_generation_model
 from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import ModelContext
-from transerve.backends.generation.fastertransformer import checkpoint_folder
-from transerve.backends.generation.ft_checkpoint import read_checkpoint
+from transerve.backends.generation.fastertransformer.backend import checkpoint_folder
+from transerve.backends.generation.fastertransformer.checkpoint import read_checkpoint
 from transerve.core.errors import ErrorCode, ServerError
 
 torch = pytest.importorskip("torch")
@@ -225,7 +225,7 @@ def test_a_missing_checkpoint_folder_says_where_it_looked(tmp_path):
 
 def test_parameters_translate_as_fastertransformer_means_them():
     from transerve.backends.base import Placement
-    from transerve.backends.generation.fastertransformer import _data_type, _model_type, _on
+    from transerve.backends.generation.fastertransformer.backend import _data_type, _model_type, _on
     from transerve.backends.generation.settings import GenerationSettings
 
     assert _model_type({}) == "GPT" and _model_type({"model_type": "T5"}) == "T5"

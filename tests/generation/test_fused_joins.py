@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
 
 #: Tiny decoder-only configurations of the other model types fused joins are allowed for (grouped-query
 #: attention: fewer key heads than query heads), and one whose sliding window a sequence could outgrow.

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from transerve.backends.generation.decoder_batch import DecoderBatch  # noqa: E402
-from transerve.backends.generation.join_stream import JoinStream  # noqa: E402
+from transerve.backends.generation.torch.decoder_batch import DecoderBatch  # noqa: E402
+from transerve.backends.generation.torch.join_stream import JoinStream  # noqa: E402
 
 
 def batch_on(device: str, value: float, rows: int = 2) -> DecoderBatch:

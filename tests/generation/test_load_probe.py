@@ -123,8 +123,8 @@ def repository(tmp_path_factory) -> Path:
 def test_engines_whose_library_fails_at_the_first_decode_are_unavailable_and_the_rest_serves(repository, monkeypatch):
     """The CTranslate2 model fails as it did on a CUDA 13 host (the library is loaded at the first decode, not at
     load); the torch model's step fails as a device failure would. Neither is listed READY."""
-    from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine
-    from transerve.backends.generation.torch_engine import TorchEngine
+    from transerve.backends.generation.ctranslate2.engine import CTranslate2Engine
+    from transerve.backends.generation.torch.engine import TorchEngine
 
     call, torch_init = CTranslate2Engine._call, TorchEngine.__init__
 

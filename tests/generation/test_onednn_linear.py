@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-from transerve.backends.generation.onednn_linear import (  # noqa: E402
+from transerve.backends.generation.torch.onednn_linear import (  # noqa: E402
     MIN_PACKED_ROWS,
     onednn_available,
     use_onednn_linears,

@@ -19,7 +19,7 @@ from support.torch_engine import TEXTS, joining_load, submit, tokens  # noqa: E4
 
 from transerve.backends.generation import step_graphs  # noqa: E402
 from transerve.backends.generation.engine import DecodingOptions  # noqa: E402
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest  # noqa: E402
-from transerve.backends.generation.torch_selection import choose  # noqa: E402
+from transerve.backends.generation.torch.selection import choose  # noqa: E402
 
 OPTIONS = [
     DecodingOptions(max_new_tokens=8),
@@ -135,9 +135,9 @@ def test_a_steps_copies_to_the_device_do_not_wait_for_it(models, monkeypatch):
     """Besides its one read, a step copies host data to the device: the next tokens, the rows that stay and the
     token rules' indices. On a GPU a copy of ordinary host memory, or a list used as an index, waits for the
     device; each of those goes non-blocking from pinned memory instead (`host_copies.to_device`)."""
-    from transerve.backends.generation.cache_buffers import select_rows
-    from transerve.backends.generation.decoder_batch import DecoderBatch
-    from transerve.backends.generation.torch_runner import BatchRunner
+    from transerve.backends.generation.torch.batch_runner import BatchRunner
+    from transerve.backends.generation.torch.cache_buffers import select_rows
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
 
     engine = models["t5"].engine
     running = ruled_sequences(engine)
@@ -168,8 +168,8 @@ def test_a_steps_copies_to_the_device_do_not_wait_for_it(models, monkeypatch):
 def test_on_a_gpu_a_step_synchronises_only_for_its_one_read(models, monkeypatch):
     """The same step on CUDA under torch's sync debug mode, which raises on any synchronising call but the one
     read (allowed here)."""
-    from transerve.backends.generation.decoder_batch import DecoderBatch
-    from transerve.backends.generation.torch_runner import BatchRunner
+    from transerve.backends.generation.torch.batch_runner import BatchRunner
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
 
     engine = models["t5"].engine
     running = ruled_sequences(engine)

@@ -21,10 +21,10 @@ from support import start_transerve  # noqa: E402
 from support.generation_models import build_generation_model  # noqa: E402
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
 
-from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine  # noqa: E402
+from transerve.backends.generation.ctranslate2.engine import CTranslate2Engine  # noqa: E402
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest, GenerationResult  # noqa: E402
 from transerve.backends.generation.options import Limits, decoding_options  # noqa: E402
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
 from transerve.convert.repository import Options, generator_config  # noqa: E402
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 from transerve.export.repository import _write_config  # noqa: E402

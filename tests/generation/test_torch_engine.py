@@ -19,7 +19,7 @@ from transerve.backends.generation.engine import (  # noqa: E402
     GenerationRequest,
     GenerationResult,
 )
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def test_the_model_loads_on_a_thread_that_has_ended(models, monkeypatch):
 def test_torch_linear_kernels_on_request_give_generate_output_too(models, arch):
     """The default engines compute their linear layers on oneDNN (GPT-2's Conv1D modules included); with
     `onednn_linear=False` the model keeps torch's own modules, and both decode as `generate` does."""
-    from transerve.backends.generation.onednn_linear import onednn_available
+    from transerve.backends.generation.torch.onednn_linear import onednn_available
 
     model = models[arch]
     kinds = {type(m).__name__ for m in model.engine.runner.forward.model.modules()}

@@ -20,10 +20,10 @@ from transerve.backends.generation.engine import (  # noqa: E402
     DecodingOptions,
     GenerationRequest,
 )
-from transerve.backends.generation.static_scheduling import Static  # noqa: E402
-from transerve.backends.generation.torch_engine import TorchEngine  # noqa: E402
-from transerve.backends.generation.torch_runner import cpu_count  # noqa: E402
-from transerve.backends.generation.torch_scheduler import RequestLevel  # noqa: E402
+from transerve.backends.generation.torch.batch_runner import cpu_count  # noqa: E402
+from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
+from transerve.backends.generation.torch.scheduler import RequestLevel  # noqa: E402
+from transerve.backends.generation.torch.static_scheduling import Static  # noqa: E402
 from transerve.core.errors import ErrorCode, ServerError  # noqa: E402
 
 
@@ -559,7 +559,7 @@ def test_each_engine_thread_makes_the_engines_gpu_its_current_device(monkeypatch
     """torch keeps the current CUDA device per thread (cuda:0 until set): each thread of an engine on cuda:1 sets
     it, so that the streams and graph recordings that name no device are on the engine's GPU; the joining thread
     also takes its own thread count."""
-    from transerve.backends.generation.torch_runner import ThreadPolicy
+    from transerve.backends.generation.torch.batch_runner import ThreadPolicy
 
     policy = ThreadPolicy(torch.device("cuda", 1), intra_op_threads=1, latency_threads=2, latency_rows=1)
     seen = []
@@ -637,7 +637,7 @@ def test_waiting_sequences_are_prepared_while_the_batch_decodes(models, arch, de
 def test_no_joining_thread_work_for_a_model_that_changes_in_its_forward(models):
     """RoPE of type dynamic rescales its frequencies inside the forward pass: such a model's rows are computed by
     the engine thread only."""
-    from transerve.backends.generation.decoder_batch import _mutable_forward
+    from transerve.backends.generation.torch.model_runner import _mutable_forward
 
     assert _mutable_forward(transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert not _mutable_forward(transformers.LlamaConfig())

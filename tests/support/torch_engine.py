@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest, GenerationResult
-from transerve.backends.generation.torch_engine import TorchEngine
+from transerve.backends.generation.torch.engine import TorchEngine
 
 TEXTS = [
     "translate English to German: The house is wonderful.",

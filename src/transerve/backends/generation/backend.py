@@ -117,7 +117,7 @@ def _load_engine(settings: GenerationSettings, placement: Placement) -> Generati
     """The instance's engine on its device (KIND_GPU: its GPU; otherwise the CPU)."""
     on_gpu = placement.kind == "GPU"
     if settings.engine == "ctranslate2":
-        from transerve.backends.generation.ctranslate2_engine import CTranslate2Engine
+        from transerve.backends.generation.ctranslate2.engine import CTranslate2Engine
 
         return CTranslate2Engine(
             settings.model_dir, device="cuda" if on_gpu else "cpu", device_index=placement.device_id if on_gpu else 0,
@@ -125,8 +125,8 @@ def _load_engine(settings: GenerationSettings, placement: Placement) -> Generati
             max_batch_rows=settings.max_batch_rows or DEFAULT_BATCH_ROWS,
             max_concurrent_calls=settings.max_concurrent_calls,
         )
-    from transerve.backends.generation.static_scheduling import scheduling_named
-    from transerve.backends.generation.torch_engine import TorchEngine
+    from transerve.backends.generation.torch.engine import TorchEngine
+    from transerve.backends.generation.torch.static_scheduling import scheduling_named
 
     # A config may name a scheduling to compare against (docs/generation.md); in-flight otherwise.
     scheduling = scheduling_named(settings.scheduling) if settings.scheduling else None

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from transerve.backends.generation.ctranslate2_model import Ct2ModelInfo, read_model_info
+from transerve.backends.generation.ctranslate2.model_info import Ct2ModelInfo, read_model_info
 from transerve.backends.generation.cuda_libraries import preload_cublas_once
 from transerve.backends.generation.engine import (
     MAX_TOP_LOGPROBS,

@@ -2,7 +2,7 @@
 
 FasterTransformer's configs name a converted checkpoint (`model_checkpoint_path`, or by default the version
 folder's `<default_model_filename>` or `<tensor_para_size>-gpu`), its `model_type` and `data_type`. At load the
-checkpoint is read back into a Hugging Face model (`ft_checkpoint`), written to a temporary folder that the torch
+checkpoint is read back into a Hugging Face model (`checkpoint`), written to a temporary folder that the torch
 engine loads, and the folder is removed once the engines hold the weights: nothing is cached. The config's tensors
 are FasterTransformer's, which the generation backend speaks; the ones with no effect here are accepted at their
 neutral value (`interface.Inert`), and the parameters about GPUs and parallelism are logged as not applying.
@@ -25,7 +25,7 @@ from typing import Any
 
 from transerve.backends.base import Backend, BackendModel, ModelContext, Placement, instance_placements
 from transerve.backends.generation.backend import failed_to_load, serve
-from transerve.backends.generation.ft_checkpoint import MODEL_TYPES, read_checkpoint
+from transerve.backends.generation.fastertransformer.checkpoint import MODEL_TYPES, read_checkpoint
 from transerve.backends.generation.interface import ANY, Inert, TensorInterface
 from transerve.backends.generation.settings import GenerationSettings, read_settings
 from transerve.core.errors import ServerError, invalid_arg, unavailable

@@ -9,7 +9,7 @@ finished. The same tensor operations run here on one item (`[1, ...]` tensors), 
 `generate`; the engine owns the model's rows and reorders their cache by `step`'s answer.
 
 The search runs on the host, on each beam's `keep` likeliest tokens, which the step copies back with the chosen
-tokens of every other row (`torch_selection.choose`): the best `keep` sums over all beams are among those, since a
+tokens of every other row (`selection.choose`): the best `keep` sums over all beams are among those, since a
 beam's running score shifts all its tokens alike. So a step of beam search reads nothing more from a GPU. The
 candidates are taken in the flattened order (beam, then token) that transformers' `topk` over the whole
 `[width * vocab]` sees, so that equal sums are ranked alike where the two `topk`s break ties alike.

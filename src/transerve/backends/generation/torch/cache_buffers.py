@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.host_copies import to_device
+from transerve.backends.generation.torch.host_copies import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +67,13 @@ def hold(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
     layer.keys, layer.values = keys, values
     layer.is_initialized = True
     return layer
+
+
+def cache_layer(keys: torch.Tensor, values: torch.Tensor, kind: type | None = None) -> Any:
+    """A transformers cache layer (`kind`, else `DynamicLayer`) holding `keys`/`values`."""
+    from transformers.cache_utils import DynamicLayer
+
+    return hold((kind or DynamicLayer)(), keys, values)
 
 
 def allocate(like: torch.Tensor, rows: int, time: int) -> torch.Tensor:

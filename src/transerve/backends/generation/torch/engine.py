@@ -1,17 +1,17 @@
 """The PyTorch + transformers generation engine: any transformers causal or seq2seq LM, with in-flight batching.
 
 One engine thread runs its own decoding loop (never `generate`): each iteration admits waiting sequences that fit
-(`torch_scheduler`; their encoder call or prompt prefill done ahead, by the joining thread while the batch decoded
+(`scheduler`; their encoder call or prompt prefill done ahead, by the joining thread while the batch decoded
 where decoding leaves cores idle or in an earlier joining call, or done now in one batched call that also computes
 waiting sequences' rows, `join_group`), merges them into the running batch and feeds every row's last token
-through one forward pass (`torch_runner`, `decoder_batch`: a new encoder-decoder row's first decoder input is the
+through one forward pass (`batch_runner`, `model_runner`: a new encoder-decoder row's first decoder input is the
 decoder start token; a new decoder-only row's whole prompt went through the prefill, whose last position's logits
-join the step's), then chooses each sequence's next token with its own options (`torch_selection`). A finished or
+join the step's), then chooses each sequence's next token with its own options (`selection`). A finished or
 cancelled sequence leaves the batch at once. This module wires those parts: requests in, results out, and the two
 threads.
 
 What a result holds: the new tokens, the end token or stop sequence included, with the log-probabilities and
-scores `torch_selection` describes. Streaming sends each new token of a beam-width-1 sequence after the step that
+scores `selection` describes. Streaming sends each new token of a beam-width-1 sequence after the step that
 produced it; beam search streams nothing (its best hypothesis is only known at the end). Sampling is on when
 `options.sampling` is set and the beam width is 1.
 """
@@ -26,8 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from transerve.backends.generation.batch_rows import default_batch_rows
-from transerve.backends.generation.cache_buffers import fewest_moves
 from transerve.backends.generation.engine import (
     DoneCallback,
     GenerationRequest,
@@ -35,18 +33,21 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
 )
-from transerve.backends.generation.join_stream import JoinStream, Prepared
-from transerve.backends.generation.step_graphs import step_graphs_for
-from transerve.backends.generation.torch_runner import BatchRunner, ThreadPolicy, load
-from transerve.backends.generation.torch_scheduler import RequestLevel, Scheduler, Scheduling
-from transerve.backends.generation.torch_selection import choose, result
-from transerve.backends.generation.torch_sequence import Sequence
+from transerve.backends.generation.torch.batch_rows import default_batch_rows
+from transerve.backends.generation.torch.batch_runner import BatchRunner, ThreadPolicy
+from transerve.backends.generation.torch.cache_buffers import fewest_moves
+from transerve.backends.generation.torch.join_stream import JoinStream, Prepared
+from transerve.backends.generation.torch.model_loading import load
+from transerve.backends.generation.torch.scheduler import RequestLevel, Scheduler, Scheduling
+from transerve.backends.generation.torch.selection import choose, result
+from transerve.backends.generation.torch.sequence import Sequence
+from transerve.backends.generation.torch.step_graphs import step_graphs_for
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
 if TYPE_CHECKING:
     import torch
 
-    from transerve.backends.generation.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class TorchEngine:
         #: Rows decoded together (each beam is a row).
         self.max_batch_rows = max_batch_rows
 
-        from transerve.backends.generation.decoder_batch import ModelRunner
+        from transerve.backends.generation.torch.model_runner import ModelRunner
 
         forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows, kv_cache_tokens)
         if static_steps is None:
@@ -391,7 +392,7 @@ class TorchEngine:
         return self.scheduler.join_ahead(fresh)
 
     def _advance(self, logits: torch.Tensor) -> None:
-        """Choose every running sequence's next token(s) from `logits` [rows, vocab] (`torch_selection`); the
+        """Choose every running sequence's next token(s) from `logits` [rows, vocab] (`selection`); the
         scheduling says which rows decode on; finished sequences are answered."""
         choices = choose(self.scheduler.running, logits)
         for error in choices.errors.values():

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import append, hold
+from transerve.backends.generation.torch.cache_buffers import append, hold
 
 if TYPE_CHECKING:
     import torch

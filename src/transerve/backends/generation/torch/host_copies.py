@@ -6,7 +6,7 @@ synchronisation: the host stops until the device has run everything queued befor
 `non_blocking`, the copy is queued like a kernel and the host goes on; torch's caching host allocator keeps the
 pinned buffer until the copy has run. A decoding step's per-step copies to the device (the next tokens, the rows
 that stay, the token rules' indices) go through here, so that a step waits for the device once: when its one
-read comes back (`torch_selection.choose`).
+read comes back (`selection.choose`).
 """
 
 from __future__ import annotations

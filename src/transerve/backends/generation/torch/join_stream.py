@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from transerve.backends.generation.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
 
 
 @dataclass(slots=True)

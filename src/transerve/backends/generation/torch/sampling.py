@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import DecodingOptions
-from transerve.backends.generation.host_copies import to_device
+from transerve.backends.generation.torch.host_copies import to_device
 
 if TYPE_CHECKING:
     import torch

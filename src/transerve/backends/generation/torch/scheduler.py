@@ -24,16 +24,16 @@ from transerve.backends.generation.engine import (
     TokenCallback,
     check_token_options,
 )
-from transerve.backends.generation.sampling import token_rules
-from transerve.backends.generation.torch_sequence import Sequence
+from transerve.backends.generation.torch.sampling import token_rules
+from transerve.backends.generation.torch.sequence import Sequence
 from transerve.core.errors import invalid_arg
 
 if TYPE_CHECKING:
     import torch
 
-    from transerve.backends.generation.decoder_batch import DecoderBatch
-    from transerve.backends.generation.torch_runner import ModelFacts
-    from transerve.backends.generation.torch_selection import Choices, Stay
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.model_loading import ModelFacts
+    from transerve.backends.generation.torch.selection import Choices, Stay
 
 
 class Scheduling:
@@ -142,7 +142,7 @@ class Scheduler:
         rules = token_rules(options, end_ids, model.rules)
         sequence = Sequence(request, on_tokens, done, rules, options.beam_width, need, ids, prefix)
         if options.beam_width > 1:
-            from transerve.backends.generation.beam import BeamSearch
+            from transerve.backends.generation.torch.beam import BeamSearch
 
             sequence.beam = BeamSearch(
                 options.beam_width, options.length_penalty, len(end_ids), options.max_new_tokens,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
-from transerve.backends.generation.host_copies import to_device
-from transerve.backends.generation.sampling import apply_rules, sample, warp
-from transerve.backends.generation.torch_sequence import Sequence
+from transerve.backends.generation.torch.host_copies import to_device
+from transerve.backends.generation.torch.sampling import apply_rules, sample, warp
+from transerve.backends.generation.torch.sequence import Sequence
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,5 @@
 """One sequence inside the torch engine: what the scheduler queues and admits, the runner computes rows for, and
-token selection advances. A part of its own because all three read and write it (`torch_engine` wires them)."""
+token selection advances. A part of its own because all three read and write it (`engine` wires them)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import DoneCallback, GenerationRequest, TokenCallback, TopLogProbs
-from transerve.backends.generation.sampling import TokenRules
+from transerve.backends.generation.torch.sampling import TokenRules
 
 if TYPE_CHECKING:
     import torch
 
-    from transerve.backends.generation.beam import BeamSearch
-    from transerve.backends.generation.join_stream import Prepared
+    from transerve.backends.generation.torch.beam import BeamSearch
+    from transerve.backends.generation.torch.join_stream import Prepared
 
 
 @dataclass(eq=False)

@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import DecodingOptions, GenerationRequest
-from transerve.backends.generation.sampling import TokenRules
-from transerve.backends.generation.torch_scheduler import RequestLevel, Scheduling
-from transerve.backends.generation.torch_sequence import Sequence
+from transerve.backends.generation.torch.sampling import TokenRules
+from transerve.backends.generation.torch.scheduler import RequestLevel, Scheduling
+from transerve.backends.generation.torch.sequence import Sequence
 from transerve.core.errors import invalid_arg
 
 if TYPE_CHECKING:
-    from transerve.backends.generation.decoder_batch import DecoderBatch
-    from transerve.backends.generation.torch_selection import Choices, Stay
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.selection import Choices, Stay
 
 #: A stand-in decodes until its batch ends, so its length limit is never reached.
 _ENDLESS = DecodingOptions(max_new_tokens=1 << 62, end_ids=[])

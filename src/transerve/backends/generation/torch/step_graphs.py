@@ -34,14 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from transerve.backends.generation.cache_buffers import hold, span, window
-from transerve.backends.generation.fused_joins import FUSED_ATTENTION, full_attention_only
+from transerve.backends.generation.torch.cache_buffers import cache_layer, hold, span, window
+from transerve.backends.generation.torch.fused_joins import FUSED_ATTENTION, full_attention_only
 
 if TYPE_CHECKING:
     import torch
 
-    from transerve.backends.generation.decoder_batch import DecoderBatch, ModelRunner
-    from transerve.backends.generation.torch_runner import ModelFacts
+    from transerve.backends.generation.torch.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.model_loading import ModelFacts
+    from transerve.backends.generation.torch.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +229,6 @@ class StepGraphs:
     def _forward(self, key: tuple[int, int, int], graph: _Graph) -> torch.Tensor:
         """The model's forward over the buffers at `key`'s shape, from `graph`'s inputs: logits [rows, vocab]."""
         from transformers import DynamicCache, EncoderDecoderCache
-
-        from transerve.backends.generation.decoder_batch import cache_layer
 
         rows, time, source = key
         runner = self.runner
