@@ -29,6 +29,8 @@ from transerve.client.target import Parameter, Target, tensor_target
 MAX_BATCH_SIZE = 256
 MAX_CONCURRENCY = 64
 MAX_LINE_BYTES = 16 << 20
+#: The largest answer read by default: a batch of long answers fits, a runaway server does not grow the client.
+MAX_ANSWER_BYTES = 64 << 20
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
 #: Exit statuses: every line answered; some lines failed (the output is complete, their lines empty); the run
 #: stopped (bad options, the server) or was interrupted, and a rerun resumes.
@@ -68,7 +70,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"requests in flight (default 4, at most {MAX_CONCURRENCY})")
     add("--max-line-bytes", type=int, default=65536, metavar="N",
         help="longer lines fail without being sent (default 65536)")
-    add("--timeout", type=float, default=300.0, metavar="SECONDS", help="per request (default 300)")
+    add("--timeout", type=float, default=300.0, metavar="SECONDS",
+        help="per request, the whole answer included (default 300)")
+    add("--max-answer-bytes", type=int, default=MAX_ANSWER_BYTES, metavar="N",
+        help=f"a larger answer stops the run (default {MAX_ANSWER_BYTES})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +95,7 @@ def _run(args: argparse.Namespace, stderr: TextIO) -> int:
         raise RunStopped(f"no input file {args.input_file}")
     parameters = dict(parse_parameter(text) for text in args.param)
     url = args.url or DEFAULT_URLS[args.protocol]
-    transport = (GrpcTransport if args.protocol == "grpc" else HttpTransport)(url, args.timeout)
+    transport = (GrpcTransport if args.protocol == "grpc" else HttpTransport)(url, args.timeout, args.max_answer_bytes)
     target = _target(args, transport, parameters)
     total = count_lines(args.input_file)
     output = Output(args.output_file, total)
@@ -120,7 +125,8 @@ def _run(args: argparse.Namespace, stderr: TextIO) -> int:
 def _check_bounds(args: argparse.Namespace) -> None:
     for option, value, low, high in (("--batch-size", args.batch_size, 1, MAX_BATCH_SIZE),
                                      ("--concurrency", args.concurrency, 1, MAX_CONCURRENCY),
-                                     ("--max-line-bytes", args.max_line_bytes, 1, MAX_LINE_BYTES)):
+                                     ("--max-line-bytes", args.max_line_bytes, 1, MAX_LINE_BYTES),
+                                     ("--max-answer-bytes", args.max_answer_bytes, 1, 2**31 - 1)):
         if not low <= value <= high:
             raise RunStopped(f"{option} must be between {low} and {high}, got {value}")
     if not args.timeout > 0:

@@ -13,9 +13,12 @@ from transerve.client.target import Target
 
 
 class GrpcTransport:
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, max_answer_bytes: int) -> None:
         self._url = url.removeprefix("grpc://")
         self._timeout = timeout
+        #: tritonclient's own channel options but a bound on what is received.
+        self._channel_args = [("grpc.max_send_message_length", 2**31 - 1),
+                              ("grpc.max_receive_message_length", max_answer_bytes)]
         self._local = threading.local()
 
     def model_config(self, model: str, version: str) -> dict[str, Any]:
@@ -44,7 +47,8 @@ class GrpcTransport:
         if client is None:
             import tritonclient.grpc as grpcclient
 
-            client = self._local.client = grpcclient.InferenceServerClient(self._url)
+            client = self._local.client = grpcclient.InferenceServerClient(
+                self._url, channel_args=self._channel_args)
         try:
             return call(client)
         except InferenceServerException as exc:

@@ -15,7 +15,9 @@ from transerve.perf import inputs, llm, plot, report
 from transerve.perf.load import ClosedLoop, Load, OpenLoop, Recorder
 from transerve.perf.measure import measure, over_limit, server_stats
 from transerve.perf.options import (
+    MAX_ANSWER_BYTES,
     MAX_THREADS,
+    REQUEST_TIMEOUT_S,
     Options,
     PerfError,
     check_bounds,
@@ -23,7 +25,7 @@ from transerve.perf.options import (
     parse_range,
     parse_shape,
 )
-from transerve.perf.transport import connect
+from transerve.perf.transport import CONNECT_TIMEOUT_S, connect
 
 PROG = "transerve perf"
 
@@ -54,6 +56,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--request-rate-range", metavar="START:END:STEP", help="open loop: requests sent per second")
     add("--request-distribution", choices=["constant", "poisson"], default="constant",
         help="time between requests of --request-rate-range (default constant)")
+    add("--request-timeout", type=float, default=REQUEST_TIMEOUT_S, metavar="SECONDS",
+        help=f"the most one request may take, its whole answer included (default {REQUEST_TIMEOUT_S:g}); the "
+             f"calls around the load (metadata, config, statistics) take at most {CONNECT_TIMEOUT_S:g}")
+    add("--max-answer-bytes", type=int, default=MAX_ANSWER_BYTES, metavar="N",
+        help=f"a larger answer stops the run (default {MAX_ANSWER_BYTES})")
     add("--max-threads", type=int, default=16, metavar="N",
         help=f"open loop: requests in flight at most (default 16, up to {MAX_THREADS})")
     add("--shape", action="append", default=[], metavar="NAME:D1,D2", help="a variable input's shape (repeatable)")
@@ -146,7 +153,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         measurement_mode=args.measurement_mode, request_count=args.request_count, percentile=args.percentile,
         max_trials=args.max_trials, stability=args.stability, csv_file=args.csv_file, plot_file=args.plot_file,
         max_threads=args.max_threads, sync=args.sync, verbose=args.verbose > 0,
-        latency_threshold_ms=args.latency_threshold,
+        latency_threshold_ms=args.latency_threshold, request_timeout_s=args.request_timeout,
+        max_answer_bytes=args.max_answer_bytes,
     )
     check_bounds(options)
     return options
@@ -195,7 +203,7 @@ def prepare_requests(options: Options, api: Any) -> list[Any]:
 
 
 def run_load(options: Options) -> int:
-    api = connect(options.protocol, options.url, options.model, options.version)
+    api = connect(options)
     try:
         requests = prepare_requests(options, api)
         print(report.settings(options), end="\n\n", flush=True)
@@ -236,7 +244,7 @@ def run_load(options: Options) -> int:
 
 
 def _start(options: Options, level: float, requests: list[Any]) -> Load:
-    connect_one = lambda: connect(options.protocol, options.url, options.model, options.version)
+    connect_one = lambda: connect(options)
     if options.mode == "concurrency":
         return ClosedLoop(connect_one, requests, Recorder()).start(int(level))
     return OpenLoop(connect_one, requests, Recorder()).start(level, options.distribution, options.max_threads)

@@ -28,7 +28,7 @@ import numpy as np
 
 from transerve.perf import plot
 from transerve.perf.options import Options, PerfError
-from transerve.perf.transport import REQUEST_TIMEOUT_S, connect, error_text, split_url
+from transerve.perf.transport import connect, error_text, read_answer, split_url
 
 MAX_PROMPTS = 100_000
 MAX_TOKENS = 65_536
@@ -234,7 +234,8 @@ class HttpStreams:
         options = target.options
         self.target = target
         host, port = split_url(options.url, "http")
-        self.connection = http.client.HTTPConnection(host, port, timeout=REQUEST_TIMEOUT_S)
+        self.connection = http.client.HTTPConnection(host, port, timeout=options.request_timeout_s)
+        self.timeout_s, self.max_bytes = options.request_timeout_s, options.max_answer_bytes
         self.path = f"/v2/models/{options.model}" + (f"/versions/{options.version}" if options.version else "")
         self.path += "/generate_stream"
 
@@ -249,10 +250,18 @@ class HttpStreams:
         tally = target.tally(prompt, time.perf_counter_ns())
         try:
             self.connection.request("POST", self.path, json.dumps(body), {"Content-Type": "application/json"})
+            deadline = time.monotonic() + self.timeout_s
             response = self.connection.getresponse()
             if response.status != 200:
-                raise PerfError(f"generate_stream: {error_text(response.status, response.read())}")
-            while line := response.readline():
+                answer = read_answer(response, self.max_bytes, deadline)
+                raise PerfError(f"generate_stream: {error_text(response.status, answer)}")
+            received = 0
+            while line := response.readline(self.max_bytes - received + 1):
+                received += len(line)
+                if received > self.max_bytes:
+                    raise PerfError(f"generate_stream: the answer is more than --max-answer-bytes {self.max_bytes}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError
                 if not line.startswith(b"data:"):
                     continue
                 now = time.perf_counter_ns()
@@ -262,7 +271,8 @@ class HttpStreams:
                 tally.add(event, now)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             self.connection.close()
-            raise PerfError(f"generate_stream failed: {exc}") from None
+            why = "no answer within --request-timeout" if isinstance(exc, TimeoutError) else exc
+            raise PerfError(f"generate_stream failed: {why}") from None
         return tally.done(time.perf_counter_ns())
 
     def close(self) -> None:
@@ -296,9 +306,9 @@ class GrpcStreams:
                                        enable_empty_final_response=True)
         while True:
             try:
-                result, error, now = self.answers.get(timeout=REQUEST_TIMEOUT_S)
+                result, error, now = self.answers.get(timeout=target.options.request_timeout_s)
             except queue.Empty:
-                raise PerfError(f"no response on the gRPC stream in {REQUEST_TIMEOUT_S:g} s") from None
+                raise PerfError(f"no response on the gRPC stream in {target.options.request_timeout_s:g} s") from None
             if error is not None:
                 raise PerfError(f"ModelStreamInfer: {error.message() if hasattr(error, 'message') else error}")
             response = result.get_response()
@@ -441,7 +451,7 @@ def run(args: argparse.Namespace, options: Options) -> int:
         raise PerfError("--llm measures every level it is given: leave out -l (perf_analyzer's latency limit)")
     if not 1 <= args.output_tokens_mean <= MAX_TOKENS:
         raise PerfError(f"--output-tokens-mean must be between 1 and {MAX_TOKENS}")
-    api = connect(options.protocol, options.url, options.model, options.version)
+    api = connect(options)
     try:
         target = Target(options, api.metadata(), api.config(), args.output_tokens_mean, _counter(args.tokenizer))
     finally:

@@ -23,6 +23,12 @@ class PerfError(Exception):
     """A problem the user can fix (a flag, the model, the server): printed as one line, exit status 1."""
 
 
+#: How long one inference may take, its answer read whole, before the run stops with an error (--request-timeout).
+REQUEST_TIMEOUT_S = 300.0
+#: The largest answer read (--max-answer-bytes): a runaway server stops the run instead of growing the tool.
+MAX_ANSWER_BYTES = 256 << 20
+
+
 @dataclass(frozen=True)
 class Options:
     """What one run measures and how; `levels` are concurrencies or request rates, `mode` says which."""
@@ -53,6 +59,10 @@ class Options:
     #: perf_analyzer's -l: a level whose latency (average, or the --percentile) reaches this many ms ends the
     #: search, unreported; 0 is no limit.
     latency_threshold_ms: int = 0
+    #: `--request-timeout`: the most one request may take, its answer read whole; `--max-answer-bytes`: the largest
+    #: answer read.
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    max_answer_bytes: int = MAX_ANSWER_BYTES
 
 
 def parse_range(text: str, flag: str, integer: bool, open_end: bool = False) -> tuple[float, ...]:
@@ -131,6 +141,8 @@ def check_bounds(options: Options) -> None:
         (options.mode == "concurrency" and max(options.levels) > MAX_CONCURRENCY,
          f"--concurrency-range goes up to {MAX_CONCURRENCY}"),
         (options.latency_threshold_ms < 0, "-l (latency threshold) must be 0 (no limit) or more milliseconds"),
+        (not options.request_timeout_s > 0, "--request-timeout must be positive"),
+        (not 1 <= options.max_answer_bytes < 2**31, f"--max-answer-bytes must be between 1 and {2**31 - 1}"),
         (options.mode == "request_rate" and max(options.levels) > MAX_REQUEST_RATE,
          f"--request-rate-range goes up to {MAX_REQUEST_RATE:g} requests/s"),
     ]

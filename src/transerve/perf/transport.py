@@ -4,6 +4,10 @@ around the load: metadata, config and the statistics extension.
 
 A request is encoded once per data step (as perf_analyzer prepares its inputs once); each call then times its
 three parts as perf_analyzer reports them: sending, waiting for the answer, and receiving it.
+
+Every wait is bounded (`--request-timeout` for an inference, its answer read whole; `CONNECT_TIMEOUT_S` for the
+calls around the load), every answer too (`--max-answer-bytes`), and an answer that is not what the protocol says
+stops the run with one line (PerfError).
 """
 
 from __future__ import annotations
@@ -18,11 +22,10 @@ from urllib.parse import quote
 
 import numpy as np
 
-from transerve.perf.options import PerfError
+from transerve.perf.options import Options, PerfError
 
+#: How long a call around the load (metadata, config, statistics) may take, connecting included.
 CONNECT_TIMEOUT_S = 10.0
-#: How long one inference may take before the run stops with an error.
-REQUEST_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,25 +77,41 @@ def _tensor_bytes(array: np.ndarray) -> bytes:
 class HttpApi:
     """KServe v2 over HTTP/1.1 keep-alive; one instance per thread (http.client is not thread-safe)."""
 
-    def __init__(self, url: str, model: str, version: str) -> None:
-        self.host, self.port = split_url(url, "http")
-        self.path = _model_path(model, version)
-        self.connection = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+    def __init__(self, options: Options) -> None:
+        self.host, self.port = split_url(options.url, "http")
+        self.path = _model_path(options.model, options.version)
+        self.timeout_s, self.max_bytes = options.request_timeout_s, options.max_answer_bytes
+        self.connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
 
     def get_json(self, path: str) -> dict[str, Any]:
         status, body = self._call("GET", path, None, {})
         if status != 200:
             raise PerfError(f"GET {path}: {error_text(status, body)}")
-        return json.loads(body)
+        try:
+            document = json.loads(body)
+        except ValueError as exc:
+            raise PerfError(f"GET {path}: the answer is not JSON ({exc})") from None
+        if not isinstance(document, dict):
+            raise PerfError(f"GET {path}: the answer is not a JSON object")
+        return document
 
     def _call(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """A call around the load: CONNECT_TIMEOUT_S for all of it."""
+        connection = self.connection
         try:
-            self.connection.request(method, path, body, dict(headers))
-            response = self.connection.getresponse()
-            return response.status, response.read()
+            connection.timeout = min(CONNECT_TIMEOUT_S, self.timeout_s)
+            if connection.sock is not None:
+                connection.sock.settimeout(connection.timeout)
+            connection.request(method, path, body, dict(headers))
+            response = connection.getresponse()
+            return response.status, read_answer(response, self.max_bytes, time.monotonic() + connection.timeout)
         except (OSError, http.client.HTTPException) as exc:
-            self.connection.close()
-            raise PerfError(f"cannot reach the server at {self.host}:{self.port} over HTTP: {exc}") from None
+            connection.close()
+            raise PerfError(f"cannot reach the server at {self.host}:{self.port} over HTTP: {_why(exc)}") from None
+        finally:
+            connection.timeout = self.timeout_s
+            if connection.sock is not None:
+                connection.sock.settimeout(self.timeout_s)
 
     def metadata(self) -> dict[str, Any]:
         return self.get_json(self.path)
@@ -127,19 +146,40 @@ class HttpApi:
             sent = time.perf_counter_ns()
             response = connection.getresponse()
             waited = time.perf_counter_ns()
-            data = response.read()
+            data = read_answer(response, self.max_bytes, time.monotonic() + self.timeout_s)
             header_length = response.getheader("Inference-Header-Content-Length")
             json.loads(data[: int(header_length)] if header_length else data)  # parsing is part of receiving
             end = time.perf_counter_ns()
         except (OSError, http.client.HTTPException, ValueError) as exc:
             connection.close()
-            raise PerfError(f"inference over HTTP failed: {exc}") from None
+            raise PerfError(f"inference over HTTP failed: {_why(exc)}") from None
         if response.status != 200:
             raise PerfError(f"inference failed: {error_text(response.status, data)}")
         return Timing(start, end, sent - start, waited - sent, end - waited)
 
     def close(self) -> None:
         self.connection.close()
+
+
+def read_answer(response: http.client.HTTPResponse, limit: int, deadline: float) -> bytes:
+    """An answer's body, refused past `limit` bytes (its Content-Length, or as it comes) or past `deadline` (a
+    server that trickles it: the socket's timeout bounds each read only)."""
+    length = response.getheader("Content-Length")
+    if length and length.isdigit() and int(length) > limit:
+        raise PerfError(f"the server's answer is {length} bytes, more than --max-answer-bytes {limit}")
+    chunks, total = [], 0
+    while chunk := response.read(1 << 16):
+        total += len(chunk)
+        if total > limit:
+            raise PerfError(f"the server's answer is more than --max-answer-bytes {limit} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the answer took longer than its timeout")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _why(exc: BaseException) -> str:
+    return "no answer within the timeout" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
 
 
 def error_text(status: int, body: bytes) -> str:
@@ -156,17 +196,18 @@ class GrpcApi:
     """inference.GRPCInferenceService on a grpcio channel; ModelInfer takes pre-built messages, serialized per call
     (the send part) and parsed per answer (the receive part)."""
 
-    def __init__(self, url: str, model: str, version: str) -> None:
+    def __init__(self, options: Options) -> None:
         import grpc
         from tritonclient.grpc import service_pb2
 
         self.grpc = grpc
         self.messages = service_pb2
-        self.model, self.version = model, version
-        host, port = split_url(url, "grpc")
+        self.model, self.version = options.model, options.version
+        self.timeout_s = options.request_timeout_s
+        host, port = split_url(options.url, "grpc")
         self.target = f"{host}:{port}"
-        self.channel = grpc.insecure_channel(self.target, options=[("grpc.max_send_message_length", -1),
-                                                                   ("grpc.max_receive_message_length", -1)])
+        self.channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", options.max_answer_bytes)])
         prefix = "/inference.GRPCInferenceService/"
         identity = lambda data: data
         self._infer = self.channel.unary_unary(prefix + "ModelInfer", request_serializer=identity,
@@ -211,11 +252,14 @@ class GrpcApi:
         data = encoded.SerializeToString()
         sent = time.perf_counter_ns()
         try:
-            answer = self._infer(data, timeout=REQUEST_TIMEOUT_S)
+            answer = self._infer(data, timeout=self.timeout_s)
         except self.grpc.RpcError as exc:
             raise PerfError(f"inference failed: {_grpc_text(exc, self.target)}") from None
         waited = time.perf_counter_ns()
-        self.messages.ModelInferResponse.FromString(answer)
+        try:
+            self.messages.ModelInferResponse.FromString(answer)
+        except Exception as exc:  # protobuf's DecodeError
+            raise PerfError(f"inference failed: the answer is not a ModelInferResponse ({exc})") from None
         end = time.perf_counter_ns()
         return Timing(start, end, sent - start, waited - sent, end - waited)
 
@@ -230,5 +274,5 @@ def _grpc_text(exc: Any, target: str) -> str:
     return f"{code.name if code else 'UNKNOWN'} {details}"
 
 
-def connect(protocol: str, url: str, model: str, version: str) -> HttpApi | GrpcApi:
-    return HttpApi(url, model, version) if protocol == "http" else GrpcApi(url, model, version)
+def connect(options: Options) -> HttpApi | GrpcApi:
+    return HttpApi(options) if options.protocol == "http" else GrpcApi(options)
