@@ -113,10 +113,11 @@ def _model(name: str, folder: ModelFolder, task: Task, inputs: list[str], option
         _tensor(config.output, output, "TYPE_FP32", dims[output])
     if options.fmt == "onnx":
         # onnxruntime's idle threads spin between operators, taking the CPU the tokenizer, the post-processing
-        # and the server need: measured here, 35 ms of CPU per served MiniLM sentence with spinning, 21 without.
+        # and the server need (benchmarks/README.md, "Figures behind the code").
         _parameters(config, **{"session.intra_op.allow_spinning": "0"})
     if options.fmt == "torchscript":
-        # TorchScript's profiling executor re-specializes for new sequence lengths: measured 2-17x slower here.
+        # TorchScript's profiling executor re-specializes for each new sequence length, which makes requests of
+        # varying lengths slower (benchmarks/README.md, "Figures behind the code").
         _parameters(config, DISABLE_OPTIMIZED_EXECUTION="true")
     if options.bucketed:
         bounds = [b for b in BUCKET_BOUNDARIES if b < folder.max_length] + [folder.max_length]

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: The model config parameter that caps a worker's resident memory (bytes); past it, the worker is restarted.
 RSS_PARAMETER = "max_worker_rss_bytes"
-#: How often a worker's resident memory is read (/proc/<pid>/statm, a few microseconds) when it is capped.
+#: How often a worker's resident memory is read (/proc/<pid>/statm, which is cheap) when it is capped.
 RSS_POLL_S = 0.5
 
 
@@ -44,9 +44,9 @@ class PythonInstance(BackendInstance):
     """One model instance: a worker process, restarted when it dies.
 
     Up to `max_inflight` executions are queued in the worker's socket, so it finds its next request
-    waiting when it finishes one instead of sleeping until the server sends it: measured on a 2-core
-    box with add_sub over HTTP, 4 served ~30% more requests per second than 2 (a sleeping worker
-    costs the server a cross-CPU wake-up per request), with no cost in latency at low load.
+    waiting when it finishes one instead of sleeping until the server sends it (a sleeping worker
+    costs the server a cross-CPU wake-up per request); benchmarks/README.md, "Figures behind the
+    code", has what 4 against 2 served.
     """
 
     def __init__(

@@ -1,9 +1,10 @@
 """Header blocks: HPACK (python-hyper's `hpack`) both ways, a request's head checked as RFC 9113 section 8 and the
 gRPC-over-HTTP/2 spec want it, and the few response blocks a gRPC server sends.
 
-Decoding a block costs tens of microseconds of pure Python, about what the rest of a small call costs, and a
-client sends the same block for every call of a method: a block that leaves the dynamic table unchanged decodes
-the same way for as long as the table stays unchanged, so its checked head is reused until the table changes.
+Decoding a block in pure Python costs about what the rest of a small call costs (benchmarks/README.md, "Figures
+behind the code"), and a client sends the same block for every call of a method: a block that leaves the dynamic
+table unchanged decodes the same way for as long as the table stays unchanged, so its checked head is reused until
+the table changes.
 """
 
 from __future__ import annotations
