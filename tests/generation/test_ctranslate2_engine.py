@@ -402,7 +402,7 @@ def test_isa_hint_only_for_float32_threads_on_amd_avx512_cpus(device, compute_ty
 
 def test_loading_logs_the_isa_hint_once_where_it_applies(models, caplog, monkeypatch):
     """The engine logs what `isa_hint` says about this machine, model and thread count, once per process."""
-    from transerve.backends.generation import ctranslate2_engine
+    from transerve.backends.generation.ctranslate2 import engine as ctranslate2_engine
 
     monkeypatch.setattr(ctranslate2_engine, "_hinted", threading.Event())
     expected = ctranslate2_engine.isa_hint("cpu", "float32", 2, Path("/proc/cpuinfo").read_text(), os.environ)

@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 from support.generation_models import ARCHITECTURES  # noqa: E402
 from support.torch_engine import TEXTS, joining_load, submit, tokens  # noqa: E402
 
-from transerve.backends.generation import step_graphs  # noqa: E402
 from transerve.backends.generation.engine import DecodingOptions  # noqa: E402
+from transerve.backends.generation.torch import step_graphs  # noqa: E402
 from transerve.backends.generation.torch.engine import TorchEngine  # noqa: E402
 
 
