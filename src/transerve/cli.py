@@ -12,7 +12,6 @@ import resource
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from transerve.frontends.access import GROUPS, GRPC_HEADER_PREFIX, HeaderForward
 from transerve.frontends.frontend import Frontend
 from transerve.frontends.grpc.limits import MAX_MESSAGE_BYTES, Http2Limits
 from transerve.frontends.http.protocol import HttpLimits
+from transerve.frontends.listeners import AccessOptions, Address, FrontendOptions, build_listeners
 from transerve.frontends.tls import TlsError, TlsOptions
 from transerve.perf import command as perf_command
 from transerve.ray import command as ray_command
@@ -335,18 +335,6 @@ def input_limits_from_args(args: argparse.Namespace) -> InputLimits:
     return InputLimits(*(getattr(args, flag) for flag in flags))
 
 
-@dataclass(frozen=True)
-class AccessOptions:
-    """The frontends' restrictions, header forwarding and TLS, checked before anything starts."""
-
-    http_restrictions: Restrictions
-    grpc_restrictions: Restrictions
-    http_forwarding: HeaderForwarding | None
-    grpc_forwarding: HeaderForwarding | None
-    http_tls: TlsOptions | None = None
-    grpc_tls: TlsOptions | None = None
-
-
 def grpc_limits_from_args(args: argparse.Namespace) -> Http2Limits:
     """SystemExit for a value no limit can have."""
     for flag in ("grpc_max_input_size", "grpc_handshake_timeout_secs", "grpc_idle_timeout_secs",
@@ -415,13 +403,25 @@ def _loopback(address: str) -> bool:
         return False
 
 
+def frontend_options_from_args(args: argparse.Namespace, access: AccessOptions, file_limit: int) -> FrontendOptions:
+    """The services the flags turn on, where they listen and their limits (SystemExit for a bad limit)."""
+    return FrontendOptions(
+        access=access,
+        grpc=Address(args.grpc_address, args.grpc_port) if args.allow_grpc else None,
+        grpc_transport=args.grpc_transport,
+        grpc_limits=grpc_limits_from_args(args),
+        http=Address(args.http_address, args.http_port) if args.allow_http else None,
+        http_max_input_size=args.http_max_input_size,
+        http_limits=http_limits_from_args(args, file_limit),
+        metrics=Address(args.metrics_address, args.metrics_port) if args.allow_metrics else None,
+        cpu_metrics=args.allow_cpu_metrics,
+        gpu_metrics=args.allow_gpu_metrics,
+        metrics_interval_ms=args.metrics_interval_ms,
+    )
+
+
 async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
     """Load the models, serve until SIGINT/SIGTERM, then drain and unload."""
-    from transerve.frontends.grpc.grpcio import GrpcFrontend
-    from transerve.frontends.grpc.http2.server import NativeGrpcFrontend
-    from transerve.frontends.http.app import HttpFrontend
-    from transerve.frontends.metrics import MetricsFrontend
-
     missing = [path for path in args.model_repository if isinstance(path, Path) and not path.is_dir()]
     for path in missing:
         log.error("model repository '%s' is not a folder", path)
@@ -434,7 +434,7 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
         log.error("--model-repository-max-model-bytes must be positive")
         return 1
     keep_large_buffers()
-    http_limits = http_limits_from_args(args, raise_file_limit())
+    frontend_options = frontend_options_from_args(args, access, raise_file_limit())
     server = Server(options_from_args(args))
     server.log.install()
     warn_open_model_control(args, access)
@@ -458,33 +458,17 @@ async def serve(args: argparse.Namespace, access: AccessOptions) -> int:
         log.error("a model failed to load and --exit-on-error is set")
         await server.stop()
         return 1
-    # gRPC starts first, as in Triton, so that a client which saw HTTP ready can rely on gRPC listening too.
-    listeners: list[tuple[str, Frontend, str, int]] = []
-    if args.allow_grpc:
-        restricted, forwarding = access.grpc_restrictions, access.grpc_forwarding
-        limits = grpc_limits_from_args(args)
-        grpc_frontend = (NativeGrpcFrontend(server, limits, restricted, forwarding, tls=access.grpc_tls)
-                         if args.grpc_transport == "native"
-                         else GrpcFrontend(server, restricted, forwarding, access.grpc_tls, limits))
-        listeners.append(("GRPC over TLS" if access.grpc_tls else "GRPC", grpc_frontend, args.grpc_address,
-                          args.grpc_port))
-    if args.allow_http:
-        http_frontend = HttpFrontend(server, args.http_max_input_size, access.http_restrictions,
-                                     access.http_forwarding, access.http_tls, http_limits)
-        listeners.append(("HTTPS" if access.http_tls else "HTTP", http_frontend, args.http_address, args.http_port))
-    if args.allow_metrics:
-        metrics = MetricsFrontend(server, args.allow_cpu_metrics, args.allow_gpu_metrics, args.metrics_interval_ms)
-        listeners.append(("Metrics", metrics, args.metrics_address, args.metrics_port))
     started: list[Frontend] = []
-    for name, frontend, address, port in listeners:
+    for listener in build_listeners(server, frontend_options):
+        name, host, port = listener.name, listener.address.host, listener.address.port
         try:
-            await frontend.start(address, port)
+            await listener.frontend.start(host, port)
         except OSError as exc:
-            log.error("cannot listen for %s on %s:%d: %s", name, address, port, exc)
+            log.error("cannot listen for %s on %s:%d: %s", name, host, port, exc)
             await _shutdown(server, started, 0)
             return 1
-        started.append(frontend)
-        log.info("%s service listening on %s:%d", name, address, port)
+        started.append(listener.frontend)
+        log.info("%s service listening on %s:%d", name, host, port)
     await stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %ss)", args.exit_timeout_secs)
     _exit_backstop(args.exit_timeout_secs + EXIT_BACKSTOP_S)
