@@ -37,7 +37,6 @@ from transerve.repository.repository import (
     ModelLocation,
     ModelRepository,
     available_versions,
-    is_plain_model_name,
     select_versions,
 )
 from transerve.scheduling import create_scheduler
@@ -100,6 +99,7 @@ def composing_order(
     order explicit control loads them in. Walked with a stack, and refused past the nesting the ensemble backend
     serves (MAX_DEPTH), so a chain of any length costs neither Python's stack nor more than MAX_DEPTH reads. Reads
     config files: run it off the event loop."""
+    found, _ = repository.scan()
     order: list[str] = []
     seen = {name}
     #: The ensembles being walked, each with the steps still to visit and its depth (`name` is one deep).
@@ -116,10 +116,7 @@ def composing_order(
         if step in seen or loaded(step):
             continue
         seen.add(step)
-        try:
-            location = repository.locate(step) if is_plain_model_name(step) else None
-        except ConfigError:
-            location = None  # its own load names the problem
+        location = found.get(step)  # None for a model in two repositories too: its own load names the problem
         named = ensemble_steps(location, max_config_bytes) if location is not None else None
         if named is None:
             order.append(step)

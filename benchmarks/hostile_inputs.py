@@ -1,0 +1,401 @@
+"""Hostile inputs against a real transerve (issue 35, second round): what each costs the server, and a bystander.
+
+    python -m benchmarks.hostile_inputs
+    python -m benchmarks.hostile_inputs --probes shm_truncate,deep_ensemble --against b33e595
+
+Each probe runs against a server of its own (explicit model control, add_sub loaded, a scratch repository with the
+models the probes load), started fresh so that one probe that kills or bloats the server cannot colour the next.
+Meanwhile a bystander process calls add_sub over one keep-alive HTTP connection every 20 ms. A row says what the
+server answered the probe, the bystander's p99 latency and errors while it ran, the growth of the server's resident
+memory (its peak during the probe, and 2 s after), its open file descriptors before, at their peak and after, whether
+it still serves, and the issue's bounds (bystander p99 < 100 ms, 0 bystander errors, RSS growth < 200 MB, server
+alive), met or not; the exit status is 1 when one is not. `--against COMMIT` runs the same probes on that commit's
+`src` (the "before" of a fix).
+
+A probe is a function taking the `Target` (the server, the scratch folder, the arguments) and returning an
+`Outcome`; `PROBES` lists them in the order they run, and a new one is a function and a line there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from benchmarks.common.results import add_json_option, commit, write_json
+from benchmarks.http_hostile import RssSampler, _bystander_main, p99_ms
+
+TIMEOUT_S = 120.0
+#: The issue's bounds, for every probe.
+P99_BOUND_MS = 100.0
+RSS_BOUND_MB = 200.0
+MIN_WINDOW_S = 1.0
+
+
+@dataclass
+class Target:
+    """What a probe works against."""
+
+    base_url: str
+    http_port: int
+    pid: int
+    scratch: Path
+    args: argparse.Namespace
+
+
+@dataclass
+class Outcome:
+    """What the server answered (a short phrase: statuses and counts) and any numbers worth keeping."""
+
+    answer: str
+    measures: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Probe:
+    name: str
+    what: str
+    run: Callable[[Target], Outcome]
+
+
+@dataclass
+class Row:
+    probe: str
+    what: str
+    answer: str = ""
+    rss_peak_mb: float = 0.0
+    rss_after_mb: float = 0.0
+    #: When the probe ran (monotonic), which the sampler sets with the RSS figures.
+    window: tuple[float, float] = (0.0, 0.0)
+    fds: tuple[int, int, int] = (0, 0, 0)
+    p99_ms: float = float("nan")
+    errors: int = 0
+    calls: int = 0
+    alive: bool = False
+    measures: dict[str, float] = field(default_factory=dict)
+    bounds: str = ""
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def open_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def statuses(answers: list[int]) -> str:
+    """'3 x 400, 1 x 200' for a list of statuses, most frequent first."""
+    counts: dict[int, int] = {}
+    for status in answers:
+        counts[status] = counts.get(status, 0) + 1
+    return ", ".join(f"{count} x {status}" for status, count in sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def post(target: Target, path: str, body: object = None, session: requests.Session | None = None) -> int:
+    """The status of a POST (599: no answer, the server is gone or the connection was cut)."""
+    try:
+        return (session or requests).post(f"{target.base_url}{path}", json=body, timeout=TIMEOUT_S).status_code
+    except requests.RequestException:
+        return 599
+
+
+def described(status: int, started: float) -> str:
+    return f"{status} after {time.monotonic() - started:.2f} s" if status != 599 else "no answer (connection cut)"
+
+
+def add_sub_body(input0: dict | None = None) -> dict:
+    first = input0 or {"data": [1, 2, 3, 4]}
+    return {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", **first},
+                       {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]}]}
+
+
+def pipelined(port: int, requests_: list[bytes], batch: int = 50) -> list[int]:
+    """Send the requests over one connection, `batch` at a time without waiting, and read each batch's answers
+    (each with Content-Length): a client that makes many requests quickly, at the cost of one socket."""
+    found: list[int] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        for start in range(0, len(requests_), batch):
+            chunk = requests_[start:start + batch]
+            sock.sendall(b"".join(chunk))
+            buffer = b""
+            answered = 0
+            while answered < len(chunk):
+                data = sock.recv(1 << 20)
+                if not data:
+                    return found + [599] * (len(requests_) - len(found))
+                buffer += data
+                while True:
+                    head_end = buffer.find(b"\r\n\r\n")
+                    if head_end < 0:
+                        break
+                    head = buffer[:head_end].decode("latin-1")
+                    length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                                   if line.lower().startswith("content-length:")), 0)
+                    if len(buffer) < head_end + 4 + length:
+                        break
+                    found.append(int(head.split(" ", 2)[1]))
+                    buffer = buffer[head_end + 4 + length:]
+                    answered += 1
+    return found
+
+
+def http_request(method: str, path: str, body: bytes = b"") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+            "Content-Type: application/json\r\n\r\n").encode() + body
+
+
+# ------------------------------------------------------------------------------------------------ probes
+
+
+def probe_shm_truncate(target: Target) -> Outcome:
+    """Register a region, truncate its object to 0 bytes, and infer from it (and into it)."""
+    key = f"/transerve_hostile_{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / key.lstrip("/")
+    path.write_bytes(b"\0" * 64)
+    try:
+        registered = post(target, "/v2/systemsharedmemory/region/victim/register",
+                          {"key": key, "offset": 0, "byte_size": 64})
+        with open(path, "r+b") as file:
+            os.ftruncate(file.fileno(), 0)
+        place = {"parameters": {"shared_memory_region": "victim", "shared_memory_byte_size": 16}}
+        started = time.monotonic()
+        read = post(target, "/v2/models/add_sub/infer", add_sub_body(place))
+        written = post(target, "/v2/models/add_sub/infer",
+                       {**add_sub_body(), "outputs": [{"name": "OUTPUT0", **place}]})
+        answer = (f"register {registered}; infer from it {described(read, started)}; into it "
+                  f"{described(written, started)}")
+        post(target, "/v2/systemsharedmemory/unregister")
+        return Outcome(answer)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def probe_shm_registrations(target: Target) -> Outcome:
+    """Register many regions of one object, then unregister them: what the registry holds (descriptors)."""
+    key = f"/transerve_hostile_{uuid.uuid4().hex[:12]}"
+    path = Path("/dev/shm") / key.lstrip("/")
+    path.write_bytes(b"\0" * 4096)
+    try:
+        count = target.args.shm_registrations
+        body = json.dumps({"key": key, "offset": 0, "byte_size": 64}).encode()
+        answers = pipelined(target.http_port, [http_request("POST", f"/v2/systemsharedmemory/region/r{index}/register",
+                                                            body) for index in range(count)])
+        peak = open_fds(target.pid)
+        unregistered = post(target, "/v2/systemsharedmemory/unregister")
+        return Outcome(f"{count:,} registrations: {statuses(answers)}; unregister {unregistered}",
+                       {"fds_registered": peak})
+    finally:
+        path.unlink(missing_ok=True)
+
+
+CONFIG = json.dumps({"name": "uploaded", "backend": "python", "max_batch_size": 0,
+                     "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [1]}],
+                     "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [1]}]})
+ONE_BYTE = base64.b64encode(b"x").decode()
+
+
+def _load(target: Target, name: str, parameters: dict | None = None) -> str:
+    started = time.monotonic()
+    return described(post(target, f"/v2/repository/models/{name}/load",
+                          {"parameters": parameters} if parameters is not None else {}), started)
+
+
+def probe_load_many_files(target: Target) -> Outcome:
+    files = {f"file:1/f{index}": ONE_BYTE for index in range(target.args.load_files)}
+    return Outcome(_load(target, "uploaded", {"config": CONFIG, **files}))
+
+
+def probe_load_big_config(target: Target) -> Outcome:
+    return Outcome(_load(target, "uploaded", {"config": CONFIG + " " * (6 << 20)}))
+
+
+def probe_load_nul_path(target: Target) -> Outcome:
+    return Outcome(_load(target, "uploaded", {"config": CONFIG, "file:1/model\u0000.py": ONE_BYTE}))
+
+
+def probe_long_model_name(target: Target) -> Outcome:
+    return Outcome(_load(target, "m" * 300, {"config": CONFIG, "file:1/model.py": ONE_BYTE}))
+
+
+def probe_huge_pbtxt(target: Target) -> Outcome:
+    return Outcome(_load(target, "huge_config"))
+
+
+def probe_deep_ensemble(target: Target) -> Outcome:
+    return Outcome(_load(target, "deep0"))
+
+
+def probe_unknown_names(target: Target) -> Outcome:
+    """Unloads and statistics of distinct model names that do not exist."""
+    count = target.args.unknown_names
+    batch = [http_request("POST", f"/v2/repository/models/unknown_{uuid.uuid4().hex}_{index}/unload")
+             if index % 5 else http_request("GET", f"/v2/models/unknown_{uuid.uuid4().hex}_{index}/stats")
+             for index in range(count)]
+    answers = pipelined(target.http_port, batch)
+    return Outcome(f"{count:,} unloads and stats of unknown names: {statuses(answers)}")
+
+
+PROBES: list[Probe] = [
+    Probe("shm_truncate", "a registered shared memory object truncated to 0 bytes, then inferred from",
+          probe_shm_truncate),
+    Probe("shm_registrations", "many registrations of one shared memory object (--shm-registrations)",
+          probe_shm_registrations),
+    Probe("load_many_files", "a load request with 50,000 'file:' entries (--load-files)", probe_load_many_files),
+    Probe("load_big_config", "a load request with a 6 MB config override", probe_load_big_config),
+    Probe("load_nul_path", "a 'file:' path holding a NUL byte", probe_load_nul_path),
+    Probe("long_model_name", "a load of a 300-character model name", probe_long_model_name),
+    Probe("huge_pbtxt", "a config.pbtxt of a million dims (3 MB)", probe_huge_pbtxt),
+    Probe("deep_ensemble", "an ensemble chain 1000 deep, loaded by its head", probe_deep_ensemble),
+    Probe("unknown_names", "100,000 unloads and stats of distinct unknown names (--unknown-names)",
+          probe_unknown_names),
+]
+
+
+# ------------------------------------------------------------------------------------------------ the repository
+
+
+def _ensemble(name: str, step: str) -> str:
+    return f'''name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [{{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
+output [{{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
+ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
+  input_map {{ key: "INPUT0" value: "INPUT0" }} input_map {{ key: "INPUT1" value: "INPUT1" }}
+  output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} output_map {{ key: "OUTPUT1" value: "OUTPUT1" }} }}] }}
+'''
+
+
+def make_repository(root: Path) -> Path:
+    """add_sub, an ensemble chain deep0 -> ... -> deep999 -> add_sub, and huge_config (a million dims)."""
+    from benchmarks.common.servers import EXAMPLE_REPOSITORY
+
+    repo = root / "models"
+    repo.mkdir()
+    (repo / "add_sub" / "1").mkdir(parents=True)
+    (repo / "add_sub" / "config.pbtxt").write_bytes((EXAMPLE_REPOSITORY / "add_sub" / "config.pbtxt").read_bytes())
+    (repo / "add_sub" / "1" / "model.py").write_bytes((EXAMPLE_REPOSITORY / "add_sub" / "1" / "model.py").read_bytes())
+    for index in range(1000):
+        folder = repo / f"deep{index}"
+        (folder / "1").mkdir(parents=True)
+        (folder / "config.pbtxt").write_text(_ensemble(folder.name, f"deep{index + 1}" if index < 999 else "add_sub"))
+    huge = repo / "huge_config"
+    (huge / "1").mkdir(parents=True)
+    dims = ", ".join(["1"] * 1_000_000)
+    (huge / "config.pbtxt").write_text(f'name: "huge_config"\nbackend: "python"\ninput [{{ name: "X" data_type: '
+                                       f'TYPE_FP32 dims: [ {dims} ] }}]\n')
+    return repo
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def judge(row: Row) -> str:
+    checks = [(f"bystander p99 < {P99_BOUND_MS:g} ms", row.p99_ms < P99_BOUND_MS),
+              ("0 bystander errors", row.errors == 0 and row.calls > 0),
+              (f"RSS growth < {RSS_BOUND_MB:g} MB", max(row.rss_peak_mb, row.rss_after_mb) < RSS_BOUND_MB),
+              ("server alive", row.alive)]
+    return "; ".join(f"{name}: {'met' if ok else 'NOT MET'}" for name, ok in checks)
+
+
+def run_probe(probe: Probe, repo: Path, scratch: Path, args: argparse.Namespace, source: Path | None) -> Row:
+    from benchmarks.common.servers import start_transerve
+
+    row = Row(probe.name, probe.what)
+    context = multiprocessing.get_context("spawn")
+    extra = {"source": source} if source is not None else {}
+    with start_transerve(repo, "--model-control-mode=explicit", "--load-model=add_sub", **extra) as server:
+        pid = server.process.pid
+        target = Target(server.base_url, server.http_port, pid, scratch, args)
+        stop, out = context.Event(), context.Queue()
+        bystander = context.Process(target=_bystander_main, args=("http", server.http_port, stop, out))
+        bystander.start()
+        time.sleep(2.0)
+        sampler = RssSampler(pid)
+        before = open_fds(pid)
+        peak_fds = before
+        try:
+            with sampler.probe(row):
+                started = time.monotonic()
+                try:
+                    outcome = probe.run(target)
+                except Exception as exc:  # noqa: BLE001 - a probe the server broke is a result, not a crash
+                    outcome = Outcome(f"probe failed: {type(exc).__name__}: {exc}"[:200])
+                # The bystander's window is at least MIN_WINDOW_S: a probe answered at once still gets its calls.
+                time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - started)))
+                peak_fds = max(peak_fds, open_fds(pid), int(outcome.measures.get("fds_registered", 0)))
+        finally:
+            sampler.stop()
+            stop.set()
+            records = out.get(timeout=60)[1]
+            bystander.join(timeout=30)
+        row.alive = server.alive()
+        after = open_fds(pid) if row.alive else 0
+        start, end = row.window
+        window = [(latency, ok) for began, latency, ok in records if start <= began <= end]
+        row.answer, row.measures = outcome.answer, outcome.measures
+        row.fds = (before, peak_fds, after)
+        row.p99_ms = p99_ms([latency for latency, ok in window if ok]) if window else float("nan")
+        row.errors = sum(1 for _, ok in window if not ok)
+        row.calls = len(window)
+    row.bounds = judge(row)
+    return row
+
+
+def main() -> int:
+    names = [probe.name for probe in PROBES]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--probes", default=",".join(names), help="comma-separated, from: " + ", ".join(names))
+    parser.add_argument("--against", metavar="COMMIT", help="run the probes on this commit's src instead")
+    parser.add_argument("--shm-registrations", type=int, default=5_000)
+    parser.add_argument("--load-files", type=int, default=50_000)
+    parser.add_argument("--unknown-names", type=int, default=100_000)
+    add_json_option(parser)
+    args = parser.parse_args()
+    chosen = [name.strip() for name in args.probes.split(",") if name.strip()]
+    unknown = set(chosen) - set(names)
+    if unknown:
+        parser.error(f"unknown probes: {', '.join(sorted(unknown))}")
+    from benchmarks.common.servers import transerve_source_at
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="transerve-hostile-") as tmp:
+        scratch = Path(tmp)
+        repo = make_repository(scratch)
+        source = transerve_source_at(args.against, scratch / "source") if args.against else None
+        for probe in PROBES:
+            if probe.name in chosen:
+                print(f"probe {probe.name}", file=sys.stderr)
+                rows.append(run_probe(probe, repo, scratch, args, source))
+    setting = (f"{'commit ' + args.against if args.against else 'commit ' + commit()}, {time.strftime('%Y-%m-%d')}, "
+               f"{os.cpu_count()} CPUs")
+    print(setting)
+    print("| probe | server's answer | bystander p99 ms (errors / calls) | server RSS growth, peak / after (MB) | "
+          "server fds before / peak / after | server alive | issue's bounds |")
+    print("|---|---|---:|---:|---|---|---|")
+    for row in rows:
+        print(f"| {row.probe} | {row.answer} | {row.p99_ms:.1f} ({row.errors} / {row.calls}) | "
+              f"{row.rss_peak_mb:+.1f} / {row.rss_after_mb:+.1f} | {row.fds[0]} / {row.fds[1]} / {row.fds[2]} | "
+              f"{'yes' if row.alive else 'NO'} | {row.bounds} |")
+    if args.json:
+        write_json(args.json, "hostile_inputs", {"setting": setting, "rows": [vars(row) for row in rows]}, args)
+    return 0 if all("NOT MET" not in row.bounds for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
