@@ -114,6 +114,7 @@ class TritonMetricsCollector:
         # Triton's registry lists counters, then gauges, then summaries, then what backends add.
         yield from _summary_families(models)
         yield from _token_families(models)
+        yield from _vllm_families(models)
         yield _restarts(models)
         for name, description, kind, samples in self._server.custom_metrics.families():  # pb_utils.MetricFamily
             family = _family(name, description, kind)
@@ -169,6 +170,59 @@ def _token_families(models: list[ModelVersion]) -> Iterator[Metric]:
             family.add_sample(f"{name}_count", labels, count)
             family.add_sample(f"{name}_sum", labels, histogram.total)
         yield family
+
+
+#: vLLM's histograms: (name, help, attribute of TokenTimings). vLLM 0.x names the per-gap histogram
+#: `time_per_output_token` and later `inter_token_latency`; both are served, and the per-request mean under its
+#: later name.
+_VLLM_HISTOGRAMS = (
+    ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", "first_token"),
+    ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "inter_token"),
+    ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (the inter-token "
+     "latency, under vLLM's earlier name).", "inter_token"),
+    ("vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     "per_output_token"),
+    ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "end_to_end"),
+)
+
+
+def _vllm_families(models: list[ModelVersion]) -> Iterator[Metric]:
+    """vLLM's metric names and meanings (labelled `model_name`, as vLLM labels them) beside Triton's, for the
+    generators and the models whose tokens a frontend counted (the OpenAI API): dashboards and benchmarks written
+    for vLLM (aiperf's server token counts) read them. Requests waiting are those in the model's scheduler queue;
+    running, the sequences a frontend has in the model, less those waiting."""
+    served = [model for model in models if model.config.backend == "generation" or _counted(model)]
+    running = _family("vllm:num_requests_running", "Number of requests in model execution batches.", "gauge")
+    waiting = _family("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge")
+    prompt = _family("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "counter")
+    generation = _family("vllm:generation_tokens_total", "Number of generation tokens processed.", "counter")
+    success = _family("vllm:request_success_total", "Count of successfully processed requests.", "counter")
+    for model in served:
+        labels = {"model_name": model.name}
+        timings = model.stats.tokens
+        queued = model.scheduler.pending_count
+        running.add_sample(running.name, labels, max(timings.active - queued, 0))
+        waiting.add_sample(waiting.name, labels, queued)
+        prompt.add_sample(prompt.name, labels, timings.prompt_tokens)
+        generation.add_sample(generation.name, labels, timings.generation_tokens)
+        for reason, number in timings.finished.items():
+            success.add_sample(success.name, {**labels, "finished_reason": reason}, number)
+    yield from (running, waiting, prompt, generation, success)
+    for name, text, attribute in _VLLM_HISTOGRAMS:
+        family = _family(name, text, "histogram")
+        for model in served:
+            histogram = getattr(model.stats.tokens, attribute)
+            labels = {"model_name": model.name}
+            for bound, number in histogram.cumulative():
+                family.add_sample(f"{name}_bucket", {**labels, "le": bound}, number)
+            family.add_sample(f"{name}_count", labels, histogram.count)
+            family.add_sample(f"{name}_sum", labels, histogram.total)
+        yield family
+
+
+def _counted(model: ModelVersion) -> bool:
+    timings = model.stats.tokens
+    return bool(timings.active or timings.prompt_tokens or timings.generation_tokens or any(timings.finished.values()))
 
 
 def _cache_counters(models: list[ModelVersion]) -> Iterator[Metric]:

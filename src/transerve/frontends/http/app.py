@@ -6,11 +6,13 @@ import asyncio
 import base64
 import binascii
 import logging
+import uuid
 from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
+from transerve import __version__
 from transerve.core.errors import ErrorCode, ServerError, invalid_arg, not_found
 from transerve.core.signature import ModelSignature
 from transerve.core.streams import ResponseStream
@@ -46,7 +48,7 @@ from transerve.frontends.http.generate import (
 from transerve.frontends.http.openai.api import OpenAIApi
 from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
-from transerve.frontends.http.routes import ROUTES, TABLE
+from transerve.frontends.http.routes import ROUTES, SERVICE_ROUTES, SERVICE_TABLE, TABLE, Route
 from transerve.frontends.tls import TlsOptions, listen_kwargs
 from transerve.server import ControlMode, Server
 from transerve.server.options import InputLimits
@@ -67,6 +69,10 @@ HTTP_STATUS = {
 }
 
 _EMPTY_OK = HttpResponse(200, b"", "text/plain")
+#: The longest `x-request-id` a client's may be to be echoed (a longer or unprintable one is replaced).
+MAX_REQUEST_ID = 128
+#: Seconds a client is told to wait before retrying a 503 or 429 (`Retry-After`).
+RETRY_AFTER_SECONDS = 1
 
 
 def error_response(status: int, message: str) -> HttpResponse:
@@ -100,7 +106,7 @@ class HttpFrontend:
         #: Requests being handled, for `close` to let their answers out.
         self._handling = 0
         #: Each route's handler by the name the table gives it: `_on_<name>`.
-        self._handlers = {route.handler: getattr(self, f"_on_{route.handler}") for route in ROUTES}
+        self._handlers = {route.handler: getattr(self, f"_on_{route.handler}") for route in (*ROUTES, *SERVICE_ROUTES)}
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -138,6 +144,8 @@ class HttpFrontend:
             response = error_response(HTTP_STATUS[exc.code], exc.message)
         finally:
             self._handling -= 1
+        if response.status in (429, 503):  # a full queue or a model not ready yet: say when to come back
+            response.headers.append(("Retry-After", str(RETRY_AFTER_SECONDS)))
         return response
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
@@ -147,10 +155,13 @@ class HttpFrontend:
             if self.restrictions is not None:
                 refusal = self.restrictions.refusal(openai_group(openai_parts), header_lookup(request.headers))
                 if refusal is not None:
-                    return ApiError(403, refusal).response()
-            return await self._openai.handle(request, openai_parts)
+                    return _with_request_id(ApiError(403, refusal).response(), request)
+            return _with_request_id(await self._openai.handle(request, openai_parts), request)
         if not parts or parts[0] != "v2":
-            return error_response(404, "Not Found")
+            service = SERVICE_TABLE.match(parts) if len(parts) == 1 else None
+            if service is None:
+                return error_response(404, "Not Found")
+            return _with_request_id(await self._service(request, service[0]), request)
         matched = TABLE.match([unquote(part) for part in parts[1:]] if "%" in request.path else parts[1:])
         if self.restrictions is not None:  # before anything else, the method included, as Triton checks it
             group = None if matched is None else matched[0].group
@@ -164,7 +175,30 @@ class HttpFrontend:
             return error_response(405, "Method Not Allowed")
         return await self._handlers[route.handler](request, *captured)
 
+    async def _service(self, request: HttpRequest, route: Route) -> HttpResponse:
+        """vLLM's root routes, guarded by their groups as /v1 is; errors in OpenAI's shape."""
+        if self.restrictions is not None:
+            refusal = self.restrictions.refusal(route.group, header_lookup(request.headers))
+            if refusal is not None:
+                return ApiError(403, refusal).response()
+        if not route.allows(request.method):
+            return ApiError(405, f"Method {request.method} is not allowed here").response()
+        return await self._handlers[route.handler](request)
+
     # ---- the routes' handlers (routes.py names them) ---------------------------------------------------------
+
+    async def _on_service_health(self, request: HttpRequest) -> HttpResponse:
+        """vLLM's `/health`: 200 with an empty body while the server serves, 503 while it is not ready."""
+        return _EMPTY_OK if self.server.ready else ApiError(503, "the server is not ready").response()
+
+    async def _on_service_version(self, request: HttpRequest) -> HttpResponse:
+        return _json({"version": __version__})
+
+    async def _on_tokenize(self, request: HttpRequest) -> HttpResponse:
+        return await self._openai.service(request, "tokenize")
+
+    async def _on_detokenize(self, request: HttpRequest) -> HttpResponse:
+        return await self._openai.service(request, "detokenize")
 
     async def _on_not_found(self, request: HttpRequest, *_: str) -> HttpResponse:
         return error_response(404, "Not Found")
@@ -374,6 +408,14 @@ async def _generate_answer(stream: ResponseStream | TracedResponses, streaming: 
     # As in Triton, the first response sets the status: an error there is the request's error.
     status = HTTP_STATUS[as_answer_error(first).code] if isinstance(first, ServerError) else 200
     return HttpResponse(status, content_type=SSE_CONTENT_TYPE, stream=event_stream(stream, first))
+
+
+def _with_request_id(response: HttpResponse, request: HttpRequest) -> HttpResponse:
+    """vLLM's `x-request-id` on the answer: the client's own when it sent a usable one, else a new one."""
+    given = request.headers.get("x-request-id", "")
+    usable = 0 < len(given) <= MAX_REQUEST_ID and given.isascii() and given.isprintable()
+    response.headers.append(("x-request-id", given if usable else uuid.uuid4().hex))
+    return response
 
 
 def _finished_when_sent(answer: HttpResponse, trace: Trace) -> HttpResponse:

@@ -1,6 +1,7 @@
-"""The KServe v2 routes under `/v2` as one table: each route's path pattern, the methods it answers, the handler
-that answers it, and the restricted-API group that guards it (`--http-restricted-api`), the way Triton 2.51's
-HTTP router lists them. An endpoint added later is one row here: it is routed and restricted at once.
+"""The KServe v2 routes under `/v2` as one table (and vLLM's few service routes at the root as another): each
+route's path pattern, the methods it answers, the handler that answers it, and the restricted-API group that
+guards it (`--http-restricted-api`), the way Triton 2.51's HTTP router lists them. An endpoint added later is
+one row here: it is routed and restricted at once.
 
 A pattern is the path's segments after `/v2`: literal text, a `{name}` captured into the handler's arguments
 (`{name+}` when it may not be empty), or a last `*` that matches whatever follows (a section's catch-all, so that
@@ -117,6 +118,16 @@ ROUTES: tuple[Route, ...] = (
 )
 
 
+#: vLLM's service routes at the root (the path's segments from `/`), answered beside `/v1`: liveness for probes
+#: and tools written for vLLM (guidellm checks `/health`), the server's version, and its tokenizer endpoints.
+SERVICE_ROUTES: tuple[Route, ...] = (
+    Route(("health",), GET, "service_health", "health"),
+    Route(("version",), GET, "service_version", "metadata"),
+    Route(("tokenize",), POST, "tokenize", "inference"),
+    Route(("detokenize",), POST, "detokenize", "inference"),
+)
+
+
 class RouteTable:
     """The rows by the length of path they match and their first and last segments, the open-ended ones after.
     A path tries the rows whose last segment is its own before those that capture it (`models/stats` before
@@ -151,6 +162,7 @@ class RouteTable:
 
 
 TABLE = RouteTable()
+SERVICE_TABLE = RouteTable(SERVICE_ROUTES)
 
 
 def http_group(parts: list[str]) -> str | None:

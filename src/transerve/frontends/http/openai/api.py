@@ -8,30 +8,25 @@ every model call goes through the server's request path (scheduling, statistics,
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-import numpy as np
 import orjson
 
 from transerve.core.errors import ServerError
-from transerve.core.types import InferRequest, RequestedOutput, Tensor
 from transerve.frontends.http.openai import params
+from transerve.frontends.http.openai import prompts as prompts_of
 from transerve.frontends.http.openai.catalog import EMBEDDINGS, GENERATE, TEXT, Catalog, OpenAIModel
+from transerve.frontends.http.openai.embeddings import Embedder
 from transerve.frontends.http.openai.errors import ApiError, bad_request, from_server_error
-from transerve.frontends.http.openai.generation import Choice, Delta, Prompt
+from transerve.frontends.http.openai.generation import Choice, Delta
 from transerve.frontends.http.openai.responses import Formatter
-from transerve.frontends.http.openai.text import TextTokenizer
+from transerve.frontends.http.openai.service import detokenize, tokenize
 from transerve.frontends.http.protocol import HttpRequest, HttpResponse
 from transerve.server import Server
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-#: Inputs one embeddings request may carry, as OpenAI bounds them.
-MAX_EMBEDDING_INPUTS = 2048
-#: Chat histories longer than this render on a worker thread.
-_INLINE_MESSAGES = 64
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -39,11 +34,22 @@ class OpenAIApi:
     def __init__(self, server: Server) -> None:
         self._server = server
         self._catalog = Catalog(server)
+        self._embedder = Embedder(server)
 
     async def handle(self, request: HttpRequest, parts: list[str]) -> HttpResponse:
         """`parts`: the path's segments after `v1`."""
         try:
             return await self._route(request, parts)
+        except ApiError as exc:
+            return exc.response()
+        except ServerError as exc:
+            return from_server_error(exc).response()
+
+    async def service(self, request: HttpRequest, route: str) -> HttpResponse:
+        """vLLM's `POST /tokenize` and `POST /detokenize` (routes.py's service table routes them here)."""
+        try:
+            handler = tokenize if route == "tokenize" else detokenize
+            return _json(await handler(self._catalog, _body(request)))
         except ApiError as exc:
             return exc.response()
         except ServerError as exc:
@@ -65,7 +71,7 @@ class OpenAIApi:
             _allow(method, "POST")
             body = _body(request)
             if route == "embeddings":
-                return await self._embeddings(body)
+                return _json(await self._embedder.answer(self._catalog.get(body.get("model"), (EMBEDDINGS,)), body))
             return await self._complete(body, chat=route == "chat/completions")
         raise ApiError(404, f"Unknown endpoint /v1/{route}")
 
@@ -76,13 +82,16 @@ class OpenAIApi:
         entry = self._catalog.get(body.get("model"), (GENERATE, TEXT))
         sampling = params.sampling(body, chat)
         tokenizer = await entry.tokenizer() if entry.tokenizer_folder is not None else None
-        prompts = await (_chat_prompt(body, entry, tokenizer) if chat else _prompts(body, entry, tokenizer))
+        if entry.kind == TEXT:
+            _text_model_fields(sampling)
+        prompts = await (prompts_of.chat_prompt(body, entry, tokenizer, sampling) if chat else
+                         prompts_of.completion_prompts(body, entry, tokenizer, sampling))
         if len(prompts) * sampling.n > params.MAX_CHOICES:
             raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
                               param="n")
         choices = []
         for number, prompt in enumerate(prompts):
-            max_tokens = _max_tokens(entry, prompt, sampling)
+            max_tokens = prompts_of.max_tokens(entry, prompt, sampling)
             for copy in range(sampling.n):
                 index = number * sampling.n + copy
                 seed = None if sampling.seed is None else (sampling.seed + index) % 2**63
@@ -90,176 +99,29 @@ class OpenAIApi:
                                       started))
         formatter = Formatter(entry.id, chat, sampling, tokenizer, prompts)
         if sampling.stream:
-            return await _streamed(choices, formatter)
+            return await _streamed(choices, formatter, started)
         results = await _gathered(choices)
         for choice in choices:
             choice.record_timing()
-        return _json(formatter.answer(choices, results))
-
-    # ---- embeddings ------------------------------------------------------------------------------------------
-
-    async def _embeddings(self, body: dict[str, Any]) -> HttpResponse:
-        entry = self._catalog.get(body.get("model"), (EMBEDDINGS,))
-        texts = body.get("input")
-        if isinstance(texts, str):
-            texts = [texts]
-        if not isinstance(texts, list) or not texts or not all(isinstance(text, str) and text for text in texts):
-            raise bad_request("'input' must be a non-empty string or a non-empty list of non-empty strings (this "
-                              "model takes text, not token ids)", param="input")
-        if len(texts) > MAX_EMBEDDING_INPUTS:
-            raise bad_request(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} texts", param="input")
-        encoding = body.get("encoding_format", "float")
-        if encoding not in ("float", "base64"):
-            raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-        width = entry.model.signature.outputs[entry.text_output].dims[-1:]
-        dimensions = body.get("dimensions")
-        if dimensions is not None and (isinstance(dimensions, bool) or dimensions not in width):
-            raise bad_request(f"'dimensions' is not supported: model '{entry.id}' returns embeddings of "
-                              f"{width[0] if width else 'its own'} dimensions only", param="dimensions")
-        tokens = 0
-        if entry.tokenizer_folder is not None:
-            tokenizer = await entry.tokenizer()
-            limit = entry.context_length or tokenizer.max_length
-            for index, ids in enumerate(await _encoded(tokenizer, texts, limit, "input")):
-                if limit is not None and len(ids) > limit:
-                    raise bad_request(f"input[{index}] has {len(ids)} tokens; model '{entry.id}' takes at most "
-                                      f"{limit}", param="input")
-                tokens += len(ids)
-        vectors = await self._embed(entry, texts)
-        data = [{"object": "embedding", "index": index,
-                 "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64"
-                 else vector.tolist()}
-                for index, vector in enumerate(vectors)]
-        return _json({"object": "list", "data": data, "model": entry.id,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-    async def _embed(self, entry: OpenAIModel, texts: list[str]) -> list[np.ndarray]:
-        """The texts in batches of the model's `max_batch_size`, sent together."""
-        size = entry.max_batch_size or 1
-        batches = [texts[start:start + size] for start in range(0, len(texts), size)]
-        spec = entry.model.signature.inputs[entry.text_input]
-
-        async def one(batch: list[str]) -> np.ndarray:
-            data = np.array([text.encode() for text in batch], dtype=object)
-            data = data.reshape(len(batch), *([1] * (len(spec.shape) - 1))) if entry.max_batch_size else \
-                data.reshape((1,) * max(len(spec.shape), 1))
-            request = InferRequest(model_name=entry.id, model_version=entry.model.version,
-                                   inputs=[Tensor(entry.text_input, "BYTES", data)],
-                                   outputs=[RequestedOutput(entry.text_output)])
-            try:
-                response = await self._server.infer(request)
-            except ServerError as exc:
-                raise from_server_error(exc) from None
-            output = next(tensor for tensor in response.outputs if tensor.name == entry.text_output)
-            return np.asarray(output.data, dtype=np.float32).reshape(len(batch), -1)
-
-        results = await asyncio.gather(*(one(batch) for batch in batches))
-        return [vector for result in results for vector in result]
+        answer = formatter.answer(choices, results)
+        _record(entry, answer["usage"], started, choices)
+        return _json(answer)
 
 
-# ---- prompts -------------------------------------------------------------------------------------------------
-
-async def _prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
-    """/v1/completions' `prompt`: a string, a list of strings, token ids, or a list of token-id lists. Each is
-    bounded by the model's context before it is decoded or encoded."""
-    given = body.get("prompt")
-    if isinstance(given, str) or (isinstance(given, list) and given and all(_is_id(x) for x in given)):
-        given = [given]
-    if not isinstance(given, list) or not given:
-        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such "
-                          "lists, and not empty", param="prompt")
-    if len(given) > params.MAX_CHOICES:
-        raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
-                          param="prompt")
-    prompts: list[Prompt | None] = []
-    texts: list[str] = []
-    for item in given:
-        if isinstance(item, str):
-            if tokenizer is None:
-                prompts.append(Prompt([], item))
-            else:
-                texts.append(item)
-                prompts.append(None)
-        elif isinstance(item, list) and all(_is_id(x) for x in item):
-            if entry.kind != GENERATE or tokenizer is None:
-                raise bad_request(f"model '{entry.id}' takes text prompts, not token ids", param="prompt")
-            if entry.context_length is not None and len(item) > entry.context_length:
-                raise bad_request(f"a token-id prompt has {len(item)} tokens; model '{entry.id}' takes at most "
-                                  f"{entry.context_length}", param="prompt")
-            vocabulary = tokenizer.vocabulary_size()
-            if not item or any(x >= vocabulary for x in item):
-                raise bad_request(f"a token-id prompt must be non-empty, its ids in the vocabulary [0, {vocabulary})",
-                                  param="prompt")
-            prompts.append(Prompt(list(item), tokenizer.decode(item)))
-        else:
-            raise bad_request("each prompt must be a string or a list of token ids", param="prompt")
-    if texts and tokenizer is not None:
-        encoded = iter(await _encoded(tokenizer, texts, entry.context_length, "prompt"))
-        text_of = iter(texts)
-        prompts = [prompt if prompt is not None else Prompt(next(encoded), next(text_of)) for prompt in prompts]
-    complete = [prompt for prompt in prompts if prompt is not None]
-    if entry.kind == GENERATE and any(not prompt.ids for prompt in complete):
-        raise bad_request("the prompt is empty: it must have at least one token", param="prompt")
-    return complete
+def _record(entry: OpenAIModel, usage: dict[str, int], started: float, choices: list[Choice]) -> None:
+    """vLLM's counters for a request that ended well: its usage, its time, how its choices finished."""
+    entry.model.stats.tokens.record_request(usage["prompt_tokens"], usage["completion_tokens"],
+                                            time.perf_counter() - started, [choice.finish_reason for choice in choices])
 
 
-async def _encoded(tokenizer: TextTokenizer, texts: list[str], context: int | None, param: str,
-                   special_tokens: bool = True) -> list[list[int]]:
-    """The texts' ids; a text that cannot fit in the context is refused before it is tokenized."""
-    limit = tokenizer.character_limit(context)
-    for index, text in enumerate(texts):
-        if len(text) > limit:
-            where = param if len(texts) == 1 else f"{param}[{index}]"
-            raise bad_request(f"{where} has {len(text)} characters, more than the {limit} that "
-                              + (f"the model's {context} tokens can hold" if context is not None else
-                                 "a text may have") + ": shorten it", param=param)
-    return await tokenizer.encode_all(texts, special_tokens)
-
-
-def _is_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-async def _chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None) -> list[Prompt]:
-    messages = params.messages(body)
-    if tokenizer is None:
-        raise bad_request(f"model '{entry.id}' names no tokenizer, so it has no chat template: use /v1/completions",
-                          param="model")
-    arguments = body.get("chat_template_kwargs")
-    if arguments is not None and not isinstance(arguments, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    limit = tokenizer.character_limit(entry.context_length)
-    if sum(len(message["content"] or "") for message in messages) > limit:
-        raise bad_request(f"the messages have more than the {limit} characters that "
-                          + (f"the model's {entry.context_length} tokens can hold" if entry.context_length else
-                             "a prompt may have") + ": shorten them", param="messages")
-    if len(messages) > _INLINE_MESSAGES:  # a long history renders on a worker thread: Jinja takes its time
-        text = await asyncio.to_thread(tokenizer.render_chat, messages, arguments=arguments)
-    else:
-        text = tokenizer.render_chat(messages, arguments=arguments)
-    ids = (await _encoded(tokenizer, [text], entry.context_length, "messages", special_tokens=False))[0]
-    if entry.kind == GENERATE and not ids:
-        raise bad_request("the chat prompt is empty", param="messages")
-    return [Prompt(ids, text)]
-
-
-def _max_tokens(entry: OpenAIModel, prompt: Prompt, sampling: params.Sampling) -> int | None:
-    """The tokens the choice may generate; a prompt and completion longer than the model's context is refused as
-    OpenAI refuses it. Chat without a limit gets the rest of the context (the model's default when unknown)."""
-    context, used = entry.context_length, len(prompt.ids)
-    if context is None:
-        return sampling.max_tokens
-    if sampling.max_tokens is None:
-        if used >= context:
-            raise bad_request(f"This model's maximum context length is {context} tokens. However, your messages "
-                              f"resulted in {used} tokens. Please reduce the length of the messages.",
-                              param="messages")
-        return context - used
-    if used + sampling.max_tokens > context:
-        raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
-                          f"{used + sampling.max_tokens} tokens ({used} in the prompt, {sampling.max_tokens} for the "
-                          "completion). Please reduce the prompt or the completion length.", param="max_tokens")
-    return sampling.max_tokens
+def _text_model_fields(sampling: params.Sampling) -> None:
+    """A text model takes text in and gives text out: the fields about its tokens cannot reach it."""
+    for name, given in (("stop_token_ids", bool(sampling.stop_token_ids)), ("truncate_prompt_tokens",
+                        sampling.truncate is not None), ("skip_special_tokens", not sampling.skip_special_tokens),
+                        ("return_tokens_as_token_ids", sampling.tokens_as_ids)):
+        if given:
+            raise bad_request(f"'{name}' is not supported by a text model (it takes and gives text, not tokens)",
+                              param=name)
 
 
 # ---- running choices -------------------------------------------------------------------------------------------
@@ -319,7 +181,7 @@ async def _merged(choices: list[Choice]) -> AsyncGenerator[Delta, None]:
             task.cancel()
 
 
-async def _streamed(choices: list[Choice], formatter: Formatter) -> HttpResponse:
+async def _streamed(choices: list[Choice], formatter: Formatter, started: float) -> HttpResponse:
     """Server-sent events. The first delta is awaited before answering, so a request the model refuses gets its
     status rather than a 200 with an error event."""
     deltas = _merged(choices)
@@ -330,11 +192,11 @@ async def _streamed(choices: list[Choice], formatter: Formatter) -> HttpResponse
     except BaseException:
         await deltas.aclose()
         raise
-    return HttpResponse(200, content_type=SSE_CONTENT_TYPE, stream=_events(deltas, first, choices, formatter))
+    return HttpResponse(200, content_type=SSE_CONTENT_TYPE, stream=_events(deltas, first, choices, formatter, started))
 
 
 async def _events(deltas: AsyncGenerator[Delta, None], first: Delta | None, choices: list[Choice],
-                  formatter: Formatter) -> AsyncIterator[bytes]:
+                  formatter: Formatter, started: float) -> AsyncIterator[bytes]:
     try:
         for chunk in formatter.opening_chunks(choices):
             yield _event(chunk)
@@ -350,6 +212,7 @@ async def _events(deltas: AsyncGenerator[Delta, None], first: Delta | None, choi
             return
         for choice in choices:
             choice.record_timing()
+        _record(choices[0].entry, formatter.usage(choices), started, choices)
         if formatter.sampling.include_usage:
             yield _event(formatter.usage_chunk(choices))
         yield _DONE

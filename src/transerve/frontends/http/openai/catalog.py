@@ -51,6 +51,8 @@ class OpenAIModel:
     #: The model's inputs and outputs by name, for the optional ones (a per-row seed, log-probabilities).
     inputs: frozenset[str] = frozenset()
     outputs: frozenset[str] = frozenset()
+    #: Embeddings: the sizes `dimensions` may cut a vector to (config `openai_matryoshka_dimensions`).
+    matryoshka_dimensions: frozenset[int] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
     _tokenizer: TextTokenizer | None = None
     _loading: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -78,7 +80,9 @@ class OpenAIModel:
         return self._tokenizer
 
     def card(self) -> dict:
-        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "transerve"}
+        """OpenAI's model object, with vLLM's `root` and `max_model_len` (null when the model states none)."""
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "transerve", "root": self.id,
+                "parent": None, "max_model_len": self.context_length}
 
 
 class Catalog:
@@ -174,8 +178,23 @@ def _opted_in(model: ModelVersion, parameters: dict[str, str], kind: str, output
             return None
     else:
         folder = next((step for step in step_folders if has_tokenizer(step)), None)
+    sizes = _matryoshka(parameters.get("openai_matryoshka_dimensions", ""), model.signature.outputs[text_output].dims)
     return OpenAIModel(model.name, kind, model, folder, context, text_input=text_input, text_output=text_output,
-                       inputs=inputs, outputs=outputs)
+                       inputs=inputs, outputs=outputs, matryoshka_dimensions=sizes)
+
+
+def _matryoshka(text: str, dims: tuple[int, ...]) -> frozenset[int]:
+    """`all` (any size below the embedding's), or a comma-separated list of sizes; a size that is not below the
+    embedding's width, or a width that is not fixed, allows none."""
+    width = dims[-1] if dims else -1
+    if not text or width <= 1:
+        return frozenset()
+    if text.strip() == "all":
+        return frozenset(range(1, width))
+    sizes = [part.strip() for part in text.split(",")]
+    if not all(size.isdigit() and 0 < int(size) < width for size in sizes):
+        raise ServerError(ErrorCode.INVALID_ARG, f"openai_matryoshka_dimensions must be 'all' or sizes below {width}")
+    return frozenset(int(size) for size in sizes)
 
 
 def _folder(model: ModelVersion, name: str) -> Path | None:
@@ -190,16 +209,21 @@ def _context_length(parameters: dict[str, str]) -> int | None:
 
 
 def _config_context(folder: Path) -> int | None:
-    """A Hugging Face config.json's context length; None for a config without one (T5's relative positions) or a
-    CTranslate2 model's config.json (which has none of these keys)."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
+    """A Hugging Face config.json's context length; else (a CTranslate2 model's config.json has none of these keys)
+    the tokenizer's `model_max_length`, the bound the CTranslate2 engine itself applies; None for neither (T5's
+    relative positions)."""
+    config = _json_object(folder / "config.json")
     for key in _CONTEXT_KEYS:
         value = config.get(key)
         if isinstance(value, int) and value > 0:
             return value
-    return None
+    limit = _json_object(folder / "tokenizer_config.json").get("model_max_length")
+    return int(limit) if isinstance(limit, int | float) and 0 < limit < 10**9 else None
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}

@@ -44,6 +44,8 @@ class Delta:
     text: str
     logprobs: list[TokenLogProb] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The choice's completion tokens so far (vLLM's `continuous_usage_stats`).
+    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -60,7 +62,7 @@ class Choice:
     def __init__(self, server: Server, entry: OpenAIModel, tokenizer: TextTokenizer | None, prompt: Prompt,
                  sampling: Sampling, index: int, seed: int | None, max_tokens: int | None, started: float) -> None:
         self._server = server
-        self._entry = entry
+        self.entry = entry
         self._tokenizer = tokenizer
         self.prompt = prompt
         self._sampling = sampling
@@ -68,23 +70,36 @@ class Choice:
         self._seed = seed
         self._max_tokens = max_tokens
         self.completion_tokens = 0
+        self.finish_reason: str | None = None
         #: When the API took the request (`time.perf_counter()`), before tokenizing: where time to first token starts.
         self._started = started
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
 
-    def deltas(self) -> AsyncGenerator[Delta, None]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, the last one with its finish reason; raises ApiError when the model refuses.
-        Closing the generator (the client went away) cancels the model's request."""
-        return self._generated() if self._entry.kind == GENERATE else self._text()
+        Closing the generator (the client went away) cancels the model's request. While it runs, the choice counts
+        among the model's sequences in flight (vLLM's requests running)."""
+        timings = self.entry.model.stats.tokens
+        timings.active += 1
+        inner = self._generated() if self.entry.kind == GENERATE else self._text()
+        try:
+            async for delta in inner:
+                if delta.finish_reason is not None:
+                    self.finish_reason = delta.finish_reason
+                yield delta
+        finally:
+            await inner.aclose()
+            timings.active -= 1
 
     # ---- generators: ids in, ids out -------------------------------------------------------------------------
 
     async def _generated(self) -> AsyncGenerator[Delta, None]:
         assert self._tokenizer is not None
         stream = self._server.infer_stream(self._generator_request())
-        text = TextStream(self._tokenizer)
-        stops = _StopFinder(self._sampling.stop)
+        text = TextStream(self._tokenizer, self._sampling.skip_special_tokens)
+        stops = _StopFinder(self._sampling.stop, self._sampling.include_stop_str)
+        stop_ids = self._sampling.stop_token_ids
         consumed = 0  # generated ids taken so far
         stopped = False
         try:
@@ -102,29 +117,34 @@ class Choice:
                     continue
                 self._timed()
                 consumed += len(new_ids)
-                # With stop strings, ids go one at a time so the count stops at the id that completed one.
-                step = 1 if stops.active else len(new_ids)
+                # With stop strings or ids, ids go one at a time so the count stops at the id that ended the choice.
+                step = 1 if stops.active or stop_ids else len(new_ids)
                 for start in range(0, len(new_ids), step):
                     ids = new_ids[start:start + step]
                     self.completion_tokens += len(ids)
                     released, stopped = stops.feed(text.add(ids))
+                    if not stopped and stop_ids and ids[0] in stop_ids:  # vLLM's stop_token_ids: the id is kept
+                        tail, by_string = stops.feed(text.finish())  # the choice ends here: its last text goes
+                        released += tail + ("" if by_string else stops.flush())
+                        stopped = True
                     token_logprobs = logprobs[start:start + step] if logprobs is not None else []
                     if released or token_logprobs:
-                        yield Delta(self.index, released, token_logprobs)
+                        yield Delta(self.index, released, token_logprobs, completion_tokens=self.completion_tokens)
                     if stopped:
                         break
         finally:
             if not stream.closed:
                 stream.cancel()  # a stop string, or the client went away: the engine stops the sequence
         if stopped:
-            yield Delta(self.index, "", finish_reason="stop")
+            yield Delta(self.index, "", finish_reason="stop", completion_tokens=self.completion_tokens)
             return
         released, stopped = stops.feed(text.finish())
         released += "" if stopped else stops.flush()
-        yield Delta(self.index, released, finish_reason="stop" if stopped else self._finish_reason(text.ids))
+        yield Delta(self.index, released, finish_reason="stop" if stopped else self._finish_reason(text.ids),
+                    completion_tokens=self.completion_tokens)
 
     def _generator_request(self) -> InferRequest:
-        entry, sampling, ids = self._entry, self._sampling, self.prompt.ids
+        entry, sampling, ids = self.entry, self._sampling, self.prompt.ids
         spec = entry.model.signature.inputs
         inputs = [
             Tensor("input_ids", spec["input_ids"].datatype, _column(ids, spec["input_ids"].datatype)),
@@ -200,7 +220,7 @@ class Choice:
     # ---- text models: text in, text out ----------------------------------------------------------------------
 
     async def _text(self) -> AsyncGenerator[Delta, None]:
-        entry, sampling = self._entry, self._sampling
+        entry, sampling = self.entry, self._sampling
         spec = entry.model.signature.inputs[entry.text_input]
         data = np.array([self.prompt.text.encode()], dtype=object).reshape((1,) * max(len(spec.shape), 1))
         parameters: dict[str, Any] = {}
@@ -220,7 +240,7 @@ class Choice:
         output = next(tensor for tensor in response.outputs if tensor.name == entry.text_output)
         values = output.data.reshape(-1)
         text = values[0].decode("utf-8", "replace") if len(values) and isinstance(values[0], bytes) else ""
-        stops = _StopFinder(sampling.stop)
+        stops = _StopFinder(sampling.stop, sampling.include_stop_str)
         released, stopped = stops.feed(text)
         released += "" if stopped else stops.flush()
         if self._tokenizer is not None:
@@ -228,7 +248,7 @@ class Choice:
         self._timed()
         finish = "stop" if stopped or self._max_tokens is None or self.completion_tokens < self._max_tokens \
             else "length"
-        yield Delta(self.index, released, finish_reason=finish)
+        yield Delta(self.index, released, finish_reason=finish, completion_tokens=self.completion_tokens)
 
     # ---- timing ----------------------------------------------------------------------------------------------
 
@@ -236,13 +256,15 @@ class Choice:
         now = time.perf_counter()
         if self._first_token_at is None:
             self._first_token_at = now
+        else:
+            self.entry.model.stats.tokens.inter_token.observe(now - self._last_token_at)
         self._last_token_at = now
 
     def record_timing(self) -> None:
         """Into the model's histograms, once the choice ended well."""
         if self._first_token_at is None:
             return
-        self._entry.model.stats.tokens.record(self._first_token_at - self._started,
+        self.entry.model.stats.tokens.record(self._first_token_at - self._started,
                                               self._last_token_at - self._first_token_at,
                                               max(self.completion_tokens - 1, 0))
 
@@ -251,21 +273,25 @@ class _StopFinder:
     """Stop strings found in text as it streams: text that could be the start of a stop string is held back until
     the next text settles it, so no returned text ever holds a stop string or its first part."""
 
-    __slots__ = ("_stops", "_held", "active")
+    __slots__ = ("_stops", "_held", "active", "_include")
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self._stops = stops
         self._held = ""
         self.active = bool(stops)
+        #: vLLM's `include_stop_str_in_output`: the stop string itself goes out too.
+        self._include = include
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """(text that can go out, whether a stop string ended the choice: the text before it went out)."""
+        """(text that can go out, whether a stop string ended the choice: the text before it went out, and the
+        stop string when it is included)."""
         if not self.active:
             return text, False
         self._held += text
-        found = [index for stop in self._stops if (index := self._held.find(stop)) >= 0]
+        found = [(index, -len(stop)) for stop in self._stops if (index := self._held.find(stop)) >= 0]
         if found:
-            released, self._held = self._held[:min(found)], ""
+            index, longest = min(found)  # the first match; of those starting there, the longest
+            released, self._held = self._held[:index - longest if self._include else index], ""
             return released, True
         keep = max((_overlap(self._held, stop) for stop in self._stops), default=0)
         released = self._held[:len(self._held) - keep]

@@ -1,9 +1,10 @@
 """The request fields of /v1/completions and /v1/chat/completions, checked and bounded once.
 
-Fields are checked as OpenAI documents them (types, ranges); a field transerve cannot honour is refused with a
-400 naming it rather than ignored (penalties, logit_bias, tools, `suffix`, structured output). Fields it does not
-know are ignored, as vLLM ignores them: clients send their own extensions. vLLM's `min_tokens`, `ignore_eos` and
-`top_k` are taken too, so benchmarks and clients written for vLLM run unchanged.
+Fields are checked as OpenAI documents them (types, ranges). Each endpoint lists the fields it acts on; any other
+field is refused with a 400 naming it, so that a client relying on a field (vLLM's `repetition_penalty`, a
+structured-output schema) never gets an answer that silently ignored it. The only exceptions are OpenAI's pure
+metadata fields (`METADATA_FIELDS`), which change no answer anywhere. vLLM's extras that the layer can honour by
+itself (detokenizer options, stop token ids, truncation, chat-template switches) are taken as vLLM takes them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,34 @@ MAX_STOP = 4
 MAX_STOP_CHARS = 512
 MAX_TOP_LOGPROBS = 20
 MAX_MESSAGES = 4096
+MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: Fields that describe the caller, never the answer: accepted and ignored on every endpoint.
+METADATA_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
+#: What completions and chat both act on (some only at their neutral value, checked where they are read).
+_SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "stream", "stream_options",
+    "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos", "top_k", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "return_tokens_as_token_ids", "add_special_tokens", "priority",
+})
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "response_format",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+}
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "truncate_prompt_tokens"})
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+
+
+def refuse_unknown(body: dict[str, Any], known: frozenset[str], endpoint: str) -> None:
+    """A 400 naming the first field the endpoint does not act on (metadata fields aside)."""
+    for name in body:
+        if name not in known and name not in METADATA_FIELDS:
+            raise bad_request(f"'{name}' is not supported by {endpoint} here: transerve refuses a field it does not "
+                              "act on rather than ignore it (docs/openai.md lists the fields)", param=name)
 
 
 @dataclass(slots=True)
@@ -41,6 +68,18 @@ class Sampling:
     stream: bool
     include_usage: bool
     echo: bool = False
+    #: vLLM's `stream_options.continuous_usage_stats`: every chunk carries its choice's usage so far.
+    continuous_usage: bool = False
+    #: vLLM's `stop_token_ids`: generating one ends the choice (the id counted, its text kept unless special).
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    #: vLLM's `return_tokens_as_token_ids`: log-probability tokens named `token_id:<id>`.
+    tokens_as_ids: bool = False
+    #: vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the model's context), None: all.
+    truncate: int | None = None
+    #: Whether a text prompt is tokenized with the tokenizer's special tokens (vLLM: completions yes, chat no).
+    add_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -48,13 +87,15 @@ class Sampling:
 
 
 def sampling(body: dict[str, Any], chat: bool) -> Sampling:
+    refuse_unknown(body, CHAT_FIELDS if chat else COMPLETION_FIELDS,
+                   "/v1/chat/completions" if chat else "/v1/completions")
     _refused(body, chat)
-    max_tokens = _optional_int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
+    max_tokens = optional_int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                                else "max_tokens", 1)
     if not chat and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    min_tokens = _optional_int(body, "min_tokens", 0) or 0
-    if _bool(body, "ignore_eos", False):
+    min_tokens = optional_int(body, "min_tokens", 0) or 0
+    if flag(body, "ignore_eos", False):
         if max_tokens is None:
             raise bad_request("'ignore_eos' needs 'max_tokens'", param="ignore_eos")
         min_tokens = max_tokens
@@ -65,24 +106,59 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0", param="top_p")
-    top_k = max(_optional_int(body, "top_k", -1) or 0, 0)  # vLLM's -1 and 0 both mean off
-    seed = _optional_int(body, "seed", -(2**63))
+    top_k = max(optional_int(body, "top_k", -1) or 0, 0)  # vLLM's -1 and 0 both mean off
+    seed = optional_int(body, "seed", -(2**63))
     if seed is not None and not 0 <= seed < 2**63:
         raise bad_request("'seed' must be between 0 and 2^63 - 1 here", param="seed")
-    n = _optional_int(body, "n", 1) or 1
+    n = optional_int(body, "n", 1) or 1
     if n > MAX_CHOICES:
         raise bad_request(f"'n' must be at most {MAX_CHOICES}", param="n")
-    stream = _bool(body, "stream", False)
+    stream = flag(body, "stream", False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", param="stream_options")
-        include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+        for name in options:
+            if name not in _STREAM_OPTIONS:
+                raise bad_request(f"'stream_options.{name}' is not supported", param=f"stream_options.{name}")
+        include_usage = flag(options, "include_usage", False, "stream_options.include_usage")
+        continuous = flag(options, "continuous_usage_stats", False, "stream_options.continuous_usage_stats")
+        if continuous and not include_usage:  # vLLM sends per-chunk usage only with include_usage
+            raise bad_request("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
+                              param="stream_options.continuous_usage_stats")
+    if not flag(body, "spaces_between_special_tokens", True):
+        raise bad_request("'spaces_between_special_tokens': false is not supported: the models' tokenizers "
+                          "(tokenizer.json) decode special tokens with their own spacing",
+                          param="spaces_between_special_tokens")
+    if optional_int(body, "priority", -(2**63)):
+        raise bad_request("'priority' is not supported (only 0): the generators batch requests themselves, with no "
+                          "priority levels", param="priority")
+    truncate = optional_int(body, "truncate_prompt_tokens", -1)
+    if truncate == 0:
+        raise bad_request("'truncate_prompt_tokens' must be -1 (the model's context) or at least 1",
+                          param="truncate_prompt_tokens")
     return Sampling(max_tokens, min_tokens, temperature, top_p, top_k, seed, n, _stop(body), _logprobs(body, chat),
-                    stream, include_usage, echo=not chat and _bool(body, "echo", False))
+                    stream, include_usage, echo=not chat and flag(body, "echo", False), continuous_usage=continuous,
+                    stop_token_ids=_stop_token_ids(body), include_stop_str=flag(body, "include_stop_str_in_output",
+                                                                                 False),
+                    skip_special_tokens=flag(body, "skip_special_tokens", True),
+                    tokens_as_ids=flag(body, "return_tokens_as_token_ids", False), truncate=truncate,
+                    add_special_tokens=flag(body, "add_special_tokens", not chat))
+
+
+def _stop_token_ids(body: dict[str, Any]) -> frozenset[int]:
+    given = body.get("stop_token_ids")
+    if given is None:
+        return frozenset()
+    if not isinstance(given, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                              for x in given):
+        raise bad_request("'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+    if len(given) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+    return frozenset(given)
 
 
 def _refused(body: dict[str, Any], chat: bool) -> None:
@@ -102,6 +178,9 @@ def _refused(body: dict[str, Any], chat: bool) -> None:
         for name in ("tools", "functions"):
             if body.get(name):
                 raise bad_request(f"'{name}' is not supported", param=name)
+        if body.get("chat_template") is not None:  # vLLM too refuses it unless told to trust requests' templates
+            raise bad_request("'chat_template' is not supported: a template sent with a request is code the server "
+                              "would run; the model's own template is used", param="chat_template")
         response_format = body.get("response_format")
         if response_format is not None and response_format != {"type": "text"}:
             raise bad_request("'response_format' supports only {\"type\": \"text\"}", param="response_format")
@@ -125,16 +204,16 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """Completions: `logprobs` is the number of likeliest tokens (0 for the chosen one's only). Chat: `logprobs`
     is a boolean and `top_logprobs` the number."""
     if not chat:
-        return _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if not _bool(body, "logprobs", False):
+        return optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    top = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not flag(body, "logprobs", False):
         if top:
             raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return None
     return top or 0
 
 
-def _optional_int(body: dict[str, Any], name: str, least: int, most: int | None = None) -> int | None:
+def optional_int(body: dict[str, Any], name: str, least: int, most: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -157,7 +236,7 @@ def _number(body: dict[str, Any], name: str, default: float, least: float, most:
     return float(value)
 
 
-def _bool(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
+def flag(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return default

@@ -46,9 +46,9 @@ class Formatter:
                                   "logprobs": self._completion_logprobs(choice.index, tokens, len(prefix)),
                                   "finish_reason": finish})
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": documents,
-                "usage": self._usage(choices)}
+                "usage": self.usage(choices)}
 
-    def _usage(self, choices: list[Choice]) -> dict[str, int]:
+    def usage(self, choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(prompt.ids) for prompt in self._prompts)
         if self._tokenizer is not None and any(not prompt.ids for prompt in self._prompts):  # text models
             prompt = sum(len(self._tokenizer.encode(prompt.text)) for prompt in self._prompts)
@@ -60,24 +60,38 @@ class Formatter:
     def opening_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         """Chat: each choice's role first, as OpenAI streams it. Completions with `echo`: each prompt."""
         if self.chat:
-            return [self._chat_chunk(choice.index, {"role": "assistant", "content": ""}, None, None)
-                    for choice in choices]
-        if self.sampling.echo:
-            return [self._completion_chunk(choice.index, choice.prompt.text, None, None) for choice in choices]
-        return []
+            chunks = [self._chat_chunk(choice.index, {"role": "assistant", "content": ""}, None, None)
+                      for choice in choices]
+        elif self.sampling.echo:
+            chunks = [self._completion_chunk(choice.index, choice.prompt.text, None, None) for choice in choices]
+        else:
+            return []
+        for chunk, choice in zip(chunks, choices, strict=True):
+            self._continuous(chunk, choice.index, 0)
+        return chunks
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         if self.chat:
             content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-            return self._chat_chunk(delta.index, content, self._chat_logprobs(delta.logprobs), delta.finish_reason)
-        offset = len(self._prompts[delta.index // self.sampling.n].text) if self.sampling.echo else 0
-        return self._completion_chunk(delta.index, delta.text,
-                                      self._completion_logprobs(delta.index, delta.logprobs, offset),
-                                      delta.finish_reason)
+            chunk = self._chat_chunk(delta.index, content, self._chat_logprobs(delta.logprobs), delta.finish_reason)
+        else:
+            offset = len(self._prompts[delta.index // self.sampling.n].text) if self.sampling.echo else 0
+            chunk = self._completion_chunk(delta.index, delta.text,
+                                           self._completion_logprobs(delta.index, delta.logprobs, offset),
+                                           delta.finish_reason)
+        return self._continuous(chunk, delta.index, delta.completion_tokens)
+
+    def _continuous(self, chunk: dict[str, Any], index: int, completion: int) -> dict[str, Any]:
+        """vLLM's `continuous_usage_stats`: the chunk's choice's prompt and its tokens so far."""
+        if self.sampling.continuous_usage:
+            prompt = len(self._prompts[index // self.sampling.n].ids)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        return chunk
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": self._usage(choices)}
+        return {**self._head(kind), "choices": [], "usage": self.usage(choices)}
 
     def _chat_chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> dict[str, Any]:
         document = {**self._head("chat.completion.chunk"),
@@ -95,13 +109,21 @@ class Formatter:
 
     # ---- log-probabilities -----------------------------------------------------------------------------------
 
+    def _name(self, token_id: int, label: bool = False) -> str:
+        """A token as log-probabilities show it: its text (completions: its label), or vLLM's `token_id:<id>` with
+        `return_tokens_as_token_ids`."""
+        assert self._tokenizer is not None
+        if self.sampling.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._tokenizer.token_label(token_id) if label else self._tokenizer.token_text(token_id)
+
     def _chat_logprobs(self, tokens: list[TokenLogProb]) -> dict[str, Any] | None:
         if self.sampling.logprobs is None or self._tokenizer is None:
             return None
         tokenizer = self._tokenizer
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            return {"token": tokenizer.token_text(token_id), "logprob": logprob,
+            return {"token": self._name(token_id), "logprob": logprob,
                     "bytes": tokenizer.token_bytes(token_id)}
 
         return {"content": [{**entry(token.token_id, token.logprob),
@@ -115,7 +137,7 @@ class Formatter:
             return None
         tokenizer = self._tokenizer
         texts = [tokenizer.token_text(token.token_id) for token in tokens]
-        labels = [tokenizer.token_label(token.token_id) for token in tokens]
+        labels = [self._name(token.token_id, label=True) for token in tokens]
         offset = self._offsets.get(index, start)
         offsets = []
         for text in texts:
@@ -124,7 +146,7 @@ class Formatter:
         self._offsets[index] = offset
         tops = []
         for token, label in zip(tokens, labels, strict=True):
-            top = {tokenizer.token_label(i): v for i, v in token.top[:self.sampling.logprobs]}
+            top = {self._name(i, label=True): v for i, v in token.top[:self.sampling.logprobs]}
             top.setdefault(label, token.logprob)
             tops.append(top)
         return {"tokens": labels, "token_logprobs": [token.logprob for token in tokens], "top_logprobs": tops,

@@ -73,6 +73,15 @@ class TextTokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
+    def encode_truncated(self, text: str, keep: int, special_tokens: bool = True, side: str = "left") -> list[int]:
+        """At most `keep` ids, as transformers truncates (`truncation=True, max_length=keep`): the text's own tokens
+        are cut on `side`, then the special tokens are added, so they survive the cut."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        room = keep - (self._tokenizer.num_special_tokens_to_add(False) if special_tokens else 0)
+        if len(encoding.ids) > max(room, 0):
+            encoding.truncate(max(room, 0), direction=side)
+        return self._tokenizer.post_process(encoding, add_special_tokens=special_tokens).ids
+
     def character_limit(self, context: int | None) -> int:
         """The characters a text may have and still fit in `context` tokens: each token covers at most
         `longest_token` of them (normalizers that drop characters aside)."""
@@ -85,8 +94,8 @@ class TextTokenizer:
         encodings = await asyncio.to_thread(self._tokenizer.encode_batch, texts, add_special_tokens=special_tokens)
         return [encoding.ids for encoding in encodings]
 
-    def decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         if self._clean_up:
             for before, after in _CLEANUPS:
                 text = text.replace(before, after)
@@ -119,7 +128,10 @@ class TextTokenizer:
         return list(self.token_text(token_id).encode("utf-8", "replace"))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    arguments: dict[str, Any] | None = None) -> str:
+                    arguments: dict[str, Any] | None = None, continue_final_message: bool = False,
+                    documents: list[dict[str, Any]] | None = None) -> str:
+        """The template's text, as transformers' `apply_chat_template(tokenize=False)` gives it for the same
+        arguments; `continue_final_message` ends the text with the last message's content, left open."""
         if self.chat_template is None:
             raise bad_request("this model has no chat template (its tokenizer_config.json or chat_template.jinja "
                               "names none): use /v1/completions", param="messages")
@@ -135,11 +147,30 @@ class TextTokenizer:
                               "field gives it", param="chat_template_kwargs")
         # As transformers' apply_chat_template: the request's variables replace the special tokens' defaults.
         variables = {**self.special_tokens, "add_generation_prompt": add_generation_prompt, **(arguments or {})}
+        if documents is not None:
+            variables["documents"] = documents
+        if continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _OPEN_END}]
         try:
             template = _compiled(self.chat_template)
-            return template.render(messages=messages, **variables)
+            text = template.render(messages=messages, **variables)
         except TemplateError as exc:
             raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
+        return _left_open(text) if continue_final_message else text
+
+
+#: Marks the end of the final message's content for `continue_final_message` (transformers marks it the same way).
+_OPEN_END = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _left_open(text: str) -> str:
+    """The rendered chat cut where the final message's marked content ends; a template that trimmed the space
+    after the mark trimmed the message's trailing whitespace too, so the cut is stripped as well."""
+    at = text.rfind(_OPEN_END.strip())
+    if at < 0:
+        raise bad_request("'continue_final_message': the chat template's text does not hold the final message's "
+                          "content", param="continue_final_message")
+    return text[:at] if text[at:at + len(_OPEN_END)] == _OPEN_END else text[:at].rstrip()
 
 
 class TextStream:
@@ -148,18 +179,19 @@ class TextStream:
     new ones), so a long completion costs linear time, and the window's first ids give the new ones the context
     that decides a leading space (SentencePiece vocabularies)."""
 
-    __slots__ = ("_tokenizer", "ids", "_start", "_read")
+    __slots__ = ("_tokenizer", "ids", "_start", "_read", "_skip")
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self.ids: list[int] = []
         self._start = 0
         self._read = 0
+        self._skip = skip_special_tokens
 
     def add(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        before = self._tokenizer.decode(self.ids[self._start:self._read])
-        window = self._tokenizer.decode(self.ids[self._start:])
+        before = self._tokenizer.decode(self.ids[self._start:self._read], self._skip)
+        window = self._tokenizer.decode(self.ids[self._start:], self._skip)
         if len(window) <= len(before) or window.endswith(_REPLACEMENT):
             return ""
         self._start, self._read = self._read, len(self.ids)
@@ -167,8 +199,8 @@ class TextStream:
 
     def finish(self) -> str:
         """What is left at the end, a partial character included (the model produced it)."""
-        before = self._tokenizer.decode(self.ids[self._start:self._read])
-        window = self._tokenizer.decode(self.ids[self._start:])
+        before = self._tokenizer.decode(self.ids[self._start:self._read], self._skip)
+        window = self._tokenizer.decode(self.ids[self._start:], self._skip)
         self._start = self._read = len(self.ids)
         return window[len(before):] if len(window) > len(before) else ""
 
