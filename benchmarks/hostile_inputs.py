@@ -253,6 +253,85 @@ def probe_unknown_names(target: Target) -> Outcome:
     return Outcome(f"{count:,} unloads and stats of unknown names: {statuses(answers)}")
 
 
+# Python-backend workers that misbehave (issue 35, part 4): their models are written by `write_worker_models`.
+
+_ECHO = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.ones(int(pb_utils.get_input_tensor_by_name(
+            r, "X").as_numpy()[0]), np.uint8))]) for r in requests]
+"""
+WORKER_MODELS = {
+    "flood": _ECHO.replace("class TritonPythonModel:", '''import sys, threading
+
+def flood():
+    while True:
+        sys.stdout.write(("flood " + "x" * 200 + "\\n") * 50)
+
+class TritonPythonModel:
+    def initialize(self, args):
+        threading.Thread(target=flood, daemon=True).start()
+'''),
+    "exiting": _ECHO.replace("class TritonPythonModel:", '''import os, threading
+
+class TritonPythonModel:
+    def initialize(self, args):
+        threading.Timer(0.3, os._exit, (3,)).start()
+'''),
+    "big": _ECHO,
+}
+
+
+def write_worker_models(repo: Path) -> None:
+    for name, code in WORKER_MODELS.items():
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(code)
+        (repo / name / "config.pbtxt").write_text(
+            f'name: "{name}" backend: "python" input [{{name: "X" data_type: TYPE_INT32 dims: [1]}}] '
+            'output [{name: "Y" data_type: TYPE_UINT8 dims: [-1]}]')
+
+
+def log_bytes(target: Target) -> int:
+    """The size of the file the server logs to (its stderr)."""
+    try:
+        return os.stat(f"/proc/{target.pid}/fd/2").st_size
+    except OSError:
+        return 0
+
+
+def probe_stdout_flood(target: Target) -> Outcome:
+    """A model printing as fast as it can from `initialize` on, for 3 s."""
+    before = log_bytes(target)
+    loaded = _load(target, "flood")
+    time.sleep(3.0)
+    grown = (log_bytes(target) - before) / 1e6
+    return Outcome(f"load {loaded}; the log grew {grown:.2f} MB in 3 s", {"log_growth_mb": grown})
+
+
+def probe_huge_response(target: Target) -> Outcome:
+    """A python model answering 2 GiB (under the default --max-response-bytes of 1 GiB)."""
+    loaded = _load(target, "big")
+    started = time.monotonic()
+    body = {"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [(2 << 30) - 1]}]}
+    return Outcome(f"load {loaded}; infer of 2 GiB {described(post(target, '/v2/models/big/infer', body), started)}")
+
+
+def probe_restart_loop(target: Target) -> Outcome:
+    """A worker that exits 0.3 s after each start: how long until the model is given up, and its state."""
+    loaded = _load(target, "exiting")
+    started = time.monotonic()
+    while time.monotonic() - started < 60:
+        if requests.get(f"{target.base_url}/v2/models/exiting/ready", timeout=TIMEOUT_S).status_code != 200:
+            break
+        time.sleep(0.1)
+    index = requests.post(f"{target.base_url}/v2/repository/index", json={}, timeout=TIMEOUT_S).json()
+    state = next((entry.get("state") for entry in index if entry["name"] == "exiting"), "?")
+    return Outcome(f"load {loaded}; not ready {time.monotonic() - started:.1f} s later, index state {state}")
+
+
 PROBES: list[Probe] = [
     Probe("shm_truncate", "a registered shared memory object truncated to 0 bytes, then inferred from",
           probe_shm_truncate),
@@ -266,6 +345,9 @@ PROBES: list[Probe] = [
     Probe("deep_ensemble", "an ensemble chain 1000 deep, loaded by its head", probe_deep_ensemble),
     Probe("unknown_names", "100,000 unloads and stats of distinct unknown names (--unknown-names)",
           probe_unknown_names),
+    Probe("stdout_flood", "a python model writing to stdout in a loop", probe_stdout_flood),
+    Probe("huge_response", "a python model answering 2 GiB", probe_huge_response),
+    Probe("restart_loop", "a python worker exiting 0.3 s after each start", probe_restart_loop),
 ]
 
 
@@ -302,6 +384,7 @@ def make_repository(root: Path) -> Path:
     dims = ", ".join(["1"] * 1_000_000)
     (huge / "config.pbtxt").write_text(f'name: "huge_config"\nbackend: "python"\ninput [{{ name: "X" data_type: '
                                        f'TYPE_FP32 dims: [ {dims} ] }}]\n')
+    write_worker_models(repo)
     return repo
 
 
