@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 import requests
+import tritonclient.grpc as grpcclient
 from support import ServerProcess, start_transerve
 from support.repositories import copy_example
+from tritonclient.utils import InferenceServerException
 
 TIMEOUT_S = 60.0
 #: The longest a bystander's health check may take while a probe runs (the loaded 2-core CI machine included).
@@ -156,3 +158,25 @@ def test_a_chain_within_the_bound_loads_leaves_first(server: ServerProcess) -> N
     answer = requests.post(f"{server.base_url}/v2/models/short0/infer", json=body, timeout=TIMEOUT_S)
     assert answer.status_code == 200, answer.text
     assert answer.json()["outputs"][0]["data"] == [2, 3, 4, 5]
+
+
+def test_the_same_refusals_over_grpc(server: ServerProcess) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        cases = [
+            ("uploaded", {f"file:1/f{index}": b"x" for index in range(1025)}, "more than the 1024 allowed"),
+            ("uploaded", {"file:1/model\u0000.py": b"x"}, "holds a NUL byte"),
+            ("m" * 300, {"file:1/model.py": b"x"}, "invalid model name"),
+        ]
+        for name, files, fragment in cases:
+            with pytest.raises(InferenceServerException) as raised:
+                client.load_model(name, config=CONFIG, files=files)
+            assert raised.value.status() == "StatusCode.INVALID_ARGUMENT", raised.value.message()
+            assert fragment in raised.value.message()
+        with pytest.raises(InferenceServerException) as deep:
+            client.load_model("deep0")
+        assert deep.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "nests ensembles more than 32 deep" in deep.value.message()
+    finally:
+        client.close()
+    assert server.alive()
