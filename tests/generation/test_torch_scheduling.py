@@ -201,12 +201,13 @@ def test_sequences_prepared_ahead_are_those_nearest_in_length_within_the_next_ro
             sequence(10),
         )
         cancelled.cancelled = True
-        prepared.prepared = ("rows", "first")
+        engine.scheduler.deliver([prepared], [("rows", "first")])
         engine.scheduler.queue = collections.deque([far, near, cancelled, prepared, beams, near_too, beyond])  # 8 rows
         assert engine._join_ahead([fresh]) == []  # no batch runs: the admitted sequences join in one call anyway
         engine.runner.batch = "running"
         assert engine._join_ahead([fresh]) == [near, beams]  # lengths 11 and 8 (12 is as near as 8: queue order)
-        assert near.preparing and beams.preparing and not near_too.preparing
+        preparing = engine.scheduler._preparing
+        assert near in preparing and beams in preparing and near_too not in preparing
         assert engine._join_ahead([fresh]) == [near_too, far]  # `beyond` is past the next 7 rows
     finally:
         engine.runner.batch, engine.scheduler.queue = None, collections.deque()

@@ -7,6 +7,7 @@ and token selection never do.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.torch.host_copies import to_device
@@ -66,6 +67,23 @@ class ThreadPolicy:
             self.current = wanted
 
 
+@dataclass(slots=True)
+class StepPlan:
+    """What the engine thread hands the batch runner for one step: the rows that join now (`new`: their batch, and
+    their first decoder inputs or first logits) and, decoder-only with rows running, the prompts prefilled in the
+    step's own forward (`prompts`: their inputs and rows per sequence, `ModelRunner.step_with_prompts`)."""
+
+    new: tuple[DecoderBatch, torch.Tensor] | None = None
+    prompts: tuple[list[list[int]], list[int]] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step gives token selection: every row's logits [rows, vocab] (float32), in batch order."""
+
+    logits: torch.Tensor
+
+
 class BatchRunner:
     """The running batch on the device: its rows' caches (`DecoderBatch`), their next input tokens, and the model
     calls (`forward`) that step it. Used by the engine thread only."""
@@ -77,13 +95,12 @@ class BatchRunner:
         self.batch: DecoderBatch | None = None
         self.next_tokens: torch.Tensor | None = None
 
-    def step(self, new: tuple[DecoderBatch, torch.Tensor] | None,
-             prompts: tuple[list[list[int]], list[int]] | None = None) -> torch.Tensor | None:
-        """One step: the running rows and the `new` ones (their batch, and first decoder inputs or first logits)
-        merged, then those of `prompts` (decoder-only, inputs and rows per sequence, with rows running: prefilled
-        in the step's own forward, `ModelRunner.step_with_prompts`); returns every row's logits (float32, batch
-        order), None when no row runs."""
+    def step(self, plan: StepPlan) -> StepResult | None:
+        """One step: the running rows and the plan's new ones merged, then those of its prompts; None when no row
+        runs."""
         import torch
+
+        new, prompts = plan.new, plan.prompts
 
         if self.forward.encoder_decoder:  # new rows' first decoder inputs go through this step with the others'
             if new is not None:
@@ -92,7 +109,7 @@ class BatchRunner:
             if self.batch is None:
                 return None
             self.threads.set(joining=False, used_rows=0)
-            return self.forward.step(self.batch, self.next_tokens).float()
+            return StepResult(self.forward.step(self.batch, self.next_tokens).float())
         logits, fresh = None, None
         if self.batch is not None:
             self.threads.set(joining=False, used_rows=0)
@@ -104,7 +121,7 @@ class BatchRunner:
             if rows:
                 self._merge(rows[0])
                 logits = rows[1] if logits is None else torch.cat((logits, rows[1]))
-        return None if logits is None else logits.float()
+        return None if logits is None else StepResult(logits.float())
 
     def feed(self, keep: list[int], next_tokens: list[int], same_sequences: bool) -> None:
         """After a step: keep the batch rows `keep`, in that order, with their next input tokens. `same_sequences`

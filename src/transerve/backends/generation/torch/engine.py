@@ -18,7 +18,6 @@ produced it; beam search streams nothing (its best hypothesis is only known at t
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ from transerve.backends.generation.engine import (
     TokenCallback,
 )
 from transerve.backends.generation.torch.batch_rows import default_batch_rows
-from transerve.backends.generation.torch.batch_runner import BatchRunner, ThreadPolicy
+from transerve.backends.generation.torch.batch_runner import BatchRunner, StepPlan, StepResult, ThreadPolicy
 from transerve.backends.generation.torch.cache_buffers import fewest_moves
 from transerve.backends.generation.torch.join_stream import JoinStream, Prepared
 from transerve.backends.generation.torch.model_loading import load
@@ -238,7 +237,7 @@ class TorchEngine:
                     self._fail_running(internal(f"generation failed: {exc}"))
         self._fail_running(unavailable("the generation engine was closed"))
         with scheduler.cond:
-            pending, scheduler.queue = list(scheduler.queue), collections.deque()
+            pending = scheduler.take_queue()
         for sequence in pending:
             _report(sequence.done, unavailable("the generation engine was closed"))
 
@@ -265,7 +264,7 @@ class TorchEngine:
                         if not scheduler.closed:
                             self.joining_thread = None  # idle: the next submit or admission starts another
                         return
-                    sequence.preparing = True
+                    scheduler.claim(sequence)
                 prepared = None
                 try:
                     with self.join_stream.joining():
@@ -273,9 +272,7 @@ class TorchEngine:
                         prepared = self.join_stream.prepared(batch, first)
                 except Exception:  # the engine thread tries again, and reports a failure to the sequence
                     logger.exception("preparing a sequence failed")
-                with scheduler.cond:
-                    sequence.prepared, sequence.preparing = prepared, False
-                    scheduler.cond.notify_all()
+                scheduler.deliver([sequence], [prepared])
 
     def _next_to_prepare(self) -> Sequence | None:
         """While the engine decodes, the first waiting sequence not prepared yet among those that fill the next
@@ -289,42 +286,35 @@ class TorchEngine:
     def _iteration(self) -> None:
         self._drop_cancelled()
         admitted = self._admit()
-        new: tuple[DecoderBatch, torch.Tensor] | None = None
-        prompts: tuple[list[list[int]], list[int]] | None = None
+        plan = StepPlan()
         if admitted:
-            admitted = self._await_prepared(admitted)
-            fresh: list[Sequence] = []
+            prepared, fresh = self.scheduler.take_prepared(admitted)
             if self.runner.forward.fuses_joins and self.runner.batch is not None:
-                fresh = [s for s in admitted if s.prepared is None]  # prefilled in the step's forward, after the rest
-                prompts = ([s.input_ids for s in fresh], [s.rows for s in fresh]) if fresh else None
-                admitted = [s for s in admitted if s.prepared is not None]
+                # prefilled in the step's forward, after the rest
+                plan.prompts = ([s.input_ids for s in fresh], [s.rows for s in fresh]) if fresh else None
+                joining, fused = [s for s, _ in prepared], fresh
+                computed: list[Sequence] = []
+            else:
+                joining, fused, computed = [s for s, _ in prepared] + fresh, [], fresh
             try:
-                new = self._new_rows(admitted) if admitted else None
+                plan.new = self._new_rows([rows for _, rows in prepared], computed) if joining else None
             except Exception as exc:  # their rows never reached the batch: they fail, the running ones go on
                 logger.exception("computing joining sequences' rows failed")
-                for sequence in admitted:
+                for sequence in joining:
                     self.scheduler.release(sequence)
                     _report(sequence.done, internal(f"generation failed: {exc}"))
-                admitted = []
-            self.scheduler.running.extend(admitted + fresh)  # from here on a failure reaches them too
-        logits = self.runner.step(new, prompts)
-        if logits is not None:
-            self._advance(logits)
+                joining = []
+            self.scheduler.join(joining + fused)  # from here on a failure reaches them too
+        step = self.runner.step(plan)
+        if step is not None:
+            self._advance(step)
 
     def _drop_cancelled(self) -> None:
-        running = self.scheduler.running
-        if not any(s.cancelled for s in running):
+        keep, cancelled = self.scheduler.drop_cancelled()
+        if not cancelled:
             return
-        keep, finished, row = [], [], 0
-        for sequence in running:
-            if sequence.cancelled:
-                finished.append(sequence)
-            else:
-                keep.extend(range(row, row + sequence.rows))
-            row += sequence.rows
-        self.scheduler.running = [s for s in running if not s.cancelled]
         self.runner.select(keep)
-        for sequence in finished:
+        for sequence in cancelled:
             self._finish(sequence, "cancelled")
 
     def _admit(self) -> list[Sequence]:
@@ -339,29 +329,18 @@ class TorchEngine:
             _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
         return admitted
 
-    def _await_prepared(self, admitted: list[Sequence]) -> list[Sequence]:
-        """`admitted` once the joining thread is done with any of them, those it prepared first (the batch's row
-        order: admission order does not matter past this point)."""
-        with self.scheduler.cond:
-            while any(s.preparing for s in admitted):
-                self.scheduler.cond.wait()
-        return [s for s in admitted if s.prepared is not None] + [s for s in admitted if s.prepared is None]
-
-    def _new_rows(self, admitted: list[Sequence]) -> tuple[DecoderBatch, torch.Tensor]:
-        """The rows of `admitted` (prepared ones first, as `_await_prepared` ordered them): what was prepared
-        ahead, and one batched encoder call or prefill here for the rest, which also prepares the rows of waiting
-        sequences of like length (`_join_ahead`). Returns their batch and their first decoder inputs
-        (encoder-decoder) or first logits (decoder-only)."""
+    def _new_rows(self, prepared: list[Prepared], fresh: list[Sequence]) -> tuple[DecoderBatch, torch.Tensor]:
+        """The rows of joining sequences, in that order: those `prepared` ahead, then one batched encoder call or
+        prefill here for `fresh`, which also prepares the rows of waiting sequences of like length
+        (`_join_ahead`). Returns their batch and their first decoder inputs (encoder-decoder) or first logits
+        (decoder-only)."""
         import torch
 
-        parts = [self.join_stream.receive(s.prepared) for s in admitted if s.prepared is not None]
-        fresh = [s for s in admitted if s.prepared is None]
-        for sequence in admitted:
-            sequence.prepared = None
+        parts = [self.join_stream.receive(rows) for rows in prepared]
         if fresh:
             self.runner.threads.set(joining=True, used_rows=self.scheduler.used_rows)
             ahead = self._join_ahead(fresh)
-            prepared: list[Prepared | None] = [None] * len(ahead)
+            ready: list[Prepared | None] = [None] * len(ahead)
             try:
                 group = fresh + ahead
                 batch, first = self.runner.forward.new_rows([s.input_ids for s in group], [s.rows for s in group])
@@ -369,15 +348,12 @@ class TorchEngine:
                     rows = row = sum(s.rows for s in fresh)
                     for index, sequence in enumerate(ahead):
                         end = row + sequence.rows
-                        prepared[index] = Prepared(batch.rows_range(row, end, own=True), first[row:end].clone())
+                        ready[index] = Prepared(batch.rows_range(row, end, own=True), first[row:end].clone())
                         row = end
                     batch, first = batch.rows_range(0, rows), first[:rows]
             finally:
                 if ahead:
-                    with self.scheduler.cond:
-                        for sequence, rows_ready in zip(ahead, prepared, strict=True):
-                            sequence.prepared, sequence.preparing = rows_ready, False
-                        self.scheduler.cond.notify_all()
+                    self.scheduler.deliver(ahead, ready)
             parts.append((batch, first))
         batch = parts[0][0]
         for other, _ in parts[1:]:
@@ -391,17 +367,17 @@ class TorchEngine:
             return []
         return self.scheduler.join_ahead(fresh)
 
-    def _advance(self, logits: torch.Tensor) -> None:
-        """Choose every running sequence's next token(s) from `logits` [rows, vocab] (`selection`); the
-        scheduling says which rows decode on; finished sequences are answered."""
-        choices = choose(self.scheduler.running, logits)
+    def _advance(self, step: StepResult) -> None:
+        """Choose every running sequence's next token(s) from the step's logits (`selection`); the scheduling says
+        which rows decode on; finished sequences are answered."""
+        choices = choose(self.scheduler.running, step.logits)
         for error in choices.errors.values():
             logger.error("a sequence failed in its step, the batch goes on", exc_info=error)
         stays = self.scheduling.decode_on(choices)
         if choices.finished:  # the rows that stay fill the places of those that left, so that few of them move
             order = fewest_moves([start for _, start, _, _ in stays], [len(rows) for _, _, rows, _ in stays])
             stays = [stays[i] for i in order]
-        self.scheduler.running = [sequence for sequence, *_ in stays]
+        self.scheduler.keep([sequence for sequence, *_ in stays])
         keep = [r for _, _, rows, _ in stays for r in rows]
         self.runner.feed(keep, [token for *_, inputs in stays for token in inputs], same_sequences=not choices.finished)
         if self.runner.batch is not None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from transerve.backends.generation.torch.decoder_batch import DecoderBatch
+    from transerve.backends.generation.torch.join_stream import Prepared
     from transerve.backends.generation.torch.model_loading import ModelFacts
     from transerve.backends.generation.torch.selection import Choices, Stay
 
@@ -61,8 +62,10 @@ class RequestLevel(Scheduling):
 
 
 class Scheduler:
-    """The queue and the budgets. `cond` guards the queue, `closed` and the sequences' `prepared`/`preparing`, and
-    wakes the engine's threads; `running` and the budgets belong to the engine thread."""
+    """The queue, the running sequences, the budgets, and the rows prepared ahead for waiting sequences. `cond`
+    guards the queue, `closed` and the prepared rows (`claim`, `deliver`, `take_prepared`: the joining work runs
+    on another thread), and wakes the engine's threads; `running` and the budgets change on the engine thread
+    only, through `admit`, `join`, `keep`, `drop_cancelled` and `release_all`."""
 
     def __init__(
         self, model: ModelFacts, device: torch.device, max_batch_rows: int, kv_cache_tokens: int, join_group: int,
@@ -82,6 +85,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.used_tokens = 0
         self.used_rows = 0
+        #: Waiting (or just admitted) sequences whose rows the joining work is computing now, and those it computed.
+        self._preparing: set[Sequence] = set()
+        self._prepared: dict[Sequence, Prepared] = {}
 
     # -- submit-time checks --------------------------------------------------------------------------------------
 
@@ -163,6 +169,7 @@ class Scheduler:
         cancelled = [s for s in self.queue if s.cancelled]
         for sequence in cancelled:
             self.queue.remove(sequence)
+            self._prepared.pop(sequence, None)
         if self.scheduling.joins_running_batch or not self.running:
             while self.queue:
                 sequence = self.queue[0]
@@ -181,11 +188,40 @@ class Scheduler:
         self.used_rows -= sequence.rows
         self.used_tokens -= sequence.need
 
+    def join(self, sequences: list[Sequence]) -> None:
+        """`sequences` (admitted) join the running batch, after the running ones, in the order of their rows."""
+        self.running.extend(sequences)
+
+    def keep(self, sequences: list[Sequence]) -> None:
+        """After a step: the sequences that decode on, in the order of their rows now (the others were released)."""
+        self.running = sequences
+
+    def drop_cancelled(self) -> tuple[list[int], list[Sequence]]:
+        """Cancelled running sequences leave: the batch rows the others keep, in order, and the cancelled ones
+        (still to be released and answered)."""
+        if not any(s.cancelled for s in self.running):
+            return [], []
+        keep, cancelled, row = [], [], 0
+        for sequence in self.running:
+            if sequence.cancelled:
+                cancelled.append(sequence)
+            else:
+                keep.extend(range(row, row + sequence.rows))
+            row += sequence.rows
+        self.running = [s for s in self.running if not s.cancelled]
+        return keep, cancelled
+
     def release_all(self) -> list[Sequence]:
         """Every running sequence leaves (a failed step): returns them."""
         running, self.running = self.running, []
         self.used_tokens = self.used_rows = 0
         return running
+
+    def take_queue(self) -> list[Sequence]:
+        """Called under `cond` once the engine is closed: every waiting sequence, taken off the queue."""
+        pending, self.queue = list(self.queue), collections.deque()
+        self._prepared.clear()
+        return pending
 
     # -- what the joining work computes next ---------------------------------------------------------------------
 
@@ -197,14 +233,38 @@ class Scheduler:
             rows += sequence.rows
             if rows > self.max_batch_rows:
                 return
-            if not (sequence.cancelled or sequence.preparing or sequence.prepared is not None):
+            if not (sequence.cancelled or sequence in self._preparing or sequence in self._prepared):
                 yield sequence
+
+    def claim(self, sequence: Sequence) -> None:
+        """Called under `cond`: the joining work computes `sequence`'s rows now."""
+        self._preparing.add(sequence)
+
+    def deliver(self, sequences: list[Sequence], prepared: list[Prepared | None]) -> None:
+        """The joining work is done with `sequences`: their rows (None where it failed, and the engine thread
+        computes them when they join); a cancelled sequence's rows are dropped. Wakes a thread waiting for them."""
+        with self.cond:
+            for sequence, rows in zip(sequences, prepared, strict=True):
+                self._preparing.discard(sequence)
+                if rows is not None and not sequence.cancelled:
+                    self._prepared[sequence] = rows
+            self.cond.notify_all()
+
+    def take_prepared(self, admitted: list[Sequence]) -> tuple[list[tuple[Sequence, Prepared]], list[Sequence]]:
+        """`admitted`, once the joining work is done with any of them: those with rows prepared ahead (taken from
+        here), and the rest, whose rows are still to compute. The batch's row order is that: prepared first
+        (admission order does not matter past this point)."""
+        with self.cond:
+            while any(s in self._preparing for s in admitted):
+                self.cond.wait()
+            prepared = [(s, self._prepared.pop(s)) for s in admitted if s in self._prepared]
+        taken = {id(s) for s, _ in prepared}
+        return prepared, [s for s in admitted if id(s) not in taken]
 
     def join_ahead(self, fresh: list[Sequence]) -> list[Sequence]:
         """While a batch runs, the waiting sequences whose rows the call that computes `fresh`'s (encoder call or
-        prefill) computes too, marked as being prepared: one call for several sequences reads the weights once (on
-        the t5-small shape, 2 cores, 0.62 ms per source token alone against 0.37 four of like length at once:
-        `step_cost.py --joins` in benchmarks/README.md). Only when sequences join a running batch (request-level
+        prefill) computes too, claimed (`claim`): one call for several sequences reads the weights once
+        (`step_cost.py --joins` in benchmarks/README.md). Only when sequences join a running batch (request-level
         scheduling computes every admitted sequence in one call anyway): up to `join_group` sequences in all,
         those nearest in input length to `fresh`'s longest among the sequences that fill the next
         `max_batch_rows` rows, so that little padding is computed."""
@@ -215,5 +275,5 @@ class Scheduler:
         with self.cond:
             ahead = sorted(self.unprepared(), key=lambda s: abs(len(s.input_ids) - longest))[:wanted]
             for sequence in ahead:
-                sequence.preparing = True
+                self.claim(sequence)
         return ahead

@@ -46,8 +46,8 @@ class Choices:
 
 
 def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
-    """Choose every running sequence's next token(s) from `logits` [rows, vocab] (each sequence owns `rows`
-    consecutive rows, in `running`'s order)."""
+    """Choose every running sequence's next token(s) from a step's logits [rows, vocab] (`StepResult.logits`:
+    each sequence owns `rows` consecutive rows, in `running`'s order; processed in place)."""
     import torch
 
     errors: dict[Sequence, Exception] = {}

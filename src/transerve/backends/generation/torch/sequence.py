@@ -1,5 +1,6 @@
-"""One sequence inside the torch engine: what the scheduler queues and admits, the runner computes rows for, and
-token selection advances. A part of its own because all three read and write it (`engine` wires them)."""
+"""One sequence inside the torch engine: what the scheduler queues and admits and token selection advances (its
+tokens, beams and draws). A part of its own because both read it (`engine` wires them); its rows in the batch
+belong to the batch runner, and rows prepared before it joins to the scheduler (`Scheduler.take_prepared`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from transerve.backends.generation.torch.beam import BeamSearch
-    from transerve.backends.generation.torch.join_stream import Prepared
 
 
 @dataclass(eq=False)
@@ -33,10 +33,6 @@ class Sequence:
     prefix: list[int]
     generator: torch.Generator | None = None
     beam: BeamSearch | None = None
-    #: Its rows, prepared ahead (by the joining thread, or by an earlier joining call), and whether the joining
-    #: thread is at it now.
-    prepared: Prepared | None = None
-    preparing: bool = False
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     #: Each new token's step's likeliest tokens, when `top_logprobs` is asked for.
