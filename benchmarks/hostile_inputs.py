@@ -239,6 +239,10 @@ def probe_huge_pbtxt(target: Target) -> Outcome:
     return Outcome(_load(target, "huge_config"))
 
 
+def probe_pbtxt_at_bound(target: Target) -> Outcome:
+    return Outcome(_load(target, "bound_config"))
+
+
 def probe_deep_ensemble(target: Target) -> Outcome:
     return Outcome(_load(target, "deep0"))
 
@@ -342,6 +346,8 @@ PROBES: list[Probe] = [
     Probe("load_nul_path", "a 'file:' path holding a NUL byte", probe_load_nul_path),
     Probe("long_model_name", "a load of a 300-character model name", probe_long_model_name),
     Probe("huge_pbtxt", "a config.pbtxt of a million dims (3 MB)", probe_huge_pbtxt),
+    Probe("pbtxt_at_bound", "a config.pbtxt just under --model-config-max-bytes (340,000 dims), parsed",
+          probe_pbtxt_at_bound),
     Probe("deep_ensemble", "an ensemble chain 1000 deep, loaded by its head", probe_deep_ensemble),
     Probe("unknown_names", "100,000 unloads and stats of distinct unknown names (--unknown-names)",
           probe_unknown_names),
@@ -367,7 +373,8 @@ ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
 
 
 def make_repository(root: Path) -> Path:
-    """add_sub, an ensemble chain deep0 -> ... -> deep999 -> add_sub, and huge_config (a million dims)."""
+    """add_sub, an ensemble chain deep0 -> ... -> deep999 -> add_sub, huge_config (a million dims) and
+    bound_config (just under the config bound)."""
     from benchmarks.common.servers import EXAMPLE_REPOSITORY
 
     repo = root / "models"
@@ -379,11 +386,12 @@ def make_repository(root: Path) -> Path:
         folder = repo / f"deep{index}"
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(_ensemble(folder.name, f"deep{index + 1}" if index < 999 else "add_sub"))
-    huge = repo / "huge_config"
-    (huge / "1").mkdir(parents=True)
-    dims = ", ".join(["1"] * 1_000_000)
-    (huge / "config.pbtxt").write_text(f'name: "huge_config"\nbackend: "python"\ninput [{{ name: "X" data_type: '
-                                       f'TYPE_FP32 dims: [ {dims} ] }}]\n')
+    for name, count in (("huge_config", 1_000_000), ("bound_config", 340_000)):
+        folder = repo / name
+        (folder / "1").mkdir(parents=True)
+        dims = ", ".join(["1"] * count)
+        (folder / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\ninput [{{ name: "X" data_type: '
+                                             f'TYPE_FP32 dims: [ {dims} ] }}]\n')
     write_worker_models(repo)
     return repo
 
