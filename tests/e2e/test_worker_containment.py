@@ -5,6 +5,7 @@ reason (docs/security.md, "Faults")."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -180,3 +181,34 @@ def test_a_response_past_the_size_bound_fails_without_being_copied(tmp_path: Pat
             assert infer(url, "echo").status_code == 200
         assert rss_bytes(server.process.pid) - before < 64 << 20  # the 128 MiB outputs were never read
         assert infer(url, "big", 1000).status_code == 200
+
+
+#: Decoupled: answers 10 bytes of ones, then IN[0], then 10 again, then the final flag.
+BIG_STREAM_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            size = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            for count in (10, size, 10):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(count, np.uint8))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_a_streamed_response_past_the_bound_is_an_error_event_and_the_stream_goes_on(tmp_path: Path):
+    repo = tmp_path / "repo"
+    config = BIG_CONFIG.replace('"big"', '"big_stream"') + " model_transaction_policy { decoupled: true }"
+    write_model(repo, "big_stream", config, BIG_STREAM_MODEL)
+    with start_transerve(repo, f"--max-response-bytes={1 << 20}") as server:
+        answer = requests.post(f"{server.base_url}/v2/models/big_stream/generate_stream", json={"IN": [8 << 20]},
+                               timeout=TIMEOUT_S)
+        assert answer.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in answer.text.splitlines() if line.startswith("data: ")]
+        assert len(events) == 3 and events[0]["OUT"] == events[2]["OUT"] == [1] * 10
+        assert events[1] == {"error": f"the response of model 'big_stream' holds {8 << 20} bytes of outputs, more "
+                                      f"than the {1 << 20} allowed (--max-response-bytes)"}

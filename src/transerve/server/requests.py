@@ -99,14 +99,11 @@ class Call:
         fails the request (INVALID_ARG) instead."""
         if not self._open:
             return response
-        size = response_bytes(response)
-        if size > self._path.max_response_bytes:
-            response.outputs = []  # let the memory go now
-            error = ServerError(ErrorCode.INVALID_ARG, (
-                f"the response of model '{self.model.name}' holds {size} bytes of outputs, more than the "
-                f"{self._path.max_response_bytes} allowed (--max-response-bytes)"))
+        try:
+            self.bounded(response)
+        except ServerError as error:
             self.fail(error)
-            raise error
+            raise
         self._settle()
         model, request = self.model, self.request
         model.stats.success.add(time.monotonic_ns() - request.arrival_ns)
@@ -126,6 +123,20 @@ class Call:
             if shaped_outputs(request):
                 self.shape(response)
         return response
+
+    def bounded(self, response: InferResponse) -> InferResponse:
+        """The response, unless its outputs pass `--max-response-bytes`: then INVALID_ARG is raised, the outputs
+        dropped at once (a decoupled model's stream gets it as an error response and goes on)."""
+        size = response_bytes(response)
+        if size > self._path.max_response_bytes:
+            response.outputs = []  # let the memory go now
+            raise ServerError(ErrorCode.INVALID_ARG, (
+                f"the response of model '{self.model.name}' holds {size} bytes of outputs, more than the "
+                f"{self._path.max_response_bytes} allowed (--max-response-bytes)"))
+        return response
+
+    def shape_bounded(self, response: InferResponse) -> InferResponse:
+        return self.shape(self.bounded(response))
 
     def fail(self, error: BaseException) -> None:
         """The request ended without a response: a ServerError counts as a failure; a cancellation does not."""
@@ -189,10 +200,9 @@ async def run_single(path: RequestPath, model: ModelVersion, request: InferReque
 
 async def run_decoupled(path: RequestPath, model: ModelVersion, request: InferRequest, stream: ResponseStream) -> None:
     """A decoupled model's request: the scheduler's future settles when `execute` returns, the responses come
-    through the stream (shaped by the call, when the request's outputs ask for it)."""
+    through the stream, each held to the size bound (and shaped by the call, when the request's outputs ask)."""
     call = Call(path, model, request)
-    if shaped_outputs(request):
-        stream.shape_response = call.shape
+    stream.shape_response = call.shape_bounded if shaped_outputs(request) else call.bounded
     try:
         await model.scheduler.submit(request)
     except BaseException as exc:
