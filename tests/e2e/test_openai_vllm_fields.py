@@ -441,3 +441,45 @@ def test_over_context_prompts_are_refused_before_the_model_on_every_engine(serve
             client.completions.create(model=model, prompt=too_long[:2040], max_tokens=20)
         stats = requests.get(f"{server.base_url}/v2/models/{model}/stats", timeout=10).json()
         assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == 0, json.dumps(stats)
+
+
+# ---- guidellm --------------------------------------------------------------------------------------------------
+
+def test_guidellm_default_backend_validation_and_a_benchmark_run(server, built, tmp_path):
+    """guidellm's OpenAI HTTP backend as it starts by default: `GET /health`, the models, then a short
+    synchronous benchmark of synthetic prompts whose requests (guidellm's own fields) are all served. Skipped where
+    guidellm is not installed (it pins packages the project's environment has newer)."""
+    pytest.importorskip("guidellm.backends.openai.http")
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    from guidellm.backends.openai.http import OpenAIHTTPBackend
+    from guidellm.schemas.backends import OpenAIHTTPBackendArgs
+
+    async def validated() -> list[str]:
+        backend = OpenAIHTTPBackend(OpenAIHTTPBackendArgs(target=server.base_url))
+        await backend.process_startup()
+        try:
+            await backend.validate()
+            return await backend.available_models()
+        finally:
+            await backend.process_shutdown()
+
+    assert sorted(asyncio.run(validated())) == sorted([*GENERATORS, EMBEDDING])
+    output = tmp_path / "guidellm.json"
+    before = scrape(server)
+    command = [sys.executable, "-m", "guidellm", "run", "--backend",
+               f"kind=openai_http,target={server.base_url},model=gpt", "--tokenizer", f"kind=hf_auto,model={built[1]}",
+               "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8", "--profile", "kind=synchronous",
+               "--constraint", "kind=max_requests,count=4", "--output", f"kind=json,path={output}",
+               "--disable-console-interactive"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    totals = json.loads(output.read_text())["benchmarks"][0]["metrics"]["request_totals"]
+    assert totals["successful"] == 4 and totals["errored"] == 0, totals
+    after = scrape(server)
+    key = ("vllm:generation_tokens_total", 'model_name="gpt"')
+    assert after[key] - before.get(key, 0.0) == 4 * 8
