@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -371,6 +372,20 @@ def test_vllm_metrics_count_what_the_answers_reported(server, client):
         bucket = f'{label},le="+Inf"'
         assert after[("vllm:e2e_request_latency_seconds_bucket", bucket)] == \
             after[("vllm:e2e_request_latency_seconds_count", label)]
+        # A client that goes away mid-stream: its choice ends as an abort, and runs no longer.
+        stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=1500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert scrape(server)[("vllm:num_requests_running", label)] == 1
+        stream.close()
+        abort = ("vllm:request_success_total", f'finished_reason="abort",{label}')
+        deadline = time.monotonic() + 30
+        while scrape(server).get(abort, 0.0) == after.get(abort, 0.0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ended = scrape(server)
+        assert ended[abort] == after.get(abort, 0.0) + 1
+        assert ended[("vllm:num_requests_running", label)] == 0
+        assert ended[("vllm:generation_tokens_total", label)] == after[("vllm:generation_tokens_total", label)]
 
 
 # ---- embeddings ------------------------------------------------------------------------------------------------

@@ -70,12 +70,12 @@ class TokenTimings:
         if later_tokens > 0:
             self.per_output_token.observe(decode_s / later_tokens)
 
-    def record_request(self, prompt_tokens: int, generation_tokens: int, seconds: float,
-                       finishes: list[str | None]) -> None:
-        """One request's tokens (as its usage reports them), its end-to-end time and how each of its sequences
-        ended (None: it did not, it was aborted)."""
+    def record_request(self, prompt_tokens: int, generation_tokens: int, seconds: float) -> None:
+        """One request that ended well: its tokens (as its usage reports them) and its end-to-end time."""
         self.prompt_tokens += prompt_tokens
         self.generation_tokens += generation_tokens
         self.end_to_end.observe(seconds)
-        for finish in finishes:
-            self.finished[finish if finish in self.finished else "abort"] += 1
+
+    def record_finish(self, finish: str | None) -> None:
+        """How one sequence ended (None: it did not end by itself: its client went away, or it failed)."""
+        self.finished[finish if finish in self.finished else "abort"] += 1

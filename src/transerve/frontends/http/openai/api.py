@@ -104,14 +104,14 @@ class OpenAIApi:
         for choice in choices:
             choice.record_timing()
         answer = formatter.answer(choices, results)
-        _record(entry, answer["usage"], started, choices)
+        _record(entry, answer["usage"], started)
         return _json(answer)
 
 
-def _record(entry: OpenAIModel, usage: dict[str, int], started: float, choices: list[Choice]) -> None:
-    """vLLM's counters for a request that ended well: its usage, its time, how its choices finished."""
+def _record(entry: OpenAIModel, usage: dict[str, int], started: float) -> None:
+    """vLLM's counters for a request that ended well: its usage and its time."""
     entry.model.stats.tokens.record_request(usage["prompt_tokens"], usage["completion_tokens"],
-                                            time.perf_counter() - started, [choice.finish_reason for choice in choices])
+                                            time.perf_counter() - started)
 
 
 def _text_model_fields(sampling: params.Sampling) -> None:
@@ -212,7 +212,7 @@ async def _events(deltas: AsyncGenerator[Delta, None], first: Delta | None, choi
             return
         for choice in choices:
             choice.record_timing()
-        _record(choices[0].entry, formatter.usage(choices), started, choices)
+        _record(choices[0].entry, formatter.usage(choices), started)
         if formatter.sampling.include_usage:
             yield _event(formatter.usage_chunk(choices))
         yield _DONE

@@ -79,7 +79,7 @@ class Choice:
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, the last one with its finish reason; raises ApiError when the model refuses.
         Closing the generator (the client went away) cancels the model's request. While it runs, the choice counts
-        among the model's sequences in flight (vLLM's requests running)."""
+        among the model's sequences in flight (vLLM's requests running), and its end is counted by its reason."""
         timings = self.entry.model.stats.tokens
         timings.active += 1
         inner = self._generated() if self.entry.kind == GENERATE else self._text()
@@ -91,6 +91,7 @@ class Choice:
         finally:
             await inner.aclose()
             timings.active -= 1
+            timings.record_finish(self.finish_reason)
 
     # ---- generators: ids in, ids out -------------------------------------------------------------------------
 
