@@ -388,6 +388,31 @@ def test_vllm_metrics_count_what_the_answers_reported(server, client):
         assert ended[("vllm:generation_tokens_total", label)] == after[("vllm:generation_tokens_total", label)]
 
 
+def test_vllm_metrics_count_v2_generate_requests_to_generators(server, reference):
+    """`/v2/models/<generator>/generate[_stream]`: prompt tokens (the request's length) and the new ids the
+    responses carry (`sequence_length` less `prefix_length`) are counted as the OpenAI layer counts its own."""
+    ids = reference.ids(PROMPT)
+    for model in GENERATORS:
+        before = scrape(server)
+        generated = 0
+        for path, stream in (("generate", False), ("generate_stream", True)):
+            body = {"input_ids": ids, "sequence_length": len(ids), "max_tokens": 6, "stream": stream}
+            answer = requests.post(f"{server.base_url}/v2/models/{model}/{path}", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")] \
+                if stream else [answer.json()]
+            generated += sum(int(np.ravel(event["sequence_length"])[0]) - int(np.ravel(event["prefix_length"])[0])
+                             for event in events)
+        assert generated == 12
+        after = scrape(server)
+        label = f'model_name="{model}"'
+        for name, grown in (("vllm:prompt_tokens_total", 2 * len(ids)), ("vllm:generation_tokens_total", generated),
+                            ("vllm:e2e_request_latency_seconds_count", 2),
+                            ("vllm:time_to_first_token_seconds_count", 2)):
+            assert after[(name, label)] - before.get((name, label), 0.0) == grown, name
+        assert after[("vllm:num_requests_running", label)] == 0
+
+
 # ---- embeddings ------------------------------------------------------------------------------------------------
 
 def minilm_ids(built, text: str, keep: int | None = None) -> list[int]:

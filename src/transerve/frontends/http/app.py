@@ -45,6 +45,7 @@ from transerve.frontends.http.generate import (
     single_response,
     traced_events,
 )
+from transerve.frontends.http.generate_tokens import CountedResponses, counted
 from transerve.frontends.http.openai.api import OpenAIApi
 from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.protocol import Connections, HttpConnection, HttpLimits, HttpRequest, HttpResponse
@@ -295,7 +296,8 @@ class HttpFrontend:
         if tracing.active and (trace := tracing.sample(name, request.headers)) is not None:
             return await self._generate_traced(trace, request, name, version, model.signature, streaming)
         infer_request = decode_generate_request(name, version, model.signature, request.body)
-        return await _generate_answer(self.server.infer_stream(infer_request), streaming)
+        return await _generate_answer(counted(model, infer_request, self.server.infer_stream(infer_request)),
+                                      streaming)
 
     async def _generate_traced(self, trace: Trace, request: HttpRequest, name: str, version: str,
                                signature: ModelSignature, streaming: bool) -> HttpResponse:
@@ -308,7 +310,8 @@ class HttpFrontend:
         try:
             infer_request = decode_generate_request(name, version, signature, request.body)
             infer_request.trace = trace.root
-            stream = TracedResponses(self.server.infer_stream(infer_request), trace)
+            stream = counted(self.server.get_version(name, version), infer_request,
+                             TracedResponses(self.server.infer_stream(infer_request), trace))
             try:
                 answer = await _generate_answer(stream, streaming)
             except ServerError as exc:
@@ -393,7 +396,8 @@ class HttpFrontend:
         return parameters
 
 
-async def _generate_answer(stream: ResponseStream | TracedResponses, streaming: bool) -> HttpResponse:
+async def _generate_answer(stream: ResponseStream | TracedResponses | CountedResponses,
+                           streaming: bool) -> HttpResponse:
     """A generate request's answer: its one response, or its responses as server-sent events."""
     try:
         if not streaming:
