@@ -135,7 +135,7 @@ def test_fields_the_server_does_not_act_on_are_refused_naming_them(client, model
     with refusal("priority"):
         greedy(client, model, extra_body={"priority": 5})
     with refusal("spaces_between_special_tokens"):
-        greedy(client, model, extra_body={"spaces_between_special_tokens": False})
+        greedy(client, model, extra_body={"spaces_between_special_tokens": "no"})
     with refusal("normalize"):
         client.embeddings.create(model=EMBEDDING, input="hi", extra_body={"normalize": False})
     # What is refused leaves the server serving.
@@ -187,19 +187,22 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, reference, mod
 
 def test_skip_special_tokens_and_tokens_as_ids_decode_as_transformers(client, reference):
     """Sampled choices until one ends with the end token (a special token): with `skip_special_tokens: false`
-    its text holds it, as transformers' decode with skip_special_tokens=False gives; the ids come from the
-    log-probabilities named `token_id:<id>` (`return_tokens_as_token_ids`)."""
+    its text holds it, as transformers' decode with skip_special_tokens=False gives (and
+    `spaces_between_special_tokens: false`, which a fast tokenizer's decode leaves as it is); the ids come from
+    the log-probabilities named `token_id:<id>` (`return_tokens_as_token_ids`)."""
     found = None
     for seed in range(8):
         fields = {"n": 16, "temperature": 2.0, "seed": seed, "logprobs": 0, "max_tokens": MAX_TOKENS}
         kept = client.completions.create(model="gpt", prompt=PROMPT, **fields,
-                                         extra_body={"skip_special_tokens": False, "return_tokens_as_token_ids": True})
+                                         extra_body={"skip_special_tokens": False, "return_tokens_as_token_ids": True,
+                                                     "spaces_between_special_tokens": False})
         skipped = client.completions.create(model="gpt", prompt=PROMPT, **fields)
         for with_special, without in zip(kept.choices, skipped.choices, strict=True):
             tokens = with_special.logprobs.tokens
             assert all(token.startswith("token_id:") for token in tokens)
             ids = [int(token.split(":")[1]) for token in tokens]
-            assert with_special.text == reference.tokenizer.decode(ids, skip_special_tokens=False)
+            assert with_special.text == reference.tokenizer.decode(ids, skip_special_tokens=False,
+                                                                   spaces_between_special_tokens=False)
             assert without.text == reference.tokenizer.decode(ids, skip_special_tokens=True)
             assert without.logprobs.tokens[0] != tokens[0]  # text, not `token_id:`
             if ids[-1] == reference.eos:

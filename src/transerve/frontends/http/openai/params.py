@@ -129,10 +129,7 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
         if continuous and not include_usage:  # vLLM sends per-chunk usage only with include_usage
             raise bad_request("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
                               param="stream_options.continuous_usage_stats")
-    if not flag(body, "spaces_between_special_tokens", True):
-        raise bad_request("'spaces_between_special_tokens': false is not supported: the models' tokenizers "
-                          "(tokenizer.json) decode special tokens with their own spacing",
-                          param="spaces_between_special_tokens")
+    flag(body, "spaces_between_special_tokens", True)  # a tokenizer.json decoder spaces special tokens itself
     if optional_int(body, "priority", -(2**63)):
         raise bad_request("'priority' is not supported (only 0): the generators batch requests themselves, with no "
                           "priority levels", param="priority")
