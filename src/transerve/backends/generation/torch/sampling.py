@@ -36,8 +36,8 @@ class TokenRules:
     forced_last: list[int] | None = None
     max_new_tokens: int = 0
     no_repeat_ngram_size: int = 0
-    #: Token sequences that end generation once produced.
-    stops: list[list[int]] = field(default_factory=list)
+    #: Token sequences that end generation once produced, by length (one look-up per length each step).
+    stops: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -72,8 +72,15 @@ def token_rules(options: DecodingOptions, end_ids: list[int], model: ModelRules 
     return TokenRules(
         end_ids, options.repetition_penalty, options.min_new_tokens, single, multi, model.forced_first,
         model.forced_last, options.max_new_tokens, model.no_repeat_ngram_size,
-        [[int(t) for t in stop] for stop in options.stop_sequences],
+        _by_length(options.stop_sequences),
     )
+
+
+def _by_length(words: list[list[int]]) -> dict[int, set[tuple[int, ...]]]:
+    by_length: dict[int, set[tuple[int, ...]]] = {}
+    for word in words:
+        by_length.setdefault(len(word), set()).add(tuple(int(t) for t in word))
+    return by_length
 
 
 def apply_rules(scores: torch.Tensor, contexts: list[list[int]], generated: int, rules: TokenRules) -> None:

@@ -223,8 +223,8 @@ def _ends(sequence: Sequence, tokens: list[int]) -> bool:
     if tokens[-1] in sequence.rules.end_ids:
         return True
     return any(
-        len(tokens) >= len(stop) and tokens[len(tokens) - len(stop):] == stop
-        for stop in sequence.rules.stops
+        len(tokens) >= length and tuple(tokens[len(tokens) - length:]) in stops
+        for length, stops in sequence.rules.stops.items()
     )
 
 
