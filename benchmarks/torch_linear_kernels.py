@@ -1,7 +1,7 @@
 """The torch engine's forward passes with torch's default linear kernels (MKL's sgemm) against oneDNN's on plain
 weights and on weights packed ahead (`onednn_linear`, the default on CPU float32, packs them), on the random-weight
 t5-small and GPT-2 small shapes that benchmarks.inflight_vs_request builds, called the way the engine calls
-them (`decoder_batch.ModelRunner`), and how often greedy decoding with each agrees with transformers' `generate`
+them (`torch/model_runner.ModelRunner`), and how often greedy decoding with each agrees with transformers' `generate`
 (which uses torch's kernels).
 
     python -m benchmarks.torch_linear_kernels                  # both shapes, 1 and 2 threads

@@ -1,4 +1,4 @@
-"""The torch engine's decoding step timed alone: `decoder_batch.ModelRunner.step` at a number of rows, with a cache
+"""The torch engine's decoding step timed alone: `torch/model_runner.ModelRunner.step` at a number of rows, with a cache
 of `STEPS_BEFORE` steps, as the engine builds the runner on CPU float32 (packed oneDNN weights)."""
 
 from __future__ import annotations
