@@ -1,0 +1,104 @@
+"""Per-row grammar state and the step's token masks: before a token is chosen, every constrained row of the
+running batch gets its bitmask (one llguidance call fills them all, in parallel), which is applied to that row's
+logits (disallowed tokens to -inf); rows without a grammar are left as they are. After the choice each constrained
+row consumes its token, and ends when its grammar has no more tokens to take. An end token is allowed only where
+the grammar accepts, so a constrained output ends complete or at its token budget."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GrammarError(RuntimeError):
+    """A row's matcher went into an error state: its sequence fails, the batch goes on."""
+
+
+class BatchMasks:
+    """The bitmask buffer of one engine's batch ([rows, ceil(vocab / 32)] int32 on the host: pinned on a GPU
+    host, so that its copy to the device does not block) and the executor that fills it."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        import llguidance
+        import torch
+
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+        self.executor = llguidance.LLExecutor()
+        self._pinned = device.type == "cuda"
+        self._buffer = torch.zeros((0, self.words), dtype=torch.int32)
+        self.shifts = torch.arange(32, dtype=torch.int32, device=device)
+
+    def buffer(self, rows: int) -> torch.Tensor:
+        """A host buffer of at least `rows` masks (grown by doubling; never shrunk)."""
+        import torch
+
+        if self._buffer.shape[0] < rows:
+            size = max(rows, 2 * self._buffer.shape[0], 8)
+            self._buffer = torch.zeros((size, self.words), dtype=torch.int32, pin_memory=self._pinned)
+        return self._buffer[:rows]
+
+
+class RowGrammar:
+    """One row's matcher and the end tokens that may close it (the sequence's end ids)."""
+
+    __slots__ = ("matcher", "end_ids", "masks")
+
+    def __init__(self, matcher: Any, end_ids: list[int], masks: BatchMasks) -> None:
+        self.matcher = matcher
+        self.end_ids = [token for token in end_ids if 0 <= token < masks.vocab_size]
+        self.masks = masks
+
+    def consume(self, token: int) -> bool:
+        """Advance past the chosen `token`; True when the row is to end now (an end token, or the grammar takes
+        no more tokens). GrammarError if the token was not one the grammar allowed."""
+        if token in self.end_ids:
+            return True
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"the output left its grammar: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+def apply_masks(rows: list[tuple[int, RowGrammar]], logits: torch.Tensor) -> None:
+    """Mask `logits` ([batch rows, vocab], in place) for each (row, grammar) of `rows` (one engine's: they share
+    its `BatchMasks`). The host fills the masks; they go to the logits' device in one copy, without waiting for it."""
+    import torch
+
+    if not rows:
+        return
+    masks = rows[0][1].masks
+    count = len(rows)
+    buffer = masks.buffer(count)
+    for _, grammar in rows:
+        if grammar.matcher.is_error():
+            raise GrammarError(f"a grammar is in an error state: {grammar.matcher.get_error()}")
+    masks.executor.unsafe_compute_mask_ptr([(grammar.matcher, index) for index, (_, grammar) in enumerate(rows)],
+                                           buffer.data_ptr(), masks.words * 4, count)
+    _end_tokens(rows, buffer)
+    device = logits.device
+    bits = buffer.to(device, non_blocking=True)
+    allowed = ((bits[:, :, None] >> masks.shifts) & 1).view(count, masks.words * 32)[:, :logits.shape[1]]
+    banned = allowed == 0
+    places = [row for row, _ in rows]
+    if places == list(range(places[0], places[0] + count)):
+        logits[places[0]:places[0] + count].masked_fill_(banned, -math.inf)
+        return
+    index = torch.tensor(places, dtype=torch.long).to(device, non_blocking=True)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, -math.inf))
+
+
+def _end_tokens(rows: list[tuple[int, RowGrammar]], buffer: torch.Tensor) -> None:
+    """Each row's end tokens allowed exactly where its grammar accepts (llguidance knows the model's end-of-sequence
+    token only; a request may name others)."""
+    host = buffer.numpy()
+    for index, (_, grammar) in enumerate(rows):
+        accepting = grammar.matcher.is_accepting()
+        for token in grammar.end_ids:
+            word, bit = token >> 5, token & 31
+            value = int(host[index, word]) & 0xFFFFFFFF
+            value = value | (1 << bit) if accepting else value & ~(1 << bit)
+            host[index, word] = value - (1 << 32) if value >= 1 << 31 else value
