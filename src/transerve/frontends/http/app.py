@@ -151,6 +151,11 @@ class HttpFrontend:
 
     async def _route(self, request: HttpRequest) -> HttpResponse:
         parts = request.path.strip("/").split("/")
+        # The row a busy server answers most, `POST /v2/models/<model>/infer`, straight to its handler: the table
+        # would choose the same one (a capture may be empty; no restriction to check; nothing to unquote).
+        if len(parts) == 4 and parts[3] == "infer" and parts[1] == "models" and parts[0] == "v2" \
+                and request.method == "POST" and self.restrictions is None and "%" not in request.path:
+            return await self._infer(request, parts[2], "")
         if parts and parts[0] == "v1":
             openai_parts = [unquote(part) for part in parts[1:]]
             if self.restrictions is not None:

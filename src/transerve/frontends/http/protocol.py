@@ -15,7 +15,6 @@ connection is closed after the answer so that nothing smuggled after it can be r
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 import time
@@ -37,6 +36,20 @@ _REASONS = {
 }
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+#: Response heads up to the Content-Length value, by status and content type, made once each: most answers differ
+#: only in their length (and a header or two).
+_HEADS: dict[tuple[int, str | None], bytes] = {}
+
+
+def _head(status: int, content_type: str | None) -> bytes:
+    head = _HEADS.get((status, content_type))
+    if head is None:
+        typed = f"Content-Type: {content_type}\r\n" if content_type is not None else ""
+        head = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n{typed}Content-Length: ".encode("latin-1")
+        if len(_HEADS) < 256:  # statuses and content types come from the server's own handlers, but stay bounded
+            _HEADS[(status, content_type)] = head
+    return head
 
 #: Requests read ahead of the one being answered, and their bytes: past either, the connection stops reading until
 #: its queue is short again. Answers go out one at a time, so reading further ahead gains nothing.
@@ -111,8 +124,11 @@ class HttpLimits:
     max_connections: int = 8192
 
 
-class Phase(enum.Enum):
-    """Where a connection is, which decides the one timeout that runs (`Connections.timeouts`)."""
+class Phase:
+    """Where a connection is, which decides the one timeout that runs (`Connections.timeouts`).
+
+    Plain strings rather than an Enum: a connection looks its phase's timeout up several times per request, and an
+    Enum member hashes in Python code, a str by its cached hash."""
 
     GREETING = "greeting"  # connected, no request begun: the header timeout
     HEAD = "head"  # a request's head is arriving: the header timeout, from its first byte
@@ -306,8 +322,8 @@ class HttpConnection(asyncio.Protocol):
     # ---- httptools callbacks ----------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        # Its phase (HEAD) and deadline are set once this read is parsed (`data_received`), or as it completes.
         self._in_message = True
-        self._move()
         self._begin_ns = time.monotonic_ns() if self._timing is not None and self._timing.active else 0
         self._url = b""
         self._headers = {}
@@ -435,18 +451,17 @@ class HttpConnection(asyncio.Protocol):
         self._move()
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
-        head = [
-            f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Unknown')}\r\n",
-            f"Content-Type: {response.content_type}\r\n" if response.body or response.status != 200 else "",
-            f"Content-Length: {len(response.body)}\r\n",
-        ]
-        for name, value in response.headers:
-            head.append(f"{name}: {value}\r\n")
-        if not keep_alive:
-            head.append("Connection: close\r\n")
-        head.append("\r\n")
+        body, status = response.body, response.status
+        head = _head(status, response.content_type if body or status != 200 else None)
+        if response.headers or not keep_alive:
+            extra = "".join([f"{name}: {value}\r\n" for name, value in response.headers])
+            if not keep_alive:
+                extra += "Connection: close\r\n"
+            answer = b"%s%d\r\n%s\r\n%s" % (head, len(body), extra.encode("latin-1"), body)
+        else:
+            answer = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         assert self._transport is not None
-        self._transport.write("".join(head).encode("latin-1") + response.body)
+        self._transport.write(answer)
 
     async def _write_stream(self, response: HttpResponse, keep_alive: bool) -> None:
         """Headers now, then each piece as it is produced, as an HTTP/1.1 chunk; the next piece is taken only
@@ -470,7 +485,7 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- flow control and endings -----------------------------------------------------------------
 
-    def _move(self, restart: bool = False, progress: Phase | None = None) -> None:
+    def _move(self, restart: bool = False, progress: str | None = None) -> None:
         """The one deadline rule: the connection's phase (from its state, `_phase`) gets its timeout from when it
         entered that phase; with `restart`, or when it is still in `progress`'s phase, from now."""
         phase = self._phase()
@@ -478,7 +493,7 @@ class HttpConnection(asyncio.Protocol):
             self.phase = phase
             self.deadline = self._loop.time() + self._connections.timeouts[phase]
 
-    def _phase(self) -> Phase:
+    def _phase(self) -> str:
         if self._closing:
             return Phase.LINGERING if self._lingering else Phase.CLOSING
         flow = self._flow
