@@ -119,7 +119,8 @@ class _Sequence:
 def isa_hint(device: str, compute_type: str, threads: int, cpuinfo: str, environ: Mapping[str, str]) -> str | None:
     """Advice for CTranslate2 float32 computing with several threads per call on an AMD CPU with AVX-512, where
     it multiplies with oneDNN's sgemm (MKL only on Intel CPUs): there oneDNN's AVX-512 sgemm ran slower with 2
-    threads than with 1, and limited to AVX2 it ran 1.6-2.1x faster with 2 threads (benchmarks/onednn_isa.py).
+    threads than with 1, and limited to AVX2 it gained from the second thread (benchmarks/README.md, "Figures
+    behind the code").
     The limit is process-wide and slows int8 and the torch engine, so it is the operator's call, not the
     engine's."""
     if device != "cpu" or compute_type != "float32" or threads < 2:

@@ -1,13 +1,12 @@
 """The torch engine's `max_batch_rows` when the config does not set it: 32 on the CPU, sized on a GPU.
 
-32 rows is a CPU figure: a step's cost grows with its rows there, but more slowly than its rows (GPT-2 small,
-float32, 2 cores: 55 ms for 16 rows, 89-101 ms for 32), and a sequence that finds no free row waits for a whole
-request to end: 32 streaming clients on 16 rows waited 4.9 s (p50) for their first token, on 32 rows 0.27 s, with
-12% more tokens/s (benchmarks/README.md, "OpenAI API against vLLM"). On a GPU a step of 64 rows costs about what a
-step of 16 does, so the row count should be as large as memory allows: the KV cache buffers hold `max_batch_rows`
-rows for the longest history running (`cache_buffers.py`), so the rows are what the free memory holds at the
-longest history one row can have, within a share of it, and no more than the `kv_cache_tokens` budget could ever
-admit of short sequences. docs/generation.md, "On a GPU", states the rule.
+32 rows is a CPU figure: a step's cost grows with its rows there, but more slowly than its rows, and a sequence that
+finds no free row waits for a whole request to end: 32 streaming clients waited far longer for their first token on
+16 rows than on 32, which also gave more tokens/s (benchmarks/README.md, "OpenAI API against vLLM"). On a GPU a step
+of 64 rows costs about what a step of 16 does, so the row count should be as large as memory allows: the KV cache
+buffers hold `max_batch_rows` rows for the longest history running (`cache_buffers.py`), so the rows are what the
+free memory holds at the longest history one row can have, within a share of it, and no more than the
+`kv_cache_tokens` budget could ever admit of short sequences. docs/generation.md, "On a GPU", states the rule.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ A layer's keys (or values) for the running batch are a view [rows, heads, time, 
 [capacity rows, heads, capacity time, dim]: the batch's rows are the buffer's first rows, and its time window a
 slice of the buffer's time axis. So a decoding step writes the new token's keys/values after the window instead of
 concatenating (copying) the whole history, rows that join are written into the spare rows, and rows that leave are
-replaced by moving only the rows that change places; without this every join and leave copied every layer's
-cache twice (once to rebuild it, once more at the next step to make room), which took about an eighth of the
-engine's time under in-flight batching. A buffer is reallocated, with `HEADROOM` steps to spare, only when a
-window outgrows it. Spare rows and the time outside a window hold stale (finite) values that the attention mask
-hides; padding written inside a window is zeroed.
+replaced by moving only the rows that change places; without this every join and leave copied every layer's cache
+twice (once to rebuild it, once more at the next step to make room), a large share of the engine's time under
+in-flight batching (benchmarks/README.md, "Figures behind the code"). A buffer is reallocated, with `HEADROOM` steps
+to spare, only when a window outgrows it. Spare rows and the time outside a window hold stale (finite) values that
+the attention mask hides; padding written inside a window is zeroed.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ class TorchEngine:
         or after `idle_seconds` without work, when the calling thread is to end. Threads end when idle because
         torch's OpenMP runtime keeps a pool of worker threads for every thread that has computed, while it lives,
         and when a process holds more of them than cores, every pool stops spinning between parallel regions:
-        an idle engine beside a busy one made the busy one's decoding a third slower (docs/generation.md)."""
+        an idle engine beside a busy one made the busy one's decoding slower (docs/generation.md)."""
         scheduler = self.scheduler
         deadline = time.monotonic() + self.idle_seconds
         while not scheduler.closed:

@@ -1,10 +1,10 @@
 """A decoder-only model's decoding step and the prefill of joining prompts in one forward pass.
 
-On the CPU a float32 step is bound by memory: a 32-row GPT-2 small step reads every weight once (about 0.5 GB), and
-a joining sequence's prefill, run as a forward of its own, reads them all again. Under a mixed in-flight load a
-sequence joins about every other step, so that second read is a large part of the work: a 32-row step took 95 ms
-and a 52-id prefill 70 ms, where one forward over their 84 tokens takes about 89 ms plus the step's attention
-(benchmarks/README.md, "The lever left"). This module lets one forward do both: the step's tokens (one per running
+On the CPU a float32 step is bound by memory: a 32-row GPT-2 small step reads every weight once, and a joining
+sequence's prefill, run as a forward of its own, reads them all again. Under a mixed in-flight load a sequence
+joins about every other step, so that second read is a large part of the work, and one forward over the step's
+tokens and the prompt's costs about the prefill alone plus the step's attention (benchmarks/README.md, "The lever
+left"). This module lets one forward do both: the step's tokens (one per running
 row) and the prompts' tokens go through the model as one sequence of tokens, each with its own position; the
 linear layers see them as rows and read the weights once. Only attention needs to know which token belongs to
 what: the step's tokens attend to their rows' caches (grown by one step, as a step grows them), each prompt's

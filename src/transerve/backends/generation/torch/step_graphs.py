@@ -1,10 +1,10 @@
 """The torch engine's decoding steps at fixed shapes over fixed buffers: replayed as CUDA graphs on a GPU.
 
-An eager step launches every kernel of the model's forward from Python, 400-520 of them for the t5-small and
-GPT-2 small shapes, and on a GPU the step then waits on the launches rather than on the device (measured on an
-H100: the GPU busy 10% of a step). A CUDA graph records a step's kernels once and replays them with one launch, but
-only at the shapes and tensor addresses it recorded. So a step here runs at bucketed shapes over tensors that do
-not move:
+An eager step launches every kernel of the model's forward from Python, hundreds of them for the t5-small and GPT-2
+small shapes, and on a GPU the step then waits on the launches rather than on the device (the GPU mostly idle:
+benchmarks/README.md, "Figures behind the code"). A CUDA graph records a step's kernels once and replays them with
+one launch, but only at the shapes and tensor addresses it recorded. So a step here runs at bucketed shapes over
+tensors that do not move:
 
 - Every layer's self-attention keys/values (and cross-attention ones) live in buffers allocated once, of the
   engine's `max_batch_rows` rows and the longest history (source) a row may have, in `cache_buffers`' layout, so
