@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from transerve.core.errors import ServerError
-from transerve.frontends.http.openai import params
+from transerve.frontends.http.openai import params, tools
 from transerve.frontends.http.openai import prompts as prompts_of
 from transerve.frontends.http.openai.catalog import EMBEDDINGS, GENERATE, TEXT, Catalog, OpenAIModel
 from transerve.frontends.http.openai.embeddings import Embedder
@@ -81,10 +81,15 @@ class OpenAIApi:
         started = time.perf_counter()
         entry = self._catalog.get(body.get("model"), (GENERATE, TEXT))
         sampling = params.sampling(body, chat)
+        tool_request = tools.tool_request(body) if chat else None
         tokenizer = await entry.tokenizer() if entry.tokenizer_folder is not None else None
+        reader = tools.reader(tool_request, entry, tokenizer.special_tokens if tokenizer is not None else {})
+        if reader is not None and reader.drop and "skip_special_tokens" not in body:
+            sampling.skip_special_tokens = False  # the parser's markers are special tokens: decode them
         if entry.kind == TEXT:
             _text_model_fields(sampling)
-        prompts = await (prompts_of.chat_prompt(body, entry, tokenizer, sampling) if chat else
+        prompts = await (prompts_of.chat_prompt(body, entry, tokenizer, sampling,
+                                                tool_request.tools if tool_request is not None else None) if chat else
                          prompts_of.completion_prompts(body, entry, tokenizer, sampling))
         if len(prompts) * sampling.n > params.MAX_CHOICES:
             raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
@@ -97,7 +102,7 @@ class OpenAIApi:
                 seed = None if sampling.seed is None else (sampling.seed + index) % 2**63
                 choices.append(Choice(self._server, entry, tokenizer, prompt, sampling, index, seed, max_tokens,
                                       started))
-        formatter = Formatter(entry.id, chat, sampling, tokenizer, prompts)
+        formatter = Formatter(entry.id, chat, sampling, tokenizer, prompts, reader)
         if sampling.stream:
             return await _streamed(choices, formatter, started)
         results = await _gathered(choices)
@@ -202,9 +207,11 @@ async def _events(deltas: AsyncGenerator[Delta, None], first: Delta | None, choi
             yield _event(chunk)
         try:
             if first is not None:
-                yield _event(formatter.chunk(first))
+                for chunk in formatter.chunks(first):
+                    yield _event(chunk)
                 async for delta in deltas:
-                    yield _event(formatter.chunk(delta))
+                    for chunk in formatter.chunks(delta):
+                        yield _event(chunk)
         except (ApiError, ServerError) as exc:  # the status is sent: the error goes as an event, as OpenAI's do
             error = exc if isinstance(exc, ApiError) else from_server_error(exc)
             yield _event(error.document())

@@ -11,8 +11,10 @@ A model takes part in one of three ways, decided from its config (docs/openai.md
   `openai_embedding_output`; `transerve export --task embedding` writes them).
 
 `openai_tokenizer` names the folder, relative to the version folder, that holds the tokenizer; `openai_api:
-"none"` keeps a model out. Entries are rebuilt when a model is reloaded (a new `ModelVersion` object); the
-tokenizer is read once per version, in a thread, so a large tokenizer.json never stalls the event loop.
+"none"` keeps a model out; `openai_tool_call_parser` names the format its chat answers' tool calls are read in
+(`hermes`, `llama3_json`, `mistral`; an unknown name keeps the model out, as an incomplete opt-in does). Entries
+are rebuilt when a model is reloaded (a new `ModelVersion` object); the tokenizer is read once per version, in a
+thread, so a large tokenizer.json never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transerve.core.errors import ErrorCode, ServerError
 from transerve.core.extras import MissingExtra
 from transerve.frontends.http.openai.errors import ApiError, bad_request, model_not_found
 from transerve.frontends.http.openai.text import TextTokenizer, has_tokenizer
+from transerve.frontends.http.openai.tool_parsers import PARSERS
 from transerve.repository.paths import inside
 from transerve.server import ModelVersion, Server
 
@@ -53,6 +56,8 @@ class OpenAIModel:
     outputs: frozenset[str] = frozenset()
     #: Embeddings: the sizes `dimensions` may cut a vector to (config `openai_matryoshka_dimensions`).
     matryoshka_dimensions: frozenset[int] = frozenset()
+    #: Which tool-call format its chat answers are read in (config `openai_tool_call_parser`), None for none.
+    tool_parser: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _tokenizer: TextTokenizer | None = None
     _loading: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -145,13 +150,19 @@ def _describe(model: ModelVersion, step_folders: list[Path]) -> OpenAIModel | No
         return None
     inputs = frozenset(model.signature.inputs)
     outputs = frozenset(model.signature.outputs)
+    tool_parser = parameters.get("openai_tool_call_parser") or None
+    if tool_parser is not None and tool_parser not in PARSERS:
+        return None
     try:
         context = _context_length(parameters)
         if api == "embeddings":
             return _opted_in(model, parameters, EMBEDDINGS, "openai_embedding_output", inputs, outputs, context,
                              step_folders)
         if api == "completions" and "openai_text_input" in parameters:
-            return _opted_in(model, parameters, TEXT, "openai_text_output", inputs, outputs, context, step_folders)
+            entry = _opted_in(model, parameters, TEXT, "openai_text_output", inputs, outputs, context, step_folders)
+            if entry is not None:
+                entry.tool_parser = tool_parser
+            return entry
         is_generator = model.config.backend == "generation" and set(_GENERATOR_INPUTS) <= inputs \
             and set(_GENERATOR_OUTPUTS) <= outputs
         if not is_generator or api not in ("", "completions"):
@@ -160,7 +171,7 @@ def _describe(model: ModelVersion, step_folders: list[Path]) -> OpenAIModel | No
         if folder is None or not has_tokenizer(folder):
             return None
         return OpenAIModel(model.name, GENERATE, model, folder, context or _config_context(folder),
-                           inputs=inputs, outputs=outputs)
+                           inputs=inputs, outputs=outputs, tool_parser=tool_parser)
     except ServerError:
         return None
 

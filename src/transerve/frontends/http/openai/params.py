@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from transerve.frontends.http.openai import tools
 from transerve.frontends.http.openai.errors import bad_request
 
 #: Bounds on what one request may ask: choices (prompts times `n`), stop strings and their length, log-probs.
@@ -36,7 +37,8 @@ _SAMPLING_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "response_format",
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "tool_choice", "parallel_tool_calls",
+    "function_call", "response_format",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
 }
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "truncate_prompt_tokens"})
@@ -172,9 +174,6 @@ def _refused(body: dict[str, Any], chat: bool) -> None:
     if not chat and (body.get("best_of") or 1) != 1:
         raise bad_request("'best_of' is not supported", param="best_of")
     if chat:
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise bad_request(f"'{name}' is not supported", param=name)
         if body.get("chat_template") is not None:  # vLLM too refuses it unless told to trust requests' templates
             raise bad_request("'chat_template' is not supported: a template sent with a request is code the server "
                               "would run; the model's own template is used", param="chat_template")
@@ -244,7 +243,7 @@ def flag(body: dict[str, Any], name: str, default: bool, param: str | None = Non
 
 def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Chat messages as the template sees them: role and content text (content parts of type text joined), with
-    `name` and the tool-call fields kept for templates that read them."""
+    `name`, and the tool fields as templates read them (tools.history_fields)."""
     given = body.get("messages")
     if not isinstance(given, list) or not given:
         raise bad_request("'messages' must be a non-empty list", param="messages")
@@ -268,9 +267,9 @@ def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if content is None and role != "assistant":
             raise bad_request(f"'{where}.content' is required for role '{role}'", param=f"{where}.content")
         entry: dict[str, Any] = {"role": role, "content": content}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if key in message:
-                entry[key] = message[key]
+        if "name" in message:
+            entry["name"] = message["name"]
+        entry.update(tools.history_fields(message, role, where))
         result.append(entry)
     return result
 

@@ -10,6 +10,7 @@ the one of a model with no stated context.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from transerve.frontends.http.openai import params
@@ -126,13 +127,13 @@ def is_id(value: object) -> bool:
 
 
 async def chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None,
-                      sampling: params.Sampling) -> list[Prompt]:
+                      sampling: params.Sampling, tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
     messages = params.messages(body)
     if tokenizer is None:
         raise bad_request(f"model '{entry.id}' names no tokenizer, so it has no chat template: use /v1/completions",
                           param="model")
     keep = truncation(entry, sampling)
-    text = await render(body, messages, entry, tokenizer, True, keep)
+    text = await render(body, messages, entry, tokenizer, True, keep, tools)
     ids = (await encoded_texts(tokenizer, [text], entry.context_length, "messages",
                                special_tokens=sampling.add_special_tokens, keep=keep))[0]
     if entry.kind == GENERATE and not ids:
@@ -141,9 +142,10 @@ async def chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextT
 
 
 async def render(body: dict[str, Any], messages: list[dict[str, Any]], entry: OpenAIModel,
-                 tokenizer: TextTokenizer, default_generation_prompt: bool, keep: int | None = None) -> str:
+                 tokenizer: TextTokenizer, default_generation_prompt: bool, keep: int | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template's text for the request's template fields (vLLM's `add_generation_prompt`,
-    `continue_final_message`, `chat_template_kwargs`, `documents`)."""
+    `continue_final_message`, `chat_template_kwargs`, `documents`) and its checked `tools`."""
     arguments = body.get("chat_template_kwargs")
     if arguments is not None and not isinstance(arguments, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
@@ -157,12 +159,14 @@ async def render(body: dict[str, Any], messages: list[dict[str, Any]], entry: Op
     limit = tokenizer.character_limit(context)
     size = sum(len(message["content"] or "") for message in messages)
     size += sum(len(str(value)) for document in documents or () for value in document.values())
+    size += len(json.dumps(tools)) if tools else 0
+    size += sum(len(json.dumps(message["tool_calls"])) for message in messages if "tool_calls" in message)
     if size > limit:
         raise bad_request(f"the messages have more than the {limit} characters that "
                           + (f"the model's {context} tokens can hold" if context else
                              "a prompt may have") + ": shorten them", param="messages")
     options: dict[str, Any] = {"arguments": arguments, "continue_final_message": continue_final,
-                               "documents": documents}
+                               "documents": documents, "tools": tools}
     if len(messages) > _INLINE_MESSAGES:  # a long history renders on a worker thread: Jinja takes its time
         return await asyncio.to_thread(tokenizer.render_chat, messages, add_generation_prompt, **options)
     return tokenizer.render_chat(messages, add_generation_prompt, **options)

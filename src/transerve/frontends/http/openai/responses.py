@@ -9,13 +9,15 @@ from typing import Any
 from transerve.frontends.http.openai.generation import Choice, Delta, Prompt, TokenLogProb
 from transerve.frontends.http.openai.params import Sampling
 from transerve.frontends.http.openai.text import TextTokenizer
+from transerve.frontends.http.openai.tool_answers import StreamedCalls, tool_message
+from transerve.frontends.http.openai.tools import ToolReader
 
 
 class Formatter:
     """One request's documents: its id and creation time are shared by every chunk of a stream."""
 
     def __init__(self, model: str, chat: bool, sampling: Sampling, tokenizer: TextTokenizer | None,
-                 prompts: list[Prompt]) -> None:
+                 prompts: list[Prompt], tools: ToolReader | None = None) -> None:
         self.model = model
         self.chat = chat
         self.sampling = sampling
@@ -25,6 +27,9 @@ class Formatter:
         self.created = int(time.time())
         #: Completions' `text_offset`: where each choice's next token starts in its text.
         self._offsets: dict[int, int] = {}
+        #: `tool_choice: "auto"`: how the answers' tool calls are read, and the streamed choices' parsers.
+        self._tools = tools
+        self._streamed_calls = StreamedCalls(tools) if tools is not None else None
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -38,7 +43,11 @@ class Formatter:
             finish = deltas[-1].finish_reason if deltas else "stop"
             tokens = [token for delta in deltas for token in delta.logprobs]
             if self.chat:
-                documents.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self._tools is not None:
+                    message, called = tool_message(self._tools, text)
+                    finish = "tool_calls" if called and finish == "stop" else finish
+                documents.append({"index": choice.index, "message": message,
                                   "logprobs": self._chat_logprobs(tokens), "finish_reason": finish})
             else:
                 prefix = choice.prompt.text if self.sampling.echo else ""
@@ -69,6 +78,23 @@ class Formatter:
         for chunk, choice in zip(chunks, choices, strict=True):
             self._continuous(chunk, choice.index, 0)
         return chunks
+
+    def chunks(self, delta: Delta) -> list[dict[str, Any]]:
+        """The chunks a delta makes: one, or with tool calls read from the text, one per content piece or call
+        delta (none while the text is held back), the finish reason last (`tool_calls` when the choice called)."""
+        calls = self._streamed_calls
+        if calls is None:
+            return [self.chunk(delta)]
+        pieces = calls.deltas(delta.index, delta.text, delta.finish_reason is not None)
+        logprobs = self._chat_logprobs(delta.logprobs) if delta.logprobs else None
+        finish = delta.finish_reason
+        if finish == "stop" and calls.called(delta.index):
+            finish = "tool_calls"
+        chunks = [self._chat_chunk(delta.index, piece, logprobs if number == 0 else None, None)
+                  for number, piece in enumerate(pieces)]
+        if finish is not None or (not pieces and logprobs is not None):
+            chunks.append(self._chat_chunk(delta.index, {}, None if pieces else logprobs, finish))
+        return [self._continuous(chunk, delta.index, delta.completion_tokens) for chunk in chunks]
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         if self.chat:

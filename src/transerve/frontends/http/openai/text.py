@@ -129,9 +129,10 @@ class TextTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     arguments: dict[str, Any] | None = None, continue_final_message: bool = False,
-                    documents: list[dict[str, Any]] | None = None) -> str:
+                    documents: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The template's text, as transformers' `apply_chat_template(tokenize=False)` gives it for the same
-        arguments; `continue_final_message` ends the text with the last message's content, left open."""
+        arguments (`tools`: the JSON-schema dicts, as it passes them); `continue_final_message` ends the text with
+        the last message's content, left open."""
         if self.chat_template is None:
             raise bad_request("this model has no chat template (its tokenizer_config.json or chat_template.jinja "
                               "names none): use /v1/completions", param="messages")
@@ -149,6 +150,8 @@ class TextTokenizer:
         variables = {**self.special_tokens, "add_generation_prompt": add_generation_prompt, **(arguments or {})}
         if documents is not None:
             variables["documents"] = documents
+        if tools is not None:
+            variables["tools"] = tools
         if continue_final_message:
             messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _OPEN_END}]
         try:

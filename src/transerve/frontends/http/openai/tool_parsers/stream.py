@@ -3,14 +3,15 @@
 The stream re-scans the choice's text so far at each delta and sends only what is new: content, a call's opening
 (its name, once whole) and its arguments' new characters. Each scan extends the previous one (formats.py), so the
 deltas join into what `parse` gives for the whole text. Text outside the calls that is only whitespace is no
-content (null), so the stream holds such text back until something else comes.
+content (null) beside calls, so the stream holds such text back until something else comes (or the answer ends
+without calls).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transerve.frontends.http.openai.tool_parsers.formats import PARSERS, PartialCall, Scan
+from transerve.frontends.http.openai.tool_parsers.formats import PARSERS, PartialCall, Scan, held
 
 
 @dataclass(slots=True)
@@ -30,12 +31,22 @@ def scanner(name: str) -> Scan:
     return PARSERS[name]
 
 
-def parse(scan: Scan, text: str, parallel: bool = True) -> Parsed:
-    """The whole answer's content and calls (only the first call when `parallel` is false)."""
-    segments = scan(text, True)
+def parse(scan: Scan, text: str, parallel: bool = True, drop: tuple[str, ...] = ()) -> Parsed:
+    """The whole answer's content and calls (only the first call when `parallel` is false); the `drop` strings
+    (special tokens' text) are taken out first."""
+    segments = scan(_dropped(text, drop, True), True)
     outside = "".join(segment for segment in segments if isinstance(segment, str))
     calls = [ParsedCall(segment.name, segment.arguments) for segment in segments if isinstance(segment, PartialCall)]
-    return Parsed(outside if outside.strip() else None, calls if parallel else calls[:1])
+    return Parsed(outside if outside.strip() or not calls else None, calls if parallel else calls[:1])
+
+
+def _dropped(text: str, drop: tuple[str, ...], final: bool) -> str:
+    """The text without the `drop` strings; while not `final`, without a last part that could begin one."""
+    if not drop:
+        return text
+    for piece in drop:
+        text = text.replace(piece, "")
+    return text if final else text[:len(text) - held(text, drop)]
 
 
 @dataclass(slots=True)
@@ -64,7 +75,9 @@ class ToolStream:
 
     scan: Scan
     parallel: bool = True
+    drop: tuple[str, ...] = ()
     text: str = ""
+    _outside: str = ""
     _content_sent: int = 0
     _arguments_sent: list[str] = field(default_factory=list)
 
@@ -74,10 +87,15 @@ class ToolStream:
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
-        return self._new(self.scan(self.text, False))
+        return self._new(self.scan(_dropped(self.text, self.drop, False), False))
 
     def finish(self) -> list[Event]:
-        return self._new(self.scan(self.text, True))
+        """The last events; an answer without calls gets all its text, whitespace too."""
+        events = self._new(self.scan(_dropped(self.text, self.drop, True), True))
+        if not self.called and len(self._outside) > self._content_sent:
+            events.append(Content(self._outside[self._content_sent:]))
+            self._content_sent = len(self._outside)
+        return events
 
     def _new(self, segments: list[str | PartialCall]) -> list[Event]:
         events: list[Event] = []
@@ -89,6 +107,7 @@ class ToolStream:
                 if outside.strip() and len(outside) > self._content_sent:
                     events.append(Content(outside[self._content_sent:]))
                     self._content_sent = len(outside)
+                self._outside = outside
                 continue
             index, number = number, number + 1
             if index > 0 and not self.parallel:
