@@ -140,3 +140,25 @@ def test_end_token_only_where_the_grammar_accepts(gpt2):
     logits = torch.zeros(1, vocab)
     apply_masks([(0, row)], logits)
     assert logits[0, eos] == 0 and logits[0, 7] == 0  # accepting: either end token may close it
+
+
+def test_request_parameters_name_their_constraint():
+    from transerve.backends.generation.grammar.parameters import parameter_constraint
+
+    schema = json.dumps(SCHEMA)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+    assert parameter_constraint("guided_json", schema) == Constraint("json_schema", schema)
+    assert parameter_constraint("response_format", json.dumps(fmt)) == Constraint("json_schema", schema)
+    assert parameter_constraint("response_format", {"type": "text"}) is None
+    assert parameter_constraint("response_format", {"type": "json_object"}).kind == "json_object"
+    assert parameter_constraint("structured_outputs", {"choice": ["a", "b"]}) == Constraint("choice", '["a", "b"]')
+    assert parameter_constraint("structured_outputs", {"json_object": True}).kind == "json_object"
+    for key, value, named in (("structured_outputs", {"regex": "a", "grammar": "b"}, "exactly one"),
+                              ("structured_outputs", {"xml": "a"}, "structured_outputs.xml"),
+                              ("response_format", {"type": "yaml"}, "response_format"),
+                              ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+                              ("response_format", "{bad", "not valid JSON"),
+                              ("guided_regex", 5, "guided_regex")):
+        with pytest.raises(ServerError) as raised:
+            parameter_constraint(key, value)
+        assert named in str(raised.value)
