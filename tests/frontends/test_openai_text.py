@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from transerve.frontends.http.openai import params
+from transerve.frontends.http.openai import params, tools
 from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.openai.generation import _StopFinder
 from transerve.frontends.http.openai.text import TextStream, TextTokenizer
@@ -122,7 +122,10 @@ def test_completion_fields_are_checked(body: dict, param: str) -> None:
 
 
 def test_chat_fields_are_checked() -> None:
-    for body, param in (({"logprobs": False, "top_logprobs": 2}, "top_logprobs"), ({"tools": [{}]}, "tools"),
+    with pytest.raises(ApiError) as raised:
+        tools.tool_request({"tools": [{}]})
+    assert raised.value.param == "tools[0]"
+    for body, param in (({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
                         ({"response_format": {"type": "json_object"}}, "response_format")):
         with pytest.raises(ApiError) as raised:
             params.sampling(body, chat=True)
