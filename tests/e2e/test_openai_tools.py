@@ -169,6 +169,10 @@ def test_tools_and_history_reach_the_template_as_transformers_gives_them(server,
                                              tokenize=False)
     assert message["content"] == expected
     assert '"name": "get_weather"' in expected and '{"city": "Paris"}' in expected
+    tokenized = requests.post(f"{server.base_url}/tokenize", json={"model": "scripted", "messages": history,
+                                                                    "tools": [WEATHER, TIME]}, timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(("body", "param", "mentions"), [
@@ -208,6 +212,45 @@ def test_a_model_without_parser_refuses_auto(server):
     assert answer.status_code == 400 and "openai_tool_call_parser" in answer.json()["error"]["message"]
     answer = _post(server, {"model": "unparsed", "messages": QUESTION, "tools": [WEATHER], "tool_choice": "none"})
     assert answer.status_code == 200 and "<tool_call>" in answer.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory) -> Iterator[tuple[ServerProcess, Path]]:
+    """A random-weight GPT-2 generator (torch, decoupled) with the tools template and the hermes parser."""
+    pytest.importorskip("torch")
+    from support.openai_models import build_chat_gpt2
+
+    from transerve.convert.command import convert
+
+    root = tmp_path_factory.mktemp("openai_tools_gpt")
+    repository = root / "repository"
+    convert(build_chat_gpt2(root / "gpt2"), repository, engine="torch", name="gpt", max_batch_size=4,
+            decoupled=True)
+    (repository / "gpt" / "1" / "model" / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    with (repository / "gpt" / "config.pbtxt").open("a", encoding="utf-8") as config:
+        config.write(PARSER)
+    with start_transerve(repository) as running:
+        yield running, repository / "gpt" / "1" / "model"
+
+
+def test_generator_with_tools_streams_the_same_answer(generator):
+    """A generator's answer, read by the parser token by token: the stream's content is the whole answer's, with
+    the same finish reason; the tools reached the template (the prompt's tokens are transformers' count)."""
+    transformers = pytest.importorskip("transformers")
+    server, folder = generator
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        asked = {"model": "gpt", "messages": QUESTION, "tools": [WEATHER, TIME], "max_tokens": 24, "temperature": 0}
+        whole = client.chat.completions.create(**asked)
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    deltas = [chunk.choices[0] for chunk in chunks if chunk.choices]
+    assert "".join(part.delta.content or "" for part in deltas) == choice.message.content
+    assert deltas[-1].finish_reason == choice.finish_reason
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], add_generation_prompt=True,
+                                           tokenize=False)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def test_langchain_bind_tools_agent_loop(server):

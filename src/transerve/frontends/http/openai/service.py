@@ -2,8 +2,8 @@
 shapes, for the generators and text models the API serves.
 
 `/tokenize` takes a `prompt` (tokenized with the tokenizer's special tokens unless `add_special_tokens` is false)
-or chat `messages` (rendered with the model's template as /v1/chat/completions renders them, special tokens not
-added again unless asked), and answers `count`, `max_model_len` and `tokens` (`token_strs` too with
+or chat `messages` and `tools` (rendered with the model's template as /v1/chat/completions renders them, special
+tokens not added again unless asked), and answers `count`, `max_model_len` and `tokens` (`token_strs` too with
 `return_token_strs`). `/detokenize` takes `tokens` and answers the `prompt` they decode to. Inputs are bounded as
 completions' prompts are.
 """
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from transerve.frontends.http.openai import params
+from transerve.frontends.http.openai import params, tools
 from transerve.frontends.http.openai.catalog import GENERATE, TEXT, Catalog, OpenAIModel
 from transerve.frontends.http.openai.errors import bad_request
 from transerve.frontends.http.openai.prompts import check_ids, encoded_texts, is_id, render
 from transerve.frontends.http.openai.text import TextTokenizer
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                              "continue_final_message", "chat_template_kwargs", "documents", "return_token_strs"})
+                              "continue_final_message", "chat_template_kwargs", "documents", "return_token_strs",
+                              "tools"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -31,12 +32,14 @@ async def tokenize(catalog: Catalog, body: dict[str, Any]) -> dict[str, Any]:
         raise bad_request("give either 'prompt' or 'messages'", param="prompt")
     special = params.flag(body, "add_special_tokens", not chat)
     if chat:
-        text = await render(body, params.messages(body), entry, tokenizer, True)
+        checked = tools.tool_request({"tools": body.get("tools")})  # a chat prompt as chat renders it with tools
+        text = await render(body, params.messages(body), entry, tokenizer, True,
+                            tools=checked.tools if checked is not None else None)
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise bad_request("'prompt' must be a string", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"):
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "tools"):
             if name in body:
                 raise bad_request(f"'{name}' goes with 'messages'", param=name)
     ids = (await encoded_texts(tokenizer, [text], entry.context_length, "messages" if chat else "prompt",
