@@ -120,3 +120,15 @@ def test_parallel_false_keeps_the_first_call():
     stream = ToolStream(scanner("hermes"), parallel=False)
     events = stream.feed(text) + stream.finish()
     assert [event.name for event in events if isinstance(event, CallOpened)] == ["get_weather"]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_a_long_call_cut_inside_strings_and_escapes(family):
+    """The stream goes on scanning a growing call where it stopped (inside a string, after an escape): pieces of
+    3 characters cut everywhere, and the arguments still join into the whole answer's."""
+    arguments = json.dumps({"code": 'print("a\\tb")\n' * 200, "items": [{"k": [i, {"v": "}{"}]} for i in range(50)]})
+    text = {"hermes": f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {arguments}}}',
+            "mistral": f"[TOOL_CALLS]f[ARGS]{arguments}"}[family]
+    assert parse(scanner(family), text).calls[0].arguments == arguments
+    assert _streamed(family, [text[at:at + 3] for at in range(0, len(text), 3)]) == ("", [("f", arguments)])

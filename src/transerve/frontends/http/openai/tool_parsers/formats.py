@@ -1,6 +1,6 @@
 """The tool-call formats of the model families, each read from text that may still be growing.
 
-Every format is one function `scan(text, final) -> segments`: the text split, in order, into the text outside the
+Every format is one function `scan(text, final, memo) -> segments`: the text split, in order, into the text outside the
 calls (`str`) and the calls (`PartialCall`). While `final` is false, what the text so far cannot settle is held
 back (a possible start of a marker, a call whose name is not whole), and each later scan of a longer text only
 extends the earlier one: its outside text grows, its calls keep their names and their arguments grow. That is what
@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transerve.frontends.http.openai.tool_parsers.scan import object_fields, skip_space, value_end
+from transerve.frontends.http.openai.tool_parsers.scan import Memo, object_fields, skip_space, value_end
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class PartialCall:
 
 
 Segment = str | PartialCall
-Scan = Callable[[str, bool], list[Segment]]
+Scan = Callable[[str, bool, Memo | None], list[Segment]]
 
 _CALL, _UNDECIDED, _BROKEN = "call", "undecided", "broken"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -51,11 +51,11 @@ def _settled(tail: str, final: bool, markers: tuple[str, ...]) -> str:
     return tail if final else tail[:len(tail) - held(tail, markers)]
 
 
-def call_object(text: str, start: int, final: bool, argument_keys: tuple[str, ...]
+def call_object(text: str, start: int, final: bool, argument_keys: tuple[str, ...], memo: Memo | None = None
                 ) -> tuple[str, PartialCall | None, int | None]:
     """The call written as a JSON object at `start`: (state, call, end past its `}`). `undecided` while its name is
     not whole; `broken` when it is not a call object (a key no call has, a name that is not a string)."""
-    fields = object_fields(text, start)
+    fields = object_fields(text, start, memo)
     allowed = {"name", "type", "id", *argument_keys}
     if any(key not in allowed for key in fields.spans):
         return _BROKEN, None, None
@@ -84,7 +84,7 @@ def call_object(text: str, start: int, final: bool, argument_keys: tuple[str, ..
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def hermes(text: str, final: bool) -> list[Segment]:
+def hermes(text: str, final: bool, memo: Memo | None = None) -> list[Segment]:
     segments: list[Segment] = []
     pos = 0
     while True:
@@ -96,7 +96,8 @@ def hermes(text: str, final: bool) -> list[Segment]:
         body = at + len(_HERMES_OPEN)
         close = text.find(_HERMES_CLOSE, body)
         region = text if close < 0 else text[:close]
-        state, call, _ = call_object(region, body, final or close >= 0, ("arguments", "parameters"))
+        state, call, _ = call_object(region, body, final or close >= 0, ("arguments", "parameters"),
+                                     memo if close < 0 else None)
         if state == _CALL and call is not None:
             segments.append(call)
         elif close >= 0:  # not a call: the marker and what it holds are text
@@ -113,7 +114,7 @@ def hermes(text: str, final: bool) -> list[Segment]:
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def llama3_json(text: str, final: bool) -> list[Segment]:
+def llama3_json(text: str, final: bool, memo: Memo | None = None) -> list[Segment]:
     start = skip_space(text, 0)
     rest = text[start:]
     if rest.startswith(_PYTHON_TAG):
@@ -126,7 +127,7 @@ def llama3_json(text: str, final: bool) -> list[Segment]:
         return [text]
     segments: list[Segment] = []
     while True:
-        state, call, end = call_object(text, at, final, ("parameters", "arguments"))
+        state, call, end = call_object(text, at, final, ("parameters", "arguments"), memo)
         if state == _BROKEN or (state == _UNDECIDED and final):
             segments.append(text if not segments else text[at:])
             return segments
@@ -151,7 +152,7 @@ def llama3_json(text: str, final: bool) -> list[Segment]:
 _MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-def mistral(text: str, final: bool) -> list[Segment]:
+def mistral(text: str, final: bool, memo: Memo | None = None) -> list[Segment]:
     segments: list[Segment] = []
     pos = 0
     while True:
@@ -165,7 +166,7 @@ def mistral(text: str, final: bool) -> list[Segment]:
             if final:
                 segments.append(text[at:])
             return segments
-        parsed = (_mistral_list if text[first] == "[" else _mistral_named)(text, first, final)
+        parsed = (_mistral_list if text[first] == "[" else _mistral_named)(text, first, final, memo)
         if parsed is None:  # held: the calls are not settled yet
             return segments
         calls, after = parsed
@@ -177,12 +178,12 @@ def mistral(text: str, final: bool) -> list[Segment]:
         pos = after
 
 
-def _mistral_list(text: str, start: int, final: bool) -> tuple[list[Segment], int | None] | None:
+def _mistral_list(text: str, start: int, final: bool, memo: Memo | None) -> tuple[list[Segment], int | None] | None:
     """`[{...}, {...}]`: the calls and where the text after the list starts (None: the list is still open)."""
     calls: list[Segment] = []
     at = start + 1
     while True:
-        state, call, end = call_object(text, skip_space(text, at), final, ("arguments",))
+        state, call, end = call_object(text, skip_space(text, at), final, ("arguments",), memo)
         if state == _BROKEN or (state == _UNDECIDED and final):
             return ([], None) if not calls else (calls, None)
         if call is None:
@@ -201,7 +202,7 @@ def _mistral_list(text: str, start: int, final: bool) -> tuple[list[Segment], in
             return calls, after
 
 
-def _mistral_named(text: str, start: int, final: bool) -> tuple[list[Segment], int | None] | None:
+def _mistral_named(text: str, start: int, final: bool, memo: Memo | None) -> tuple[list[Segment], int | None] | None:
     """`name[ARGS]{...}`: one call and where the text after it starts (None: it is still open)."""
     marker = text.find(_MISTRAL_ARGS, start)
     name = text[start:marker if marker >= 0 else len(text)]
@@ -217,7 +218,7 @@ def _mistral_named(text: str, start: int, final: bool) -> tuple[list[Segment], i
         return [PartialCall(name, "{}" if final else "", final)], None
     if text[begin] != "{":
         return [], begin
-    end = value_end(text, begin)
+    end = value_end(text, begin, memo)
     return [PartialCall(name, text[begin:end if end is not None else len(text)], end is not None or final)], end
 
 

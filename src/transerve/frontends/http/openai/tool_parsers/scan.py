@@ -9,9 +9,14 @@ go out as the model wrote them, and a client parses them.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 _WHITESPACE = " \t\r\n"
+#: What changes the scan's state: runs of other characters are skipped by the regex engine, not in Python (the
+#: stream scans a growing call again at each delta).
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_STRING_STOP = re.compile(r'["\\]')
 
 
 def skip_space(text: str, at: int) -> int:
@@ -20,31 +25,41 @@ def skip_space(text: str, at: int) -> int:
     return at
 
 
-def value_end(text: str, start: int) -> int | None:
+#: Where a stream's scan of an open value stopped, by the value's start: (depth, position, inside a string). The
+#: stream's text only grows, so the next scan of the same value goes on from there instead of from its start.
+Memo = dict[int, tuple[int, int, bool]]
+
+
+def value_end(text: str, start: int, memo: Memo | None = None) -> int | None:
     """The index just past the JSON value starting at `start`, or None when the text ends first. A scalar
     (number, true, null) ends at the first character that cannot continue it, so at the text's end it is open."""
     if start >= len(text):
         return None
     first = text[start]
     if first == '"':
-        return _string_end(text, start)
+        return _string_end(text, start + 1)[0]
     if first in "{[":
-        depth, at = 0, start
-        while at < len(text):
-            char = text[at]
-            if char == '"':
-                end = _string_end(text, at)
+        depth, at, in_string = memo.get(start, (0, start, False)) if memo is not None else (0, start, False)
+        while True:
+            if in_string:
+                end, at = _string_end(text, at)
                 if end is None:
-                    return None
-                at = end
+                    break
+                at, in_string = end, False
+            found = _STRUCTURE.search(text, at)
+            if found is None:
+                at = len(text)
+                break
+            at, char = found.start(), found.group()
+            if char == '"':
+                at, in_string = at + 1, True
                 continue
-            if char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    return at + 1
+            depth += 1 if char in "{[" else -1
             at += 1
+            if depth == 0:
+                return at
+        if memo is not None:
+            memo[start] = (depth, at, in_string)
         return None
     at = start
     while at < len(text) and text[at] not in _WHITESPACE + ",}]":
@@ -52,17 +67,15 @@ def value_end(text: str, start: int) -> int | None:
     return at if at < len(text) else None
 
 
-def _string_end(text: str, start: int) -> int | None:
-    at = start + 1
-    while at < len(text):
-        char = text[at]
-        if char == "\\":
-            at += 2
-            continue
-        if char == '"':
-            return at + 1
-        at += 1
-    return None
+def _string_end(text: str, at: int) -> tuple[int | None, int]:
+    """(just past the closing quote of the string whose characters go on at `at`, or None; where to go on)."""
+    while (found := _STRING_STOP.search(text, at)) is not None:
+        if found.group() == '"':
+            return found.start() + 1, found.start() + 1
+        if found.start() + 1 >= len(text):  # an escape cut at the text's end: read it again next time
+            return None, found.start()
+        at = found.start() + 2  # an escape: the next character is part of the string
+    return None, len(text)
 
 
 @dataclass(slots=True)
@@ -86,7 +99,7 @@ class Fields:
             return None
 
 
-def object_fields(text: str, start: int) -> Fields:
+def object_fields(text: str, start: int, memo: Memo | None = None) -> Fields:
     """The fields of the object at `start` (after any whitespace). Scanning stops at the first thing that is not
     `"key": value` followed by `,` or `}`: then the object is `broken`, with the fields read so far."""
     result = Fields()
@@ -107,7 +120,7 @@ def object_fields(text: str, start: int) -> Fields:
         if text[at] != '"':
             result.broken = True
             return result
-        key_end = _string_end(text, at)
+        key_end = _string_end(text, at + 1)[0]
         if key_end is None:
             return result
         try:
@@ -124,7 +137,7 @@ def object_fields(text: str, start: int) -> Fields:
         value_start = skip_space(text, at + 1)
         if value_start >= len(text):
             return result
-        end = value_end(text, value_start)
+        end = value_end(text, value_start, memo)
         result.spans[key] = (value_start, end)
         if end is None:
             return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from transerve.frontends.http.openai.tool_parsers.formats import PARSERS, PartialCall, Scan, held
+from transerve.frontends.http.openai.tool_parsers.scan import Memo
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ def scanner(name: str) -> Scan:
 def parse(scan: Scan, text: str, parallel: bool = True, drop: tuple[str, ...] = ()) -> Parsed:
     """The whole answer's content and calls (only the first call when `parallel` is false); the `drop` strings
     (special tokens' text) are taken out first."""
-    segments = scan(_dropped(text, drop, True), True)
+    segments = scan(_dropped(text, drop, True), True, None)
     outside = "".join(segment for segment in segments if isinstance(segment, str))
     calls = [ParsedCall(segment.name, segment.arguments) for segment in segments if isinstance(segment, PartialCall)]
     return Parsed(outside if outside.strip() or not calls else None, calls if parallel else calls[:1])
@@ -79,6 +80,7 @@ class ToolStream:
     text: str = ""
     _outside: str = ""
     _content_sent: int = 0
+    _memo: Memo = field(default_factory=dict)
     _arguments_sent: list[str] = field(default_factory=list)
 
     @property
@@ -87,11 +89,11 @@ class ToolStream:
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
-        return self._new(self.scan(_dropped(self.text, self.drop, False), False))
+        return self._new(self.scan(_dropped(self.text, self.drop, False), False, self._memo))
 
     def finish(self) -> list[Event]:
         """The last events; an answer without calls gets all its text, whitespace too."""
-        events = self._new(self.scan(_dropped(self.text, self.drop, True), True))
+        events = self._new(self.scan(_dropped(self.text, self.drop, True), True, self._memo))
         if not self.called and len(self._outside) > self._content_sent:
             events.append(Content(self._outside[self._content_sent:]))
             self._content_sent = len(self._outside)
