@@ -84,7 +84,7 @@ class OpenAIApi:
         tool_request = tools.tool_request(body) if chat else None
         tokenizer = await entry.tokenizer() if entry.tokenizer_folder is not None else None
         reader = tools.reader(tool_request, entry, tokenizer.special_tokens if tokenizer is not None else {})
-        if reader is not None and reader.drop and "skip_special_tokens" not in body:
+        if reader is not None and reader.drop and entry.kind == GENERATE and "skip_special_tokens" not in body:
             sampling.skip_special_tokens = False  # the parser's markers are special tokens: decode them
         if entry.kind == TEXT:
             _text_model_fields(sampling)
