@@ -13,7 +13,8 @@ The load generator (benchmarks/common/load.py) must not be the bottleneck: raw H
 request bytes built once, in client processes (--client-processes); the table reports the busiest client process's
 CPU use so a reader can see when the client, not the server, was saturated. For servers started here, "server
 us/req" is the CPU time of the server's main process per answer (warm-up included; python-backend workers are other
-processes, the same work for both servers): on a machine the client shares, it is steadier than throughput.
+processes), and "with workers us/req" adds the CPU time of its child processes (transerve's python-backend workers,
+Triton's python backend stub) over the same run: the whole of each server's work per answer.
 
 TLS: the servers named `<server>-tls` are started here with certificates made for the run (tests/support/certs.py):
 transerve with `--grpc-use-ssl` and `--http-use-ssl`, Triton with `--grpc-use-ssl` (it has no HTTPS, so its HTTP
@@ -35,6 +36,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from benchmarks.common.load import PROTOCOLS, RunResult, check_answer, client_context, percentile, run_once
 from benchmarks.common.results import add_json_option, comma_list, int_list, write_json
 
@@ -47,8 +50,28 @@ def server_us(group: list[RunResult]) -> str:
     return f"{sum(measured) / len(measured) * 1e6:.0f}" if measured else ""
 
 
-def report(runs: list[RunResult], servers: list[str], protocols: list[str]) -> str:
-    """A Markdown table, one row per server, protocol and concurrency, with every round of a row merged."""
+def family_cpu(pid: int) -> float:
+    """CPU seconds of a server process and of its children (python-backend workers or stubs) so far."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def family_us(group: list[RunResult], family: dict[int, float]) -> str:
+    """The CPU microseconds per answer of a server and its children over a row's runs, when measured."""
+    measured = [family[id(r)] for r in group if id(r) in family]
+    return f"{sum(measured) / len(measured) * 1e6:.0f}" if measured else ""
+
+
+def report(runs: list[RunResult], servers: list[str], protocols: list[str],
+           family: dict[int, float] | None = None) -> str:
+    """A Markdown table, one row per server, protocol and concurrency, with every round of a row merged; `family`
+    holds, by run, the CPU seconds per answer of the server and its children."""
+    family = family or {}
     rows: dict[tuple[str, int, str], list[RunResult]] = {}
     for run in runs:
         rows.setdefault((run.protocol, run.concurrency, run.server), []).append(run)
@@ -58,8 +81,8 @@ def report(runs: list[RunResult], servers: list[str], protocols: list[str]) -> s
     tls = any(server.endswith("-tls") for server in servers)
     lines = [
         "| server | protocol | concurrency | req/s | p50 ms | p99 ms | transerve/Triton | errors | client CPU "
-        "| server us/req |" + (" vs plain |" if tls else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if tls else ""),
+        "| server us/req | with workers us/req |" + (" vs plain |" if tls else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if tls else ""),
     ]
     for protocol, concurrency, server in sorted(rows, key=lambda k: (protocols.index(k[0]), k[1], servers.index(k[2]))):
         group = rows[(protocol, concurrency, server)]
@@ -72,7 +95,8 @@ def report(runs: list[RunResult], servers: list[str], protocols: list[str]) -> s
         lines.append(
             f"| {server} | {protocol} | {concurrency} | {mine:.0f} "
             f"| {percentile(latencies, 0.50) * 1e3:.2f} | {percentile(latencies, 0.99) * 1e3:.2f} | {ratio} "
-            f"| {sum(r.errors for r in group)} | {max(r.client_cpu for r in group) * 100:.0f}% | {server_us(group)} |"
+            f"| {sum(r.errors for r in group)} | {max(r.client_cpu for r in group) * 100:.0f}% | {server_us(group)} "
+            f"| {family_us(group, family)} |"
             + versus
         )
     return "\n".join(lines)
@@ -168,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown protocol {protocol!r}")
 
     runs: list[RunResult] = []
+    family: dict[int, float] = {}
     with servers_under_test(args) as addresses:
         for name, server_addresses in addresses.items():
             for protocol in args.protocols:
@@ -186,14 +211,18 @@ def main(argv: list[str] | None = None) -> None:
                         address = addresses[name].get("grpc" if protocol == "grpc" else "http")
                         if address is None:  # triton-tls over HTTP
                             continue
+                        pid = addresses[name].get("pid")
+                        before = family_cpu(pid) if pid is not None else 0.0
                         run = run_once(name, address, protocol, concurrency, args.client_processes, args.warmup,
-                                       args.duration, ca=addresses[name].get("ca"),
-                                       server_pid=addresses[name].get("pid"))
+                                       args.duration, ca=addresses[name].get("ca"), server_pid=pid)
                         runs.append(run)
+                        if pid is not None and run.answered:
+                            family[id(run)] = (family_cpu(pid) - before) / run.answered
                         print(f"round {round_index + 1}/{args.rounds} {name:9s} {protocol:6s} c={concurrency:<3d} "
                               f"{len(run.latencies) / run.duration:8.0f} req/s  errors {run.errors}", file=sys.stderr)
-    print(report(runs, args.servers, args.protocols))
-    write_json(args.json, "protocol", [run.summary() for run in runs], args)
+    print(report(runs, args.servers, args.protocols, family))
+    write_json(args.json, "protocol", [{**run.summary(), "with_workers_us_per_req": family[id(run)] * 1e6
+                                        if id(run) in family else None} for run in runs], args)
 
 
 if __name__ == "__main__":
