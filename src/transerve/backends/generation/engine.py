@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from transerve.backends.generation.grammar.constraint import Constraint
 from transerve.core.errors import invalid_arg
 
 
@@ -47,6 +48,9 @@ class DecodingOptions:
     #: Per generated token, this many likeliest tokens with their log-probabilities (0: none; at most
     #: `MAX_TOP_LOGPROBS`, beam width 1 only), from the distribution `log_probs` reports; implies `return_log_probs`.
     top_logprobs: int = 0
+    #: The structured output the tokens must form (a JSON schema, a regex, ...: `grammar`); None: free text. The
+    #: torch engine decodes it under a grammar (beam width 1); CTranslate2 refuses it.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.top_logprobs:  # a top list without the chosen token's own log-probability would be half an answer

@@ -26,6 +26,8 @@ from transerve.backends.generation.engine import (
     check_token_options,
     check_word_count,
 )
+from transerve.backends.generation.grammar.parameters import PARAMETERS as CONSTRAINT_PARAMETERS
+from transerve.backends.generation.grammar.parameters import parameter_constraint
 from transerve.core.errors import invalid_arg
 from transerve.core.protocol_parameters import FRONTEND_PARAMETERS, SCHEDULING_PARAMETERS
 
@@ -60,6 +62,8 @@ OPTIONS = (
     Option("return_log_probs", "bool", ("return_log_probs",), ("return_log_probs", "is_return_log_probs")),
     Option("top_logprobs", "int", ("top_logprobs",)),
     Option("stream", "bool", ("stream",), ("stream",)),
+    #: A structured output (grammar-constrained decoding): one of vLLM's and OpenAI's names for it.
+    Option("constraint", "constraint", CONSTRAINT_PARAMETERS),
 )
 
 BY_PARAMETER = {name: option for option in OPTIONS for name in option.parameters}
@@ -129,6 +133,8 @@ def _parameter_value(option: Option, key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise invalid_arg(f"parameter '{key}' must be an integer, got {value!r}")
         return value
+    if option.kind == "constraint":
+        return parameter_constraint(key, value)
     if option.kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise invalid_arg(f"parameter '{key}' must be a number, got {value!r}")
@@ -232,6 +238,10 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
     if top_logprobs and beam_width > 1:
         raise invalid_arg(f"top_logprobs {top_logprobs} with beam_width {beam_width}: the likeliest tokens are "
                           "reported for beam_width 1 only (greedy or sampling)")
+    constraint = values.get("constraint")
+    if constraint is not None and beam_width > 1:
+        raise invalid_arg(f"a structured output with beam_width {beam_width}: grammar-constrained decoding runs "
+                          "with beam_width 1 (greedy or sampling)")
     stream = values.get("stream", False)
     if stream and not limits.decoupled:
         raise invalid_arg("stream is true, but this model is not decoupled: streaming needs "
@@ -256,6 +266,7 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         bad_words=values.get("bad_words", []),
         return_log_probs=values.get("return_log_probs", False) or top_logprobs > 0,
         top_logprobs=top_logprobs,
+        constraint=constraint,
     )
     if limits.vocab_size is not None:
         check_token_options(options, limits.vocab_size)

@@ -240,6 +240,9 @@ class CTranslate2Engine:
     def _call_key(self, request: GenerationRequest) -> _CallKey:
         """The call options of a request, or INVALID_ARG for one this engine can never serve."""
         options, ids = request.options, request.input_ids
+        if options.constraint is not None:
+            raise invalid_arg("structured outputs (response_format, structured_outputs, guided_*) need the torch "
+                              "engine (config parameter engine: torch); this model runs on CTranslate2")
         if not ids:
             raise invalid_arg("the input has no tokens")
         if len(ids) > self.max_input_length:

@@ -32,6 +32,7 @@ from transerve.backends.generation.engine import (
     Hypothesis,
     TokenCallback,
 )
+from transerve.backends.generation.grammar.compiler import GrammarCompiler
 from transerve.backends.generation.torch.batch_rows import default_batch_rows
 from transerve.backends.generation.torch.batch_runner import BatchRunner, StepPlan, StepResult, ThreadPolicy
 from transerve.backends.generation.torch.cache_buffers import fewest_moves
@@ -46,6 +47,7 @@ from transerve.core.errors import ServerError, internal, invalid_arg, unavailabl
 if TYPE_CHECKING:
     import torch
 
+    from transerve.backends.generation.grammar.masks import RowGrammar
     from transerve.backends.generation.torch.decoder_batch import DecoderBatch
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,10 @@ class TorchEngine:
         self.join_stream = JoinStream(self.device)
         self.scheduler = Scheduler(facts, self.device, max_batch_rows, kv_cache_tokens, join_group, scheduling)
         self._name = model_dir.name
+        self._model_dir = model_dir
+        #: Structured outputs' compiler for this model's tokenizer, made by the first constrained request.
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         #: The engine thread, while there is work (`_await_work`): None when idle.
         self.thread: threading.Thread | None = None
         #: The joining thread (`_prepare_ahead`), while there is work; never when decoding uses every core.
@@ -153,6 +159,8 @@ class TorchEngine:
         """Queue a sequence; one the engine can never serve gets `done(INVALID_ARG)` here, in the caller's thread."""
         try:
             sequence = self.scheduler.new_sequence(request, on_tokens, done)
+            if request.options.constraint is not None:
+                sequence.grammar = self._grammar(sequence)
         except ServerError as error:
             _report(done, error)
             return _Refused()
@@ -179,6 +187,20 @@ class TorchEngine:
             threads = [t for t in (self.thread, self.joining_thread) if t is not None]
         for thread in threads:
             thread.join(timeout)
+
+    def _grammar(self, sequence: Sequence) -> RowGrammar:
+        """The grammar state of a sequence under a structured-output constraint, compiled in the submitting thread
+        (the first such request also builds the tokenizer's tables, `grammar.compiler`)."""
+        options = sequence.request.options
+        assert options.constraint is not None
+        if sequence.rows > 1:
+            raise invalid_arg(f"a structured output with beam_width {options.beam_width}: grammar-constrained "
+                              "decoding runs with beam_width 1 (greedy or sampling)")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler.from_model_dir(self._model_dir, self.vocab_size, self.eos_token_ids,
+                                                                self.device)
+        return self._grammars.row(options.constraint, sequence.rules.end_ids)
 
     # -- the threads ---------------------------------------------------------------------------------------------
 

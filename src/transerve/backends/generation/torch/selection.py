@@ -5,12 +5,13 @@ Log-probabilities are those of the distribution each token was chosen from, as t
 (log-softmaxed) reports them: after the repetition penalty, bad words, min_new_tokens and the model's forced tokens,
 and when sampling after temperature, top-k and top-p. A greedy or sampled hypothesis' score is their sum; a beam
 hypothesis' score is transformers' `sequences_scores` (their sum divided by length ** length_penalty). Stop
-sequences match the new tokens only. With `top_logprobs` k, a sequence's step also reports the k likeliest tokens
-of that same distribution (one `topk` over the rows that ask), so the chosen token's log-probability is exactly its
-entry there, and a greedy step's first entry is its token. An error in one sequence's own work (its rules, its draw,
-its beams) fails that sequence only: it leaves with reason "failed" and its error, the others go on. A part of its
-own because it is pure arithmetic on logits: it never touches the batch's cache or the queue, and the schedulings
-share it.
+sequences match the new tokens only. Sequences under a structured-output grammar get their token masks first
+(`grammar.masks`, one fill for the batch), and end when their grammar takes no more tokens. With `top_logprobs` k, a
+sequence's step also reports the k likeliest tokens of that same distribution (one `topk` over the rows that ask),
+so the chosen token's log-probability is exactly its entry there, and a greedy step's first entry is its token. An
+error in one sequence's own work (its rules, its draw, its beams) fails that sequence only: it leaves with reason
+"failed" and its error, the others go on. A part of its own because it is pure arithmetic on logits: it never
+touches the batch's cache or the queue, and the schedulings share it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
+from transerve.backends.generation.grammar.masks import GrammarError, apply_masks
 from transerve.backends.generation.torch.host_copies import to_device
 from transerve.backends.generation.torch.sampling import apply_rules, sample, warp
 from transerve.backends.generation.torch.sequence import Sequence
@@ -51,6 +53,7 @@ def choose(running: list[Sequence], logits: torch.Tensor) -> Choices:
     import torch
 
     errors: dict[Sequence, Exception] = {}
+    _mask(running, logits, errors)
     row = 0
     for sequence in running:
         if sequence.beam is None:
@@ -133,11 +136,27 @@ def _advance(sequence: Sequence, row: int, tokens: list[int], chosen_log_probs: 
         sequence.score += chosen_log_probs[row]
         if sequence.request.stream and sequence.on_tokens is not None:
             streamed.append((sequence, token))
-        reason = _finish_reason(sequence)
+        ended = sequence.grammar is not None and sequence.grammar.consume(token)
+        reason = "end" if ended else _finish_reason(sequence)
         if reason is None:
             stays.append((sequence, row, [row], [token]))
         else:
             finished.append((sequence, reason, row))
+
+
+def _mask(running: list[Sequence], logits: torch.Tensor, errors: dict[Sequence, Exception]) -> None:
+    """The token masks of the sequences decoding under a grammar, on their rows of `logits` (one fill for them
+    all, `grammar.masks`), before any rule or draw; a sequence whose grammar failed is in `errors`."""
+    constrained, row = [], 0
+    for sequence in running:
+        grammar = sequence.grammar
+        if grammar is not None:
+            if grammar.matcher.is_error():
+                errors[sequence] = GrammarError(f"its grammar failed: {grammar.matcher.get_error()}")
+            else:
+                constrained.append((row, grammar))
+        row += sequence.rows
+    apply_masks(constrained, logits)
 
 
 def result(sequence: Sequence, reason: str) -> GenerationResult:

@@ -13,6 +13,7 @@ from transerve.backends.generation.torch.sampling import TokenRules
 if TYPE_CHECKING:
     import torch
 
+    from transerve.backends.generation.grammar.masks import RowGrammar
     from transerve.backends.generation.torch.beam import BeamSearch
 
 
@@ -39,3 +40,5 @@ class Sequence:
     top: list[TopLogProbs] = field(default_factory=list)
     score: float = 0.0
     cancelled: bool = False
+    #: Its grammar's state, when it decodes under a structured-output constraint.
+    grammar: RowGrammar | None = None
