@@ -109,9 +109,8 @@ def greedy(client, model: str, **fields):
 # ---- the field allow-list ------------------------------------------------------------------------------------
 
 VLLM_EXTRAS_NOT_HONOURED = {
-    "repetition_penalty": 1.3, "min_p": 0.1, "prompt_logprobs": 1, "guided_json": {"type": "object"},
-    "structured_outputs": {"json": {"type": "object"}}, "length_penalty": 0.5, "use_beam_search": True,
-    "guided_regex": "a+", "bad_words": ["x"], "allowed_token_ids": [1, 2], "request_id": "mine",
+    "repetition_penalty": 1.3, "min_p": 0.1, "prompt_logprobs": 1, "length_penalty": 0.5, "use_beam_search": True,
+    "bad_words": ["x"], "allowed_token_ids": [1, 2], "request_id": "mine",
 }
 
 

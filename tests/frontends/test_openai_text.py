@@ -126,7 +126,8 @@ def test_chat_fields_are_checked() -> None:
         tools.tool_request({"tools": [{}]})
     assert raised.value.param == "tools[0]"
     for body, param in (({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
-                        ({"response_format": {"type": "json_object"}}, "response_format")):
+                        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+                        ({"structured_outputs": "json"}, "structured_outputs"), ({"guided_regex": 3}, "guided_regex")):
         with pytest.raises(ApiError) as raised:
             params.sampling(body, chat=True)
         assert raised.value.param == param

@@ -180,6 +180,8 @@ class Choice:
                                       param="top_logprobs")
                 parameters["top_logprobs"] = sampling.logprobs
                 outputs.extend(_TOP_OUTPUTS)
+        if sampling.structured:
+            parameters.update(sampling.structured)
         if entry.decoupled:
             parameters["stream"] = True
         return InferRequest(model_name=entry.id, model_version=entry.model.version, inputs=inputs,
@@ -222,6 +224,10 @@ class Choice:
 
     async def _text(self) -> AsyncGenerator[Delta, None]:
         entry, sampling = self.entry, self._sampling
+        if sampling.structured:
+            name = next(iter(sampling.structured))
+            raise bad_request(f"'{name}': structured outputs are decoded by a generator model (token ids in and "
+                              f"out, the torch engine); model '{entry.id}' is a text model", param=name)
         spec = entry.model.signature.inputs[entry.text_input]
         data = np.array([self.prompt.text.encode()], dtype=object).reshape((1,) * max(len(spec.shape), 1))
         parameters: dict[str, Any] = {}

@@ -1,14 +1,15 @@
 """The request fields of /v1/completions and /v1/chat/completions, checked and bounded once.
 
 Fields are checked as OpenAI documents them (types, ranges). Each endpoint lists the fields it acts on; any other
-field is refused with a 400 naming it, so that a client relying on a field (vLLM's `repetition_penalty`, a
-structured-output schema) never gets an answer that silently ignored it. The only exceptions are OpenAI's pure
-metadata fields (`METADATA_FIELDS`), which change no answer anywhere. vLLM's extras that the layer can honour by
-itself (detokenizer options, stop token ids, truncation, chat-template switches) are taken as vLLM takes them.
+field is refused with a 400 naming it, so that a client relying on a field (vLLM's `repetition_penalty`) never gets
+an answer that silently ignored it. The only exceptions are OpenAI's pure metadata fields (`METADATA_FIELDS`), which
+change no answer anywhere. vLLM's extras that the layer can honour by itself (detokenizer options, stop token ids,
+truncation, chat-template switches) are taken as vLLM takes them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +36,15 @@ _SAMPLING_FIELDS = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "add_special_tokens", "priority",
 })
+#: Structured outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and older `guided_*`): passed to the
+#: generator as request parameters of the same names, which its grammar-constrained decoding checks and honours.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+_SAMPLING_FIELDS = _SAMPLING_FIELDS | set(STRUCTURED_FIELDS)
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "functions", "tool_choice", "parallel_tool_calls",
-    "function_call", "response_format",
+    "function_call",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
 }
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "truncate_prompt_tokens"})
@@ -82,6 +88,9 @@ class Sampling:
     truncate: int | None = None
     #: Whether a text prompt is tokenized with the tokenizer's special tokens (vLLM: completions yes, chat no).
     add_special_tokens: bool = True
+    #: The structured output asked for, as the generator's request parameter: its name and its value as JSON text
+    #: (`{"guided_json": "<schema>"}`); None: free text. Tool calls decoded under a schema set it too.
+    structured: dict[str, str] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -145,7 +154,28 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
                                                                                  False),
                     skip_special_tokens=flag(body, "skip_special_tokens", True),
                     tokens_as_ids=flag(body, "return_tokens_as_token_ids", False), truncate=truncate,
-                    add_special_tokens=flag(body, "add_special_tokens", not chat))
+                    add_special_tokens=flag(body, "add_special_tokens", not chat), structured=structured(body))
+
+
+def structured(body: dict[str, Any]) -> dict[str, str] | None:
+    """The one structured-output field of the request, as the generator's parameter (None: free text, or
+    `response_format` text); the generator checks the schema or grammar and answers a 400 naming what is wrong."""
+    given = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    if body.get("response_format") == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad_request(f"'{given[0]}' and '{given[1]}' both ask for a structured output: give one",
+                          param=given[1])
+    if not given:
+        return None
+    value = body[given[0]]
+    if given[0] in ("guided_regex", "guided_grammar"):
+        if not isinstance(value, str):
+            raise bad_request(f"'{given[0]}' must be a string", param=given[0])
+        return {given[0]: value}
+    if given[0] in ("response_format", "structured_outputs") and not isinstance(value, dict):
+        raise bad_request(f"'{given[0]}' must be an object", param=given[0])
+    return {given[0]: value if isinstance(value, str) else json.dumps(value)}
 
 
 def _stop_token_ids(body: dict[str, Any]) -> frozenset[int]:
@@ -173,13 +203,9 @@ def _refused(body: dict[str, Any], chat: bool) -> None:
                           param="suffix")
     if not chat and (body.get("best_of") or 1) != 1:
         raise bad_request("'best_of' is not supported", param="best_of")
-    if chat:
-        if body.get("chat_template") is not None:  # vLLM too refuses it unless told to trust requests' templates
-            raise bad_request("'chat_template' is not supported: a template sent with a request is code the server "
-                              "would run; the model's own template is used", param="chat_template")
-        response_format = body.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise bad_request("'response_format' supports only {\"type\": \"text\"}", param="response_format")
+    if chat and body.get("chat_template") is not None:  # vLLM refuses it too unless told to trust such templates
+        raise bad_request("'chat_template' is not supported: a template sent with a request is code the server "
+                          "would run; the model's own template is used", param="chat_template")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
