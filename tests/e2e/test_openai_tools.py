@@ -45,12 +45,21 @@ TEMPLATE = """{%- if tools %}<|im_start|>system
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+#: What each scripted model answers a question with, in its parser's format: (parser, answer, content expected).
+SCRIPTS = {
+    "scripted": ("hermes", f'Let me look that up.<tool_call>\n{{"name": "get_weather", "arguments": {ARGUMENTS}}}\n'
+                 "</tool_call>", "Let me look that up."),
+    "scripted_llama": ("llama3_json", f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGUMENTS}}}', None),
+    "scripted_mistral": ("mistral", f"Let me look that up.[TOOL_CALLS]get_weather[ARGS]{ARGUMENTS}",
+                         "Let me look that up."),
+    "unparsed": ("", "Let me look that up.<tool_call>{}</tool_call>", None),
+}
 ANSWER = "It is 21 degrees in Paris."
-MODEL = f'''import numpy as np
+MODEL = '''import numpy as np
 import triton_python_backend_utils as pb_utils
 
-CALL = {CALL!r}
+CALL = {call!r}
 
 
 class TritonPythonModel:
@@ -61,9 +70,9 @@ class TritonPythonModel:
             if "ECHO" in prompt:
                 text = prompt
             elif "<|im_start|>tool" in prompt:
-                text = {ANSWER!r}
+                text = {answer!r}
             else:
-                text = "Let me look that up." + CALL
+                text = CALL
             out = pb_utils.Tensor("TEXT", np.array([text.encode()], dtype=object))
             responses.append(pb_utils.InferenceResponse([out]))
         return responses
@@ -77,7 +86,7 @@ parameters { key: "openai_text_input" value: { string_value: "PROMPT" } }
 parameters { key: "openai_text_output" value: { string_value: "TEXT" } }
 parameters { key: "openai_tokenizer" value: { string_value: "tokenizer" } }
 """
-PARSER = 'parameters { key: "openai_tool_call_parser" value: { string_value: "hermes" } }\n'
+PARSER = 'parameters {{ key: "openai_tool_call_parser" value: {{ string_value: "{}" }} }}\n'
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -92,14 +101,15 @@ def _write_repository(root: Path) -> Path:
     from support.generation_models import _save_tokenizer, _train_tokenizer
 
     repository = root / "repository"
-    for name, parser in (("scripted", PARSER), ("unparsed", "")):
+    for name, (parser, call, _) in SCRIPTS.items():
         folder = repository / name / "1"
         (folder / "tokenizer").mkdir(parents=True)
         _save_tokenizer(folder / "tokenizer", _train_tokenizer(["<|endoftext|>"], None, 300),
                         {"eos_token": "<|endoftext|>"})
         (folder / "tokenizer" / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
-        (folder / "model.py").write_text(MODEL, encoding="utf-8")
-        (repository / name / "config.pbtxt").write_text(CONFIG + parser, encoding="utf-8")
+        (folder / "model.py").write_text(MODEL.format(call=call, answer=ANSWER), encoding="utf-8")
+        (repository / name / "config.pbtxt").write_text(CONFIG + (PARSER.format(parser) if parser else ""),
+                                                        encoding="utf-8")
     return repository
 
 
@@ -124,23 +134,28 @@ def _post(server: ServerProcess, body: dict) -> requests.Response:
     return requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
 
 
-def test_auto_answer_has_the_parsed_tool_call(client):
-    answer = client.chat.completions.create(model="scripted", messages=QUESTION, tools=[WEATHER, TIME])
+PARSED = ["scripted", "scripted_llama", "scripted_mistral"]
+
+
+@pytest.mark.parametrize("model", PARSED)
+def test_auto_answer_has_the_parsed_tool_call(client, model):
+    answer = client.chat.completions.create(model=model, messages=QUESTION, tools=[WEATHER, TIME])
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Let me look that up."
+    assert choice.message.content == SCRIPTS[model][2]
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
 
 
-def test_streamed_tool_call_deltas(server, client):
-    chunks = list(client.chat.completions.create(model="scripted", messages=QUESTION, tools=[WEATHER],
+@pytest.mark.parametrize("model", PARSED)
+def test_streamed_tool_call_deltas(server, client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=QUESTION, tools=[WEATHER],
                                                  stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     content = "".join(delta.content or "" for delta in deltas)
     calls = [call for delta in deltas for call in delta.tool_calls or []]
-    assert content == "Let me look that up."
+    assert content == (SCRIPTS[model][2] or "")
     first, rest = calls[0], calls[1:]
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
     assert first.function.name == "get_weather" and first.function.arguments == ""
@@ -148,8 +163,9 @@ def test_streamed_tool_call_deltas(server, client):
     arguments = "".join(call.function.arguments for call in rest)
     assert json.loads(arguments) == {"city": "Paris", "unit": "celsius"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    # the content came before the call, as the model wrote it
-    assert deltas.index(next(d for d in deltas if d.content)) < deltas.index(next(d for d in deltas if d.tool_calls))
+    if content:  # the content came before the call, as the model wrote it
+        assert deltas.index(next(d for d in deltas if d.content)) < deltas.index(next(d for d in deltas
+                                                                                     if d.tool_calls))
 
 
 def test_tools_and_history_reach_the_template_as_transformers_gives_them(server, repository):
@@ -228,7 +244,7 @@ def generator(tmp_path_factory) -> Iterator[tuple[ServerProcess, Path]]:
             decoupled=True)
     (repository / "gpt" / "1" / "model" / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
     with (repository / "gpt" / "config.pbtxt").open("a", encoding="utf-8") as config:
-        config.write(PARSER)
+        config.write(PARSER.format("hermes"))
     with start_transerve(repository) as running:
         yield running, repository / "gpt" / "1" / "model"
 
