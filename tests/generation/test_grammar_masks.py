@@ -162,3 +162,20 @@ def test_request_parameters_name_their_constraint():
         with pytest.raises(ServerError) as raised:
             parameter_constraint(key, value)
         assert named in str(raised.value)
+
+
+def test_the_device_unpacking_equals_the_host_one(gpt2):
+    """A GPU unpacks the masks with torch (`device_bias`); run here on the CPU, it gives the host's bias exactly."""
+    from transerve.backends.generation.grammar.masks import _bias, device_bias
+
+    compiler, tokenizer, vocab = gpt2
+    rows = [compiler.row(constraint("json_schema", SCHEMA, "guided_json"), [tokenizer.eos_token_id]),
+            compiler.row(Constraint("regex", "[0-9]+"), [])]
+    buffer = compiler.masks.buffer(2)
+    compiler.masks.executor.unsafe_compute_mask_ptr([(row.matcher, i) for i, row in enumerate(rows)],
+                                                    buffer.data_ptr(), compiler.masks.words * 4, 2)
+    host = _bias(buffer, compiler.masks, vocab)
+    assert torch.equal(host, device_bias(buffer.clone(), compiler.masks.shifts, vocab))
+    assert set(host.unique().tolist()) == {0.0, -torch.inf}
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    assert all(host[1, d] == 0 for d in digits) and host[1, tokenizer.convert_tokens_to_ids("a")] == -torch.inf

@@ -104,8 +104,14 @@ def _bias(buffer: torch.Tensor, masks: BatchMasks, vocab: int) -> torch.Tensor:
     if masks.device.type == "cpu":
         bits = np.unpackbits(buffer.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         return torch.from_numpy(((bits.astype(np.int32) - 1) & np.int32(NEG_INF_BITS)).view(np.float32))
-    packed = buffer.to(masks.device, non_blocking=True)
-    bits = ((packed[:, :, None] >> masks.shifts) & 1).view(packed.shape[0], -1)[:, :vocab]
+    return device_bias(buffer.to(masks.device, non_blocking=True), masks.shifts, vocab)
+
+
+def device_bias(packed: torch.Tensor, shifts: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`_bias` computed by torch where `packed` lies (`shifts`: 0..31 there), for a device other than the CPU."""
+    import torch
+
+    bits = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab]
     return ((bits - 1) & NEG_INF_BITS).view(torch.float32)
 
 
