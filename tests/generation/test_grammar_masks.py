@@ -179,3 +179,16 @@ def test_the_device_unpacking_equals_the_host_one(gpt2):
     assert set(host.unique().tolist()) == {0.0, -torch.inf}
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     assert all(host[1, d] == 0 for d in digits) and host[1, tokenizer.convert_tokens_to_ids("a")] == -torch.inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits_are_masked(gpt2, dtype):
+    """Rows apart (a free row between) and in a GPU's compute types."""
+    compiler, tokenizer, vocab = gpt2
+    rows = [(0, compiler.row(Constraint("regex", "[0-9]+"), [])), (2, compiler.row(Constraint("regex", "x+"), []))]
+    logits = torch.zeros(3, vocab, dtype=dtype)
+    apply_masks(rows, logits)
+    assert logits.dtype == dtype and bool((logits[1] == 0).all())
+    seven, x = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("x")
+    assert logits[0, seven] == 0 and logits[0, x] == -torch.inf
+    assert logits[2, x] == 0 and logits[2, seven] == -torch.inf

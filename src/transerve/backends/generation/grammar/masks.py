@@ -85,7 +85,8 @@ def apply_masks(rows: list[tuple[int, RowGrammar]], logits: torch.Tensor) -> Non
     if places == list(range(places[0], places[0] + count)):
         logits[places[0]:places[0] + count].add_(bias)
     else:
-        logits.index_add_(0, torch.tensor(places, dtype=torch.long).to(logits.device, non_blocking=True), bias)
+        index = torch.tensor(places, dtype=torch.long).to(logits.device, non_blocking=True)
+        logits.index_add_(0, index, bias.to(logits.dtype))  # float16 logits on a GPU: index_add_ takes one dtype
 
 
 #: The bits of float32 -inf (0xFF800000) as an int32: `(bit - 1) & NEG_INF_BITS` is 0.0 for an allowed token and
