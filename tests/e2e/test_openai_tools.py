@@ -205,10 +205,10 @@ def test_tools_and_history_reach_the_template_as_transformers_gives_them(server,
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]},
      "tools[0].function.parameters", "deeper than 32"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools[0].function.strict",
-     "structured outputs"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "structured outputs"),
+     "honoured with 'tool_choice' 'required'"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "is a text model"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "structured outputs"),
+     "is a text model"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
     ({"functions": [WEATHER["function"]]}, "functions", "deprecated"),
     ({"messages": [{"role": "tool", "content": "21 C"}]}, "messages[0].tool_call_id", "must be a string"),
@@ -267,6 +267,51 @@ def test_generator_with_tools_streams_the_same_answer(generator):
     prompt = tokenizer.apply_chat_template(QUESTION, tools=[WEATHER, TIME], add_generation_prompt=True,
                                            tokenize=False)
     assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+#: Bounded so that a random-weight model's JSON under the schema ends within the tokens asked.
+FORECAST = {"type": "function", "function": {"name": "forecast", "strict": True, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["unit", "days"], "additionalProperties": False}}}
+ALARM = {"type": "function", "function": {"name": "alarm", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+
+
+def test_generator_named_and_required_choices_are_decoded_under_the_schemas(generator):
+    """`required` and a named function on a random-weight generator: the calls' arguments are valid against their
+    tools' schemas (jsonschema), whole and streamed; asking for another structured output beside them is a 400."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    server, _ = generator
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (FORECAST, ALARM)}
+    named = {"type": "function", "function": {"name": "forecast"}}
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        # one call each: a random-weight model would go on adding calls to the array until max_tokens
+        for choice, sampled in (("required", {"temperature": 0}), (named, {"temperature": 0}),
+                                ("required", {"temperature": 1.0, "seed": 3})):
+            answer = client.chat.completions.create(model="gpt", messages=QUESTION, tools=[FORECAST, ALARM],
+                                                    tool_choice=choice, max_tokens=160, parallel_tool_calls=False,
+                                                    **sampled)
+            result = answer.choices[0]
+            assert result.finish_reason == "tool_calls" and result.message.content is None, result
+            assert result.message.tool_calls and len({call.id for call in result.message.tool_calls}) == len(
+                result.message.tool_calls)
+            for call in result.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if choice == named:
+                assert [call.function.name for call in result.message.tool_calls] == ["forecast"]
+        chunks = list(client.chat.completions.create(model="gpt", messages=QUESTION, tools=[FORECAST, ALARM],
+                                                     tool_choice=named, max_tokens=160, temperature=0, stream=True))
+    calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "forecast"
+    assert all(call.index == 0 and call.id is None for call in calls[1:])
+    jsonschema.validate(json.loads("".join(call.function.arguments for call in calls)), schemas["forecast"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    both = requests.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "gpt", "messages": QUESTION, "tools": [FORECAST], "tool_choice": "required",
+        "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice", both.text
 
 
 def test_langchain_bind_tools_agent_loop(server):

@@ -4,11 +4,13 @@ tool fields as templates get them; the Mistral parser's special-token text taken
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from transerve.frontends.http.openai import tools
+from transerve.frontends.http.openai.catalog import GENERATE, TEXT
 from transerve.frontends.http.openai.errors import ApiError
 from transerve.frontends.http.openai.tool_parsers import ToolStream, parse, scanner
 from transerve.frontends.http.openai.tool_parsers.stream import ArgumentsAdded, CallOpened, Content
@@ -42,11 +44,18 @@ def test_required_schema_takes_calls_of_the_tools_only():
         jsonschema.validate(answer, single)
 
 
-def test_required_and_named_are_refused_until_the_engine_decodes_under_schemas():
+def test_required_and_named_are_decoded_under_the_schema_by_generators_only():
+    generator = SimpleNamespace(id="gpt", kind=GENERATE, tool_parser=None)
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        request = tools.tool_request({"tools": [WEATHER, TIME], "tool_choice": choice})
+        assert request is not None
+        reader = tools.reader(request, generator, {})  # no parser needed: the schema decides the calls
+        assert reader is not None and reader.forced is request
+        assert reader.structured == {"guided_json": json.dumps(tools.output_schema(request))}
         with pytest.raises(ApiError) as raised:
-            tools.tool_request({"tools": [WEATHER, TIME], "tool_choice": choice})
-        assert raised.value.param == "tool_choice" and "structured outputs" in raised.value.message
+            tools.reader(request, SimpleNamespace(id="t", kind=TEXT, tool_parser="hermes"), {})
+        assert raised.value.param == "tool_choice" and "text model" in raised.value.message
+    assert tools.calls_from_output(tools.ToolRequest([WEATHER], "required"), '[{"name": "get_weather", "par') == []
     request = tools.tool_request({"tools": [WEATHER], "parallel_tool_calls": False})
     assert request is not None and request.choice == "auto" and not request.parallel
 

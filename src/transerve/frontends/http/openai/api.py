@@ -86,6 +86,12 @@ class OpenAIApi:
         reader = tools.reader(tool_request, entry, tokenizer.special_tokens if tokenizer is not None else {})
         if reader is not None and reader.drop and entry.kind == GENERATE and "skip_special_tokens" not in body:
             sampling.skip_special_tokens = False  # the parser's markers are special tokens: decode them
+        if reader is not None and reader.forced is not None:  # required or named: decoded under the schema
+            if sampling.structured is not None:
+                raise bad_request(f"'tool_choice' {reader.forced.choice!r} decodes the answer under the tools' "
+                                  f"schemas; '{next(iter(sampling.structured))}' asks for another structured output",
+                                  param="tool_choice")
+            sampling.structured = reader.structured
         if entry.kind == TEXT:
             _text_model_fields(sampling)
         prompts = await (prompts_of.chat_prompt(body, entry, tokenizer, sampling,

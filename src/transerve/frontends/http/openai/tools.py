@@ -5,8 +5,8 @@ Tools reach the template as transformers' `apply_chat_template(tools=...)` gives
 dicts as they are. An assistant message's `tool_calls` keep OpenAI's shape, their `arguments` decoded to an object
 (templates write them with `tojson`, as transformers' documentation has it). With `tool_choice: "auto"` the model's
 text is read by the model's parser (config parameter `openai_tool_call_parser`); `required` and a named function
-need the output decoded under a JSON schema (`output_schema`, the seam to structured outputs), and are refused until
-the engine can decode so.
+have the answer decoded under a JSON schema (`output_schema`) by the engine's structured outputs, and the decoded
+JSON is the calls (`calls_from_output`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from transerve.frontends.http.openai.catalog import OpenAIModel
+from transerve.frontends.http.openai.catalog import GENERATE, OpenAIModel
 from transerve.frontends.http.openai.errors import bad_request
 from transerve.frontends.http.openai.tool_parsers import SPECIAL_MARKERS, scanner
 from transerve.frontends.http.openai.tool_parsers.formats import Scan
@@ -47,11 +47,14 @@ class ToolRequest:
 @dataclass(slots=True)
 class ToolReader:
     """How a choice's text becomes tool calls: the model's parser, and the special tokens' text to drop when the
-    parser needed them decoded."""
+    parser needed them decoded; or, for `required` and a named function, the request whose schema the answer was
+    decoded under (`forced`, with the generator's structured-output parameter)."""
 
-    scan: Scan
+    scan: Scan | None
     parallel: bool
     drop: tuple[str, ...] = ()
+    forced: ToolRequest | None = None
+    structured: dict[str, str] | None = None
 
 
 def tool_request(body: dict[str, Any]) -> ToolRequest | None:
@@ -72,12 +75,13 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
     checked = _tools(tools)
     names = [tool["function"]["name"] for tool in checked]
     request = ToolRequest(checked, *_choice(choice, names), parallel=True if parallel is None else parallel)
-    if request.choice == "required" or request.named:
-        output_schema(request)  # the seam: what the engine would decode under
-        what = "'required'" if request.choice == "required" else f"naming function '{request.choice}'"
-        raise bad_request(f"'tool_choice' {what} needs the answer decoded under the tools' argument schemas "
-                          "(structured outputs), which this server's engines do not do yet: use 'auto'",
-                          param="tool_choice")
+    if request.choice == "auto":
+        for index, tool in enumerate(checked):
+            if tool["function"].get("strict"):
+                raise bad_request(f"'tools[{index}].function.strict': true is honoured with 'tool_choice' "
+                                  "'required' or a named function (the arguments decoded under their schema); "
+                                  "under 'auto' the model writes its calls freely",
+                                  param=f"tools[{index}].function.strict")
     return request
 
 
@@ -115,10 +119,6 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(f"'{where}.function.strict' must be a boolean", param=f"{where}.function.strict")
-        if strict:
-            raise bad_request(f"'{where}.function.strict': true needs the arguments decoded under their schema "
-                              "(structured outputs), which this server's engines do not do yet",
-                              param=f"{where}.function.strict")
     return tools
 
 
@@ -169,7 +169,8 @@ def output_schema(request: ToolRequest) -> dict[str, Any]:
         return functions[request.choice].get("parameters") or {"type": "object"}
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                "parameters": function.get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"]} for name, function in functions.items()]
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, function in functions.items()]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not request.parallel:
         schema["maxItems"] = 1
@@ -177,16 +178,29 @@ def output_schema(request: ToolRequest) -> dict[str, Any]:
 
 
 def calls_from_output(request: ToolRequest, text: str) -> list[ParsedCall]:
-    """The tool calls an answer decoded under `output_schema` stands for."""
+    """The tool calls an answer decoded under `output_schema` stands for; none for an answer cut before its JSON
+    ended (`max_tokens`), which then stays content."""
     if request.named:
         return [ParsedCall(request.choice, text)]
-    return [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(text)]
+    try:
+        items = json.loads(text)
+        return [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    except (ValueError, TypeError, KeyError):
+        return []
 
 
 def reader(request: ToolRequest | None, entry: OpenAIModel, special_tokens: dict[str, str]) -> ToolReader | None:
-    """How the answers of an `auto` request are read; a 400 when the model has no parser to read them."""
-    if request is None or request.choice != "auto":
+    """How the answers are read: `auto` by the model's parser (a 400 when it has none); `required` and a named
+    function decoded under `output_schema` (a generator's structured outputs: a 400 for a text model)."""
+    if request is None or request.choice == "none":
         return None
+    if request.choice != "auto":
+        if entry.kind != GENERATE:
+            raise bad_request(f"'tool_choice' {request.choice!r} decodes the answer under the tools' schemas, which "
+                              f"a generator model does; model '{entry.id}' is a text model: use 'auto'",
+                              param="tool_choice")
+        return ToolReader(None, request.parallel, forced=request,
+                          structured={"guided_json": json.dumps(output_schema(request))})
     if entry.tool_parser is None:
         raise bad_request(f"model '{entry.id}' names no tool-call parser (config parameter openai_tool_call_parser),"
                           " so its tool calls cannot be read: 'tool_choice' must be 'none'", param="tool_choice")
