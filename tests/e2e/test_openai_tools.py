@@ -339,3 +339,24 @@ def test_langchain_bind_tools_agent_loop(server):
         streamed = piece if streamed is None else streamed + piece
     assert streamed is not None and [(call["name"], call["args"]) for call in streamed.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_langchain_forced_tool_agent_loop_on_a_generator(generator):
+    """LangChain's `bind_tools` with a forced tool on the random-weight generator: the call's arguments follow the
+    tool's schema, the tool's result goes back as a tool message, and the model answers with text."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    server, _ = generator
+    model = langchain_openai.ChatOpenAI(model="gpt", base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                                        timeout=120, temperature=0, max_tokens=160)
+    messages = [HumanMessage("What is the forecast?")]
+    reply = model.bind_tools([FORECAST], tool_choice="forecast", parallel_tool_calls=False).invoke(messages)
+    [call] = reply.tool_calls
+    assert call["name"] == "forecast"
+    jsonschema.validate(call["args"], FORECAST["function"]["parameters"])
+    messages += [reply, ToolMessage("sunny", tool_call_id=call["id"])]
+    final = model.bind_tools([FORECAST], tool_choice="none").invoke(messages)
+    assert isinstance(final.content, str) and not final.tool_calls
