@@ -68,6 +68,8 @@ class Probe:
     name: str
     what: str
     run: Callable[[Target], Outcome]
+    #: Models loaded with the server besides add_sub (the OpenAI probes' generator and embedding model).
+    models: tuple[str, ...] = ()
 
 
 @dataclass
@@ -336,6 +338,101 @@ def probe_restart_loop(target: Target) -> Outcome:
     return Outcome(f"load {loaded}; not ready {time.monotonic() - started:.1f} s later, index state {state}")
 
 
+# The OpenAI layer and the generation engine (issue 35, parts 2 and 3): a tiny random-weight GPT-2 converted to a
+# torch generator ("gpt") and the real all-MiniLM-L6-v2 exported as an embedding ensemble ("minilm").
+
+GPT, MINILM = "gpt", "minilm"
+
+
+def probe_openai_huge_prompt(target: Target) -> Outcome:
+    """A 4 MB text prompt to /v1/completions."""
+    started = time.monotonic()
+    status = post(target, "/v1/completions", {"model": GPT, "prompt": "hello world " * 350_000, "max_tokens": 1})
+    return Outcome(described(status, started))
+
+
+def probe_openai_token_prompt(target: Target) -> Outcome:
+    """A prompt of a million token ids."""
+    started = time.monotonic()
+    return Outcome(described(post(target, "/v1/completions", {"model": GPT, "prompt": [5] * 1_000_000,
+                                                              "max_tokens": 1}), started))
+
+
+def probe_chat_many_messages(target: Target) -> Outcome:
+    """10,000 chat messages, then 4,000 (under the message bound: rendered)."""
+    answers = []
+    started = time.monotonic()
+    for count in (10_000, 4_000):
+        messages = [{"role": "user", "content": f"hi {index}"} for index in range(count)]
+        status = post(target, "/v1/chat/completions", {"model": GPT, "messages": messages, "max_tokens": 1})
+        answers.append(f"{count:,}: {described(status, started)}")
+    return Outcome("; ".join(answers))
+
+
+def probe_chat_template_kwargs(target: Target) -> Outcome:
+    """`chat_template_kwargs` naming the variables the server passes the template itself."""
+    answers = [post(target, "/v1/chat/completions", {"model": GPT, "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 1, "chat_template_kwargs": {name: value}})
+               for name, value in (("messages", []), ("add_generation_prompt", 3), ("bos_token", "x"),
+                                   ("eos_token", "y"))]
+    return Outcome(statuses(answers))
+
+
+def probe_embeddings_big_input(target: Target) -> Outcome:
+    """A 2.7 MB embeddings input."""
+    started = time.monotonic()
+    return Outcome(described(post(target, "/v1/embeddings", {"model": MINILM, "input": "word " * 540_000}), started))
+
+
+def probe_generate_big_body(target: Target) -> Outcome:
+    """An 11 MB /v2 generate body (a long list of ids)."""
+    body = {"input_ids": [5] * 2_500_000, "sequence_length": 2_500_000, "max_tokens": 1}
+    started = time.monotonic()
+    return Outcome(described(post(target, f"/v2/models/{GPT}/generate", body), started))
+
+
+def probe_bad_words_flood(target: Target) -> Outcome:
+    """500,000 two-token bad words (4 MB), and one outside the vocabulary, beside a greedy stream."""
+    stream = {"input_ids": [5, 6, 7], "sequence_length": 3, "max_tokens": 200, "min_length": 200, "stream": True}
+    with requests.post(f"{target.base_url}/v2/models/{GPT}/generate_stream", json=stream, stream=True,
+                       timeout=TIMEOUT_S) as running:
+        answers = [post(target, f"/v2/models/{GPT}/generate",
+                        {"input_ids": [5, 6, 7], "sequence_length": 3, "max_tokens": 4, "bad_words": words})
+                   for words in (json.dumps([[7, 9]] * 500_000), "[[99999999]]")]
+        events = [line for line in running.iter_lines() if line.startswith(b"data: ")]
+    failed = sum(b'"error"' in event for event in events)
+    return Outcome(f"{statuses(answers)}; the stream beside them: {len(events)} events, {failed} failed",
+                   {"stream_failures": failed})
+
+
+def probe_abandoned_n128(target: Target) -> Outcome:
+    """A streamed `n: 128` completion whose client reads nothing and leaves after 1 s; then an 8-token one."""
+    body = json.dumps({"model": GPT, "prompt": "hello", "n": 128, "max_tokens": 200, "min_tokens": 200,
+                       "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", target.http_port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(http_request("POST", "/v1/completions", body))
+        time.sleep(1.0)
+    started = time.monotonic()
+    status = post(target, "/v1/completions", {"model": GPT, "prompt": "hello", "max_tokens": 8})
+    waited = time.monotonic() - started
+    return Outcome(f"the 8-token completion after it: {described(status, started)}", {"after_s": waited})
+
+
+def write_openai_models(repo: Path, root: Path) -> None:
+    """`gpt` (torch, decoupled) and `minilm` into `repo`, built under `root`."""
+    from tests.support.generation_models import build_generation_model
+    from tests.support.hf_models import minilm_path
+    from tests.support.openai_models import CHAT_TEMPLATE
+    from transerve.convert.command import convert
+    from transerve.export.command import export
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = build_generation_model("gpt2", root / "gpt2", config={"n_positions": 1024})
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    convert(folder, repo, engine="torch", name=GPT, max_batch_size=8, decoupled=True)
+    export(minilm_path(), "embedding", "onnx", repo, MINILM, max_batch_size=8, dynamic_batching=True)
+
+
 PROBES: list[Probe] = [
     Probe("shm_truncate", "a registered shared memory object truncated to 0 bytes, then inferred from",
           probe_shm_truncate),
@@ -354,6 +451,17 @@ PROBES: list[Probe] = [
     Probe("stdout_flood", "a python model writing to stdout in a loop", probe_stdout_flood),
     Probe("huge_response", "a python model answering 2 GiB", probe_huge_response),
     Probe("restart_loop", "a python worker exiting 0.3 s after each start", probe_restart_loop),
+    Probe("openai_huge_prompt", "a 4 MB text prompt to /v1/completions", probe_openai_huge_prompt, (GPT,)),
+    Probe("openai_token_prompt", "a prompt of a million token ids", probe_openai_token_prompt, (GPT,)),
+    Probe("chat_many_messages", "10,000 chat messages, then 4,000", probe_chat_many_messages, (GPT,)),
+    Probe("chat_template_kwargs", "chat_template_kwargs naming messages, add_generation_prompt, bos/eos_token",
+          probe_chat_template_kwargs, (GPT,)),
+    Probe("embeddings_big_input", "a 2.7 MB /v1/embeddings input", probe_embeddings_big_input, (MINILM,)),
+    Probe("generate_big_body", "an 11 MB /v2 generate body", probe_generate_big_body, (GPT,)),
+    Probe("bad_words_flood", "500,000 bad words and one outside the vocabulary, beside a 200-token stream",
+          probe_bad_words_flood, (GPT,)),
+    Probe("abandoned_n128", "an n=128 stream its client never reads and leaves, then an 8-token completion",
+          probe_abandoned_n128, (GPT,)),
 ]
 
 
@@ -372,9 +480,10 @@ ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
 '''
 
 
-def make_repository(root: Path) -> Path:
-    """add_sub, an ensemble chain deep0 -> ... -> deep999 -> add_sub, huge_config (a million dims) and
-    bound_config (just under the config bound)."""
+def make_repository(root: Path, openai_models: bool) -> Path:
+    """add_sub, an ensemble chain deep0 -> ... -> deep999 -> add_sub, huge_config (a million dims),
+    bound_config (just under the config bound), the misbehaving workers, and the OpenAI probes' models when
+    `openai_models`."""
     from benchmarks.common.servers import EXAMPLE_REPOSITORY
 
     repo = root / "models"
@@ -393,6 +502,8 @@ def make_repository(root: Path) -> Path:
         (folder / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\ninput [{{ name: "X" data_type: '
                                              f'TYPE_FP32 dims: [ {dims} ] }}]\n')
     write_worker_models(repo)
+    if openai_models:
+        write_openai_models(repo, root)
     return repo
 
 
@@ -413,7 +524,8 @@ def run_probe(probe: Probe, repo: Path, scratch: Path, args: argparse.Namespace,
     row = Row(probe.name, probe.what)
     context = multiprocessing.get_context("spawn")
     extra = {"source": source} if source is not None else {}
-    with start_transerve(repo, "--model-control-mode=explicit", "--load-model=add_sub", **extra) as server:
+    loads = [f"--load-model={name}" for name in ("add_sub", *probe.models)]
+    with start_transerve(repo, "--model-control-mode=explicit", *loads, **extra) as server:
         pid = server.process.pid
         target = Target(server.base_url, server.http_port, pid, scratch, args)
         stop, out = context.Event(), context.Queue()
@@ -470,7 +582,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="transerve-hostile-") as tmp:
         scratch = Path(tmp)
-        repo = make_repository(scratch)
+        repo = make_repository(scratch, any(probe.models for probe in PROBES if probe.name in chosen))
         source = transerve_source_at(args.against, scratch / "source") if args.against else None
         for probe in PROBES:
             if probe.name in chosen:

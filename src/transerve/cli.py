@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
              "makes its own folder there and removes it at exit")
     add("--model-repository-max-model-bytes", type=int, default=32 << 30, metavar="N",
         help="the most one model may download from object storage (default 32 GiB)")
+    add("--max-response-bytes", type=int, default=1 << 30, metavar="BYTES",
+        help="most bytes one response's outputs may hold; a larger response fails with a 400 (default 1 GiB)")
     limits = InputLimits()
     add("--model-config-max-bytes", type=int, default=limits.config_bytes, metavar="BYTES",
         help=f"longest config a load request or a config.pbtxt may hold (default {limits.config_bytes})")
@@ -109,8 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"most system shared memory regions registered at once (default {limits.shm_regions})")
     add("--max-shared-memory-regions-per-object", type=int, default=limits.shm_regions_per_object, metavar="N",
         help=f"most regions registered on one shared memory object (default {limits.shm_regions_per_object})")
-    add("--max-response-bytes", type=int, default=1 << 30, metavar="BYTES",
-        help="most bytes one response's outputs may hold; a larger response fails with a 400 (default 1 GiB)")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=int, default=8000)
     add("--grpc-address", default="0.0.0.0")
@@ -227,6 +227,9 @@ def _add_http_limits(add: Any) -> None:
     add("--http-header-timeout-secs", type=float, default=default.header_timeout, metavar="SECONDS",
         help="time for a request's head to arrive from its first byte, and for a new connection's first request "
              f"to begin (408 past it; 0 for none; default {default.header_timeout:g})")
+    add("--http-max-generate-size", type=int, default=default.max_generate_size, metavar="BYTES",
+        help="largest /generate and /generate_stream body, which is JSON read on the event loop (413 past it; "
+             f"default {default.max_generate_size})")
     add("--http-body-timeout-secs", type=float, default=default.body_timeout, metavar="SECONDS",
         help=f"longest wait for the next bytes of a request body (408 past it; 0 for none; default "
              f"{default.body_timeout:g})")
@@ -259,7 +262,7 @@ def http_limits_from_args(args: argparse.Namespace, file_limit: int) -> HttpLimi
         max_url=args.http_max_url_size, max_header_size=args.http_max_header_size, max_headers=args.http_max_headers,
         header_timeout=args.http_header_timeout_secs, body_timeout=args.http_body_timeout_secs,
         keepalive_timeout=args.http_keepalive_timeout_secs, send_timeout=args.http_send_timeout_secs,
-        max_connections=connections,
+        max_connections=connections, max_generate_size=args.http_max_generate_size,
     )
 
 

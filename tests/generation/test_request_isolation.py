@@ -51,6 +51,8 @@ HOSTILE = {
     "beam_width_past_the_rows": ({"beam_width": 100000}, "beam_width"),
     "max_tokens_past_the_positions": ({"max_tokens": 10**9}, "max_new_tokens"),
     "repetition_penalty_zero": ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    "bad_words_string_past_its_bound": ({"bad_words": json.dumps([[7, 9]] * 500_000)}, "bad_words"),
+    "bad_words_list_of_many_ids": ({"bad_words": [[7] * (MAX_WORD_TOKENS + 1)]}, "bad_words"),
 }
 assert MAX_WORDS * 9 > MAX_WORD_TOKENS
 
@@ -133,3 +135,16 @@ def test_a_hostile_option_is_a_400_and_the_bystander_decodes_as_alone(server, al
     assert "error" not in outcome, outcome
     assert outcome["ids"] == alone[model]
     assert server.alive()
+
+
+def test_a_generate_body_past_its_bound_is_a_413_and_the_connection_serves_on(server):
+    """A /generate body is JSON read on the event loop: past --http-max-generate-size (4 MiB by default) it is
+    refused unread, and the same connection then serves a request."""
+    with requests.Session() as session:
+        big = {"input_ids": [5] * 2_000_000, "sequence_length": 2_000_000, "max_tokens": 1}  # 6 MB
+        answer = session.post(f"{server.base_url}/v2/models/gpt_torch/generate", json=big, timeout=60)
+        assert answer.status_code == 413, answer.text
+        assert "--http-max-generate-size" in answer.json()["error"]
+        answer = session.post(f"{server.base_url}/v2/models/gpt_torch/generate", json=body({"max_tokens": 2}),
+                              timeout=60)
+        assert answer.status_code == 200, answer.text

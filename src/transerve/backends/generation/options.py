@@ -70,6 +70,8 @@ BY_PARAMETER = {name: option for option in OPTIONS for name in option.parameters
 BY_TENSOR = {name: option for option in OPTIONS for name in option.tensors}
 #: Request parameters that belong to the protocol (consumed by the frontends or the scheduler), never options.
 PROTOCOL_PARAMETERS = FRONTEND_PARAMETERS | SCHEDULING_PARAMETERS
+#: The longest word-list parameter read: room for MAX_WORD_TOKENS ids of any size with their separators.
+MAX_WORD_LIST_CHARS = 16 * MAX_WORD_TOKENS
 
 
 def known_parameter_names() -> list[str]:
@@ -143,8 +145,13 @@ def _parameter_value(option: Option, key: str, value: Any) -> Any:
 
 
 def _word_list(key: str, value: Any) -> list[list[int]]:
-    """Token-id sequences, as a JSON string (request parameters are scalars) or a list: `[[12, 5], [7]]`."""
+    """Token-id sequences, as a JSON string (request parameters are scalars) or a list: `[[12, 5], [7]]`. A string
+    longer than the largest list it may hold is refused unread, and a list's ids are counted before they are read:
+    the parse runs on the event loop."""
     if isinstance(value, str):
+        if len(value) > MAX_WORD_LIST_CHARS:
+            raise invalid_arg(f"parameter '{key}' has {len(value)} characters; a word list of at most "
+                              f"{MAX_WORD_TOKENS} token ids takes at most {MAX_WORD_LIST_CHARS}")
         try:
             value = json.loads(value)
         except ValueError:
@@ -152,6 +159,9 @@ def _word_list(key: str, value: Any) -> list[list[int]]:
     words = value if isinstance(value, list) else None
     if words is not None:
         check_word_count(key, len(words))
+        held = sum(len(word) for word in words if isinstance(word, list))
+        if held > MAX_WORD_TOKENS:
+            raise invalid_arg(f"parameter '{key}' holds {held} token ids in all; at most {MAX_WORD_TOKENS} are taken")
     if words is not None and all(isinstance(word, int) and not isinstance(word, bool) for word in words):
         words = [[word] for word in words]  # a flat list: one single-token sequence per id
     if words is None or not all(

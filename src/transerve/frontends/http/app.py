@@ -295,6 +295,9 @@ class HttpFrontend:
 
     async def _generate(self, request: HttpRequest, name: str, version: str, streaming: bool) -> HttpResponse:
         model = self.server.get_version(name, version)
+        if len(request.body) > self.limits.max_generate_size:
+            return error_response(413, f"a generate request body of {len(request.body)} bytes exceeds the limit of "
+                                       f"{self.limits.max_generate_size} bytes (--http-max-generate-size)")
         if request.headers.get("content-encoding", "identity") not in ("", "identity"):
             raise invalid_arg("Unsupported content-encoding, only 'identity' is supported.")
         tracing = self.server.tracing

@@ -122,6 +122,8 @@ class HttpLimits:
     keepalive_timeout: float = 75.0
     send_timeout: float = 60.0
     max_connections: int = 8192
+    #: A /generate body is JSON read on the event loop, unlike an infer body's binary tensors: bounded on its own.
+    max_generate_size: int = 4 * 1024 * 1024
 
 
 class Phase:

@@ -23,7 +23,7 @@ from transerve.core.types import InferRequest, RequestedOutput, Tensor
 from transerve.frontends.http.openai import params
 from transerve.frontends.http.openai.catalog import OpenAIModel
 from transerve.frontends.http.openai.errors import bad_request, from_server_error
-from transerve.frontends.http.openai.prompts import check_ids, encoded_texts, is_id, truncation
+from transerve.frontends.http.openai.prompts import check_ids, encoded_texts, id_list, truncation
 from transerve.server import Server
 
 #: Inputs one embeddings request may carry, as OpenAI bounds them.
@@ -132,7 +132,7 @@ class Embedder:
 
 def _inputs(given: object) -> tuple[list[str], list[list[int]] | None]:
     """(texts, None) or ([], token-id inputs): a string, strings, token ids, or lists of token ids."""
-    if isinstance(given, str) or isinstance(given, list) and given and all(is_id(x) for x in given):
+    if isinstance(given, str) or id_list(given):
         given = [given]
     if not isinstance(given, list) or not given:
         raise bad_request("'input' must be a non-empty string, a list of strings, a list of token ids or a list of "
@@ -141,7 +141,7 @@ def _inputs(given: object) -> tuple[list[str], list[list[int]] | None]:
         raise bad_request(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} inputs", param="input")
     if all(isinstance(text, str) and text for text in given):
         return list(given), None
-    if all(isinstance(ids, list) and ids and all(is_id(x) for x in ids) for ids in given):
+    if all(id_list(ids) for ids in given):  # their other ids are checked by check_ids, after their lengths
         return [], [list(ids) for ids in given]
     raise bad_request("'input' must be non-empty strings or non-empty lists of token ids, not a mix", param="input")
 

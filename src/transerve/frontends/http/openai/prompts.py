@@ -30,7 +30,7 @@ async def completion_prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer
                              sampling: params.Sampling) -> list[Prompt]:
     """/v1/completions' `prompt`: a string, a list of strings, token ids, or a list of token-id lists."""
     given = body.get("prompt")
-    if isinstance(given, str) or (isinstance(given, list) and given and all(is_id(x) for x in given)):
+    if isinstance(given, str) or id_list(given):
         given = [given]
     if not isinstance(given, list) or not given:
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids or a list of such "
@@ -48,7 +48,7 @@ async def completion_prompts(body: dict[str, Any], entry: OpenAIModel, tokenizer
             else:
                 texts.append(item)
                 prompts.append(None)
-        elif isinstance(item, list) and all(is_id(x) for x in item):
+        elif id_list(item):
             if entry.kind != GENERATE or tokenizer is None:
                 raise bad_request(f"model '{entry.id}' takes text prompts, not token ids", param="prompt")
             ids = check_ids(item, entry, tokenizer, "prompt", keep)
@@ -88,15 +88,15 @@ def truncation(entry: OpenAIModel, sampling_or_keep: params.Sampling | int | Non
 
 def check_ids(item: list[int], entry: OpenAIModel, tokenizer: TextTokenizer, param: str,
               keep: int | None) -> list[int]:
-    """A token-id input, cut to its last `keep` ids; one longer than the context (uncut) is refused before its ids
-    are read."""
+    """A token-id input (`id_list`), cut to its last `keep` ids; one longer than the context (uncut) is refused
+    before its ids are read."""
     if keep is not None:
         item = item[-keep:]
     if entry.context_length is not None and len(item) > entry.context_length:
         raise bad_request(f"a token-id {param} has {len(item)} tokens; model '{entry.id}' takes at most "
                           f"{entry.context_length}", param=param)
     vocabulary = tokenizer.vocabulary_size()
-    if not item or any(x >= vocabulary for x in item):
+    if not item or not all(is_id(x) and x < vocabulary for x in item):
         raise bad_request(f"a token-id {param} must be non-empty, its ids in the vocabulary [0, {vocabulary})",
                           param=param)
     return list(item)
@@ -124,6 +124,12 @@ async def encoded_texts(tokenizer: TextTokenizer, texts: list[str], context: int
 
 def is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def id_list(value: object) -> bool:
+    """Whether `value` is meant as token ids: a list whose first item is one. Its other items are checked by
+    `check_ids`, after its length: a list of a million ids is refused by its length, not read on the loop."""
+    return isinstance(value, list) and bool(value) and is_id(value[0])
 
 
 async def chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None,

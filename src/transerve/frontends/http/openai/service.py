@@ -15,7 +15,7 @@ from typing import Any
 from transerve.frontends.http.openai import params, tools
 from transerve.frontends.http.openai.catalog import GENERATE, TEXT, Catalog, OpenAIModel
 from transerve.frontends.http.openai.errors import bad_request
-from transerve.frontends.http.openai.prompts import check_ids, encoded_texts, is_id, render
+from transerve.frontends.http.openai.prompts import check_ids, encoded_texts, id_list, render
 from transerve.frontends.http.openai.text import TextTokenizer
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -54,7 +54,7 @@ async def detokenize(catalog: Catalog, body: dict[str, Any]) -> dict[str, Any]:
     params.refuse_unknown(body, _DETOKENIZE_FIELDS, "/detokenize")
     entry, tokenizer = await _model(catalog, body)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(is_id(token) for token in tokens):
+    if not isinstance(tokens, list) or tokens and not id_list(tokens):
         raise bad_request("'tokens' must be a list of token ids", param="tokens")
     if not tokens:
         return {"prompt": ""}
