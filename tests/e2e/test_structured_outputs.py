@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("llguidance")
+pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("ctranslate2")
 
 SCHEMA = {
@@ -183,3 +184,31 @@ def test_ctranslate2_and_beams_refuse_structured_outputs(client, served):
             "guided_regex": "a+"}
     answer = requests.post(f"{server.base_url}/v2/models/gpt/generate", json=body, timeout=60)
     assert answer.status_code == 400 and "beam_width" in answer.text, answer.text
+
+
+class Person(pydantic.BaseModel):
+    """LangChain's structured output target: the same fields as SCHEMA, bounded so a random model ends them."""
+
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    ok: bool
+
+
+@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+def test_langchain_with_structured_output(served, method):
+    """`ChatOpenAI.with_structured_output` as LangChain apps call it: json_schema sends a strict `response_format`
+    schema and gets a Person back; json_mode sends `{"type": "json_object"}` and gets a dict parsed from the answer."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    server, _ = served
+    # Any JSON object may go on past the budget, and greedily this random model's does: json_mode samples with a
+    # seed whose object ends (in 25 tokens, with this model and prompt).
+    fields = {"temperature": 0} if method == "json_schema" else {"temperature": 1.0, "seed": 3}
+    model = langchain_openai.ChatOpenAI(model="gpt", base_url=f"{server.base_url}/v1", api_key="x", max_tokens=300,
+                                        max_retries=0, timeout=120, **fields)
+    if method == "json_schema":
+        person = model.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
+        assert isinstance(person, Person)
+        jsonschema.validate(person.model_dump(), Person.model_json_schema())
+    else:
+        answer = model.with_structured_output(None, method="json_mode").invoke("Describe a person as JSON.")
+        assert isinstance(answer, dict)
