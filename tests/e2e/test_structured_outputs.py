@@ -174,16 +174,35 @@ def test_bad_constraints_are_400s_naming_the_problem(client, fields, named):
     assert answer.choices[0].text is not None
 
 
-def test_ctranslate2_and_beams_refuse_structured_outputs(client, served):
+def test_ctranslate2_refuses_structured_outputs(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="gpt_ct2", messages=MESSAGES, max_tokens=4, response_format=FORMAT)
     assert "torch engine" in json.dumps(raised.value.body)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_under_a_grammar(served, width):
+    """Each beam keeps its own grammar state, branched with the beam: every hypothesis a beam search returns
+    matches (a JSON schema, a choice), however few tokens the grammar leaves the beams."""
     server, tokenizer = served
-    ids = tokenizer.encode("x")
-    body = {"input_ids": ids, "sequence_length": len(ids), "max_tokens": 4, "beam_width": 2,
-            "guided_regex": "a+"}
-    answer = requests.post(f"{server.base_url}/v2/models/gpt/generate", json=body, timeout=60)
-    assert answer.status_code == 400 and "beam_width" in answer.text, answer.text
+    ids = tokenizer.encode("A person:")
+    cases = (({"guided_json": json.dumps(SCHEMA)}, 160), ({"guided_choice": json.dumps(["yes", "no", "maybe"])}, 8))
+    for constraint, max_tokens in cases:
+        body = {"input_ids": ids, "sequence_length": len(ids), "max_tokens": max_tokens, "beam_width": width,
+                "num_return_sequences": width, **constraint}
+        answer = requests.post(f"{server.base_url}/v2/models/gpt/generate", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        document = answer.json()
+        lengths = document["sequence_length"]  # [width]; output_ids [width, longest] comes flat, as JSON gives it
+        assert len(lengths) == width, document
+        longest = len(document["output_ids"]) // width
+        outputs = [document["output_ids"][beam * longest:(beam + 1) * longest] for beam in range(width)]
+        for output, length in zip(outputs, lengths, strict=True):
+            text = tokenizer.decode(output[len(ids):length], skip_special_tokens=True)
+            if "guided_json" in constraint:
+                jsonschema.validate(json.loads(text), SCHEMA)
+            else:
+                assert text in ("yes", "no", "maybe"), text
 
 
 class Person(pydantic.BaseModel):

@@ -249,9 +249,6 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         raise invalid_arg(f"top_logprobs {top_logprobs} with beam_width {beam_width}: the likeliest tokens are "
                           "reported for beam_width 1 only (greedy or sampling)")
     constraint = values.get("constraint")
-    if constraint is not None and beam_width > 1:
-        raise invalid_arg(f"a structured output with beam_width {beam_width}: grammar-constrained decoding runs "
-                          "with beam_width 1 (greedy or sampling)")
     stream = values.get("stream", False)
     if stream and not limits.decoupled:
         raise invalid_arg("stream is true, but this model is not decoupled: streaming needs "

@@ -54,6 +54,18 @@ class RowGrammar:
         self.end_ids = [token for token in end_ids if 0 <= token < masks.vocab_size]
         self.masks = masks
 
+    def copy(self) -> RowGrammar:
+        """The same state, to go on apart (a beam that branches)."""
+        return RowGrammar(self.matcher.deep_copy(), self.end_ids, self.masks)
+
+    def ends_with(self, token: int) -> bool:
+        """Whether `token` would end the row (`consume`'s answer), this state left as it is; False for a token the
+        grammar does not allow (a beam candidate with no likelihood left)."""
+        if token in self.end_ids:
+            return True
+        trial = self.matcher.deep_copy()
+        return trial.consume_token(token) and trial.is_stopped()
+
     def consume(self, token: int) -> bool:
         """Advance past the chosen `token`; True when the row is to end now (an end token, or the grammar takes
         no more tokens). GrammarError if the token was not one the grammar allowed."""

@@ -50,12 +50,12 @@ class BeamSearch:
         self.generated = 0
 
     def step(
-        self, top_tokens: list[list[int]], top_log_probs: list[list[float]], ends: Callable[[list[int]], bool],
+        self, top_tokens: list[list[int]], top_log_probs: list[list[float]], ends: Callable[[int, list[int]], bool],
     ) -> list[int] | None:
         """Advance with each running beam's `keep` likeliest next tokens and their (processed) log-probabilities;
-        `ends(tokens)` says whether a candidate's new tokens end it (an end token or a stop sequence; the length
-        limit is checked here). Returns, for each next running beam, the row (beam) it continues, or None when the
-        search is over."""
+        `ends(beam, tokens)` says whether a candidate's new tokens, continuing `beam`, end it (an end token, a stop
+        sequence or a grammar that takes no more; the length limit is checked here). Returns, for each next running
+        beam, the row (beam) it continues, or None when the search is over."""
         import torch
 
         pairs = [(beam, token, value) for beam in range(self.width)
@@ -68,7 +68,7 @@ class BeamSearch:
         candidates = [self.running_tokens[beam] + [token] for beam, token, _ in picked]
         candidate_log_probs = [self.running_log_probs[beam] + [value] for beam, _, value in picked]
         at_limit = self.generated + 1 >= self.max_new_tokens
-        hits = torch.tensor([[at_limit or ends(tokens) for tokens in candidates]])
+        hits = torch.tensor([[at_limit or ends(beam, tokens) for beam, tokens in zip(beams, candidates, strict=True)]])
 
         # The best `width` candidates that did not just finish run on.
         running_candidates = top_scores + hits.to(torch.float32) * -1.0e9

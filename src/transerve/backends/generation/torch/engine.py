@@ -160,7 +160,11 @@ class TorchEngine:
         try:
             sequence = self.scheduler.new_sequence(request, on_tokens, done)
             if request.options.constraint is not None:
-                sequence.grammar = self._grammar(sequence)
+                grammar = self._grammar(sequence)
+                if sequence.rows > 1:
+                    sequence.beam_grammars = [grammar] + [grammar.copy() for _ in range(sequence.rows - 1)]
+                else:
+                    sequence.grammar = grammar
         except ServerError as error:
             _report(done, error)
             return _Refused()
@@ -193,9 +197,6 @@ class TorchEngine:
         (the first such request also builds the tokenizer's tables, `grammar.compiler`)."""
         options = sequence.request.options
         assert options.constraint is not None
-        if sequence.rows > 1:
-            raise invalid_arg(f"a structured output with beam_width {options.beam_width}: grammar-constrained "
-                              "decoding runs with beam_width 1 (greedy or sampling)")
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler.from_model_dir(self._model_dir, self.vocab_size, self.eos_token_ids,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from transerve.backends.generation.engine import GenerationResult, Hypothesis, TopLogProbs
-from transerve.backends.generation.grammar.masks import GrammarError, apply_masks
+from transerve.backends.generation.grammar.masks import GrammarError, RowGrammar, apply_masks
 from transerve.backends.generation.torch.host_copies import to_device
 from transerve.backends.generation.torch.sampling import apply_rules, sample, warp
 from transerve.backends.generation.torch.sequence import Sequence
@@ -120,12 +120,18 @@ def _advance(sequence: Sequence, row: int, tokens: list[int], chosen_log_probs: 
     if sequence.beam is not None:
         ranked = sequence.beam.keep
         ids, values = zip(*(beam_tops[row + beam] for beam in range(sequence.rows)), strict=True)
-        rows = sequence.beam.step([top[:ranked] for top in ids], [top[:ranked] for top in values],
-                                  lambda candidate, sequence=sequence: _ends(sequence, candidate))
+        grammars = sequence.beam_grammars
+
+        def ends(beam: int, candidate: list[int]) -> bool:
+            return _ends(sequence, candidate) or (grammars is not None and grammars[beam].ends_with(candidate[-1]))
+
+        rows = sequence.beam.step([top[:ranked] for top in ids], [top[:ranked] for top in values], ends)
         if rows is None:
             finished.append((sequence, "end", row))
         else:
             beams = [beam[-1] for beam in sequence.beam.running_tokens]
+            if grammars is not None:
+                sequence.beam_grammars = _branched(grammars, rows, beams)
             stays.append((sequence, row, [row + r for r in rows], beams))
     else:
         token = tokens[row]
@@ -144,17 +150,31 @@ def _advance(sequence: Sequence, row: int, tokens: list[int], chosen_log_probs: 
             finished.append((sequence, reason, row))
 
 
+def _branched(grammars: list[RowGrammar], parents: list[int], tokens: list[int]) -> list[RowGrammar]:
+    """The next beams' grammar states: each its parent's, past its new token. A beam that carries a token its
+    grammar refused has no likelihood left (its candidates were masked to -inf, taken only for want of others): it
+    keeps its parent's state, and stays last in every ranking."""
+    branched = []
+    for parent, token in zip(parents, tokens, strict=True):
+        grammar = grammars[parent].copy()
+        if not grammar.matcher.consume_token(token):  # a refused token leaves its matcher in an error state
+            grammar = grammars[parent].copy()
+        branched.append(grammar)
+    return branched
+
+
 def _mask(running: list[Sequence], logits: torch.Tensor, errors: dict[Sequence, Exception]) -> None:
     """The token masks of the sequences decoding under a grammar, on their rows of `logits` (one fill for them
     all, `grammar.masks`), before any rule or draw; a sequence whose grammar failed is in `errors`."""
     constrained, row = [], 0
     for sequence in running:
-        grammar = sequence.grammar
-        if grammar is not None:
+        for beam, grammar in enumerate(sequence.beam_grammars or [sequence.grammar]):
+            if grammar is None:
+                continue
             if grammar.matcher.is_error():
                 errors[sequence] = GrammarError(f"its grammar failed: {grammar.matcher.get_error()}")
             else:
-                constrained.append((row, grammar))
+                constrained.append((row + beam, grammar))
         row += sequence.rows
     apply_masks(constrained, logits)
 

@@ -40,5 +40,7 @@ class Sequence:
     top: list[TopLogProbs] = field(default_factory=list)
     score: float = 0.0
     cancelled: bool = False
-    #: Its grammar's state, when it decodes under a structured-output constraint.
+    #: Its grammar's state, when it decodes under a structured-output constraint (beam_width 1).
     grammar: RowGrammar | None = None
+    #: Under a constraint with beams: each running beam's grammar state, in the beams' order.
+    beam_grammars: list[RowGrammar] | None = None
