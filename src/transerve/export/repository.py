@@ -57,6 +57,8 @@ class Options:
     steps: dict[str, str] = field(default_factory=dict)
     #: The tokenizer model's inputs renamed: TEXT (QUESTION, CONTEXT) -> its own name (`names.parse_tokenizer_inputs`).
     tokenizer_inputs: dict[str, str] = field(default_factory=dict)
+    #: `--model-instances`: ONNX instances of one intra-op thread each; 0 for one with onnxruntime's default.
+    model_instances: int = 0
 
     def step(self, step: str) -> str:
         return self.steps.get(step, f"{self.name}_{step}")
@@ -115,6 +117,11 @@ def _model(name: str, folder: ModelFolder, task: Task, inputs: list[str], option
         # onnxruntime's idle threads spin between operators, taking the CPU the tokenizer, the post-processing
         # and the server need (benchmarks/README.md, "Figures behind the code").
         _parameters(config, **{"session.intra_op.allow_spinning": "0"})
+        if options.model_instances:
+            # One-thread sessions side by side skip the thread pool's wake-ups within each batch
+            # (benchmarks/README.md, embedding_onnx against the ONNX model called directly).
+            config.instance_group.add(count=options.model_instances, kind=model_config_pb2.ModelInstanceGroup.KIND_CPU)
+            _parameters(config, intra_op_thread_count=1)
     if options.fmt == "torchscript":
         # TorchScript's profiling executor re-specializes for each new sequence length, which makes requests of
         # varying lengths slower (benchmarks/README.md, "Figures behind the code").
