@@ -468,16 +468,6 @@ PROBES: list[Probe] = [
 # ------------------------------------------------------------------------------------------------ the repository
 
 
-def _ensemble(name: str, step: str) -> str:
-    return f'''name: "{name}"
-platform: "ensemble"
-max_batch_size: 8
-input [{{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
-output [{{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
-ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
-  input_map {{ key: "INPUT0" value: "INPUT0" }} input_map {{ key: "INPUT1" value: "INPUT1" }}
-  output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} output_map {{ key: "OUTPUT1" value: "OUTPUT1" }} }}] }}
-'''
 
 
 def make_repository(root: Path, openai_models: bool) -> Path:
@@ -485,6 +475,7 @@ def make_repository(root: Path, openai_models: bool) -> Path:
     bound_config (just under the config bound), the misbehaving workers, and the OpenAI probes' models when
     `openai_models`."""
     from benchmarks.common.servers import EXAMPLE_REPOSITORY
+    from tests.support.repositories import add_sub_ensemble
 
     repo = root / "models"
     repo.mkdir()
@@ -494,7 +485,8 @@ def make_repository(root: Path, openai_models: bool) -> Path:
     for index in range(1000):
         folder = repo / f"deep{index}"
         (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(_ensemble(folder.name, f"deep{index + 1}" if index < 999 else "add_sub"))
+        step = f"deep{index + 1}" if index < 999 else "add_sub"
+        (folder / "config.pbtxt").write_text(add_sub_ensemble(folder.name, step))
     for name, count in (("huge_config", 1_000_000), ("bound_config", 340_000)):
         folder = repo / name
         (folder / "1").mkdir(parents=True)

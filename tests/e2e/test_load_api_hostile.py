@@ -16,7 +16,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from support import ServerProcess, start_transerve
-from support.repositories import copy_example
+from support.repositories import add_sub_ensemble, copy_example
 from tritonclient.utils import InferenceServerException
 
 TIMEOUT_S = 60.0
@@ -25,17 +25,6 @@ STALL_BOUND_S = 1.0
 CHAIN = 1000
 
 
-def ensemble_config(name: str, step: str) -> str:
-    """An ensemble with add_sub's signature whose one step is `step`."""
-    return f'''name: "{name}"
-platform: "ensemble"
-max_batch_size: 8
-input [{{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
-output [{{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
-ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
-  input_map {{ key: "INPUT0" value: "INPUT0" }} input_map {{ key: "INPUT1" value: "INPUT1" }}
-  output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} output_map {{ key: "OUTPUT1" value: "OUTPUT1" }} }}] }}
-'''
 
 
 def write_chain(repo: Path, prefix: str, length: int) -> None:
@@ -44,7 +33,7 @@ def write_chain(repo: Path, prefix: str, length: int) -> None:
         step = f"{prefix}{index + 1}" if index + 1 < length else "add_sub"
         folder = repo / f"{prefix}{index}"
         (folder / "1").mkdir(parents=True)
-        (folder / "config.pbtxt").write_text(ensemble_config(f"{prefix}{index}", step))
+        (folder / "config.pbtxt").write_text(add_sub_ensemble(f"{prefix}{index}", step))
 
 
 @pytest.fixture(scope="module")

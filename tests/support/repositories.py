@@ -46,3 +46,16 @@ def int32_in_out(name: str, dims: int = 1) -> str:
     """A python model's config without batching: INT32 IN to INT32 OUT, both of `dims` elements."""
     return (f'name: "{name}" backend: "python" input [{{name: "IN" data_type: TYPE_INT32 dims: [{dims}]}}] '
             f'output [{{name: "OUT" data_type: TYPE_INT32 dims: [{dims}]}}]')
+
+
+def add_sub_ensemble(name: str, step: str) -> str:
+    """An ensemble with add_sub's signature whose one step is `step`."""
+    return f'''name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [{{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
+output [{{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] }}]
+ensemble_scheduling {{ step [{{ model_name: "{step}" model_version: -1
+  input_map {{ key: "INPUT0" value: "INPUT0" }} input_map {{ key: "INPUT1" value: "INPUT1" }}
+  output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} output_map {{ key: "OUTPUT1" value: "OUTPUT1" }} }}] }}
+'''
