@@ -277,12 +277,12 @@ def profiled(enabled: bool, device: str, title: str) -> Any:
     state: dict[str, Any] = {"profiler": None, "started": 0.0, "stop": False, "wall": 0.0}
     finished = threading.Event()
 
-    def step(runner: BatchRunner, new: Any, prompts: Any = None) -> Any:
+    def step(runner: BatchRunner, plan: Any) -> Any:
         if state["profiler"] is None and not finished.is_set():
             state["profiler"] = torch.profiler.profile(activities=activities)
             state["profiler"].__enter__()
             state["started"] = time.perf_counter()
-        result = original(runner, new, prompts)
+        result = original(runner, plan)
         if state["stop"] and state["profiler"] is not None and not finished.is_set():
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -9,6 +9,8 @@ inflated, as `gzip.decompress` does.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gzip
 import re
 import zlib
@@ -93,8 +95,26 @@ async def decompress_body_async(body: bytes, encoding: str, limit: int) -> bytes
 
 
 def _join(first: list[bytes], rest: Iterator[bytes]) -> bytes:
-    first.extend(rest)
-    return b"".join(first)
+    """The pieces joined, and then freed and handed back to the system: a thread's pieces come from its own malloc
+    arena, which glibc keeps at its largest (each executor thread would hold a body's worth after it)."""
+    try:
+        first.extend(rest)
+        return b"".join(first)
+    finally:  # a body past the limit too: its pieces were as large
+        first.clear()
+        _trim_malloc()
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's `malloc_trim(0)` (returns the free memory of every arena), or nothing where the C library has none."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+_trim_malloc = _malloc_trim()
 
 
 def _inflate_gzip(stream: _Stream) -> Iterator[bytes]:
