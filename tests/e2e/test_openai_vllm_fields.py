@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import requests
 from support import ServerProcess, start_transerve
-from support.openai_models import EMBEDDING, GPT2Reference, build_chat_gpt2, sentence_embeddings
+from support.openai_models import EMBEDDING, GPT2Reference, build_chat_gpt2, scrape, sentence_embeddings
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ctranslate2")
@@ -109,7 +109,7 @@ def greedy(client, model: str, **fields):
 # ---- the field allow-list ------------------------------------------------------------------------------------
 
 VLLM_EXTRAS_NOT_HONOURED = {
-    "repetition_penalty": 1.3, "min_p": 0.1, "prompt_logprobs": 1, "length_penalty": 0.5, "use_beam_search": True,
+    "repetition_penalty": 1.3, "min_p": 0.1, "length_penalty": 0.5, "use_beam_search": True,
     "bad_words": ["x"], "allowed_token_ids": [1, 2], "request_id": "mine",
 }
 
@@ -330,18 +330,6 @@ def test_every_v1_answer_carries_a_request_id_and_a_503_a_retry_after(server, cl
 
 # ---- vLLM's metrics --------------------------------------------------------------------------------------------
 
-def scrape(server: ServerProcess) -> dict[tuple[str, str], float]:
-    """(sample name, labels text) -> value, for vLLM's samples."""
-    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:"):
-            sample, value = line.rsplit(" ", 1)
-            name, _, labels = sample.partition("{")
-            samples[(name, labels.rstrip("}"))] = float(value)
-    return samples
-
-
 def test_vllm_metrics_count_what_the_answers_reported(server, client):
     for model in GENERATORS:
         before = scrape(server)
@@ -483,45 +471,3 @@ def test_over_context_prompts_are_refused_before_the_model_on_every_engine(serve
             client.completions.create(model=model, prompt=too_long[:2040], max_tokens=20)
         stats = requests.get(f"{server.base_url}/v2/models/{model}/stats", timeout=10).json()
         assert stats["model_stats"][0]["inference_stats"]["fail"]["count"] == 0, json.dumps(stats)
-
-
-# ---- guidellm --------------------------------------------------------------------------------------------------
-
-def test_guidellm_default_backend_validation_and_a_benchmark_run(server, built, tmp_path):
-    """guidellm's OpenAI HTTP backend as it starts by default: `GET /health`, the models, then a short
-    synchronous benchmark of synthetic prompts whose requests (guidellm's own fields) are all served. Skipped where
-    guidellm is not installed (it pins packages the project's environment has newer)."""
-    pytest.importorskip("guidellm.backends.openai.http")
-    import asyncio
-    import os
-    import subprocess
-    import sys
-
-    from guidellm.backends.openai.http import OpenAIHTTPBackend
-    from guidellm.schemas.backends import OpenAIHTTPBackendArgs
-
-    async def validated() -> list[str]:
-        backend = OpenAIHTTPBackend(OpenAIHTTPBackendArgs(target=server.base_url))
-        await backend.process_startup()
-        try:
-            await backend.validate()
-            return await backend.available_models()
-        finally:
-            await backend.process_shutdown()
-
-    assert sorted(asyncio.run(validated())) == sorted([*GENERATORS, EMBEDDING])
-    output = tmp_path / "guidellm.json"
-    before = scrape(server)
-    command = [sys.executable, "-m", "guidellm", "run", "--backend",
-               f"kind=openai_http,target={server.base_url},model=gpt", "--tokenizer", f"kind=hf_auto,model={built[1]}",
-               "--data", "kind=synthetic_text,prompt_tokens=16,output_tokens=8", "--profile", "kind=synchronous",
-               "--constraint", "kind=max_requests,count=4", "--output", f"kind=json,path={output}",
-               "--disable-console-interactive"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    totals = json.loads(output.read_text())["benchmarks"][0]["metrics"]["request_totals"]
-    assert totals["successful"] == 4 and totals["errored"] == 0, totals
-    after = scrape(server)
-    key = ("vllm:generation_tokens_total", 'model_name="gpt"')
-    assert after[key] - before.get(key, 0.0) == 4 * 8

@@ -75,7 +75,7 @@ def test_beam_search_returns_every_beam_unless_asked_for_fewer():
         ({"top_p": -0.1}, "top_p must lie in (0, 1]"),
         ({"temperature": 0}, "temperature must be above 0"),
         ({"top_k": -1}, "top_k must not be negative"),
-        ({"max_tokens": 0}, "max_new_tokens must be at least 1, got 0"),
+        ({"max_tokens": 0}, "max_new_tokens must be at least 1"),
         ({"min_length": -1}, "min_length must not be negative"),
         ({"repetition_penalty": 0.0}, "repetition_penalty must be above 0"),
         ({"end_id": -3}, "end_id must not be negative"),

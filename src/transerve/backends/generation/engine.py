@@ -51,6 +51,9 @@ class DecodingOptions:
     #: The structured output the tokens must form (a JSON schema, a regex, ...: `grammar`); None: free text. The
     #: torch engine decodes it under a grammar (beam width 1); CTranslate2 refuses it.
     constraint: Constraint | None = None
+    #: The prompt's own log-probabilities (decoder-only models): None: not asked; k: each prompt token's after the
+    #: first, and its position's k likeliest tokens. With it, `max_new_tokens` may be 0: the prompt is scored only.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_logprobs:  # a top list without the chosen token's own log-probability would be half an answer
@@ -102,6 +105,22 @@ def check_token_options(options: DecodingOptions, vocab_size: int) -> None:
             raise invalid_arg(f"end_id {outside} is outside this model's vocabulary [0, {vocab_size})")
 
 
+def check_prompt_options(options: DecodingOptions, is_encoder_decoder: bool) -> None:
+    """INVALID_ARG for `max_new_tokens` below 1 unless the prompt is only scored, and for prompt scores asked of an
+    encoder-decoder model (its input is the encoder's, which the model does not predict)."""
+    if options.prompt_logprobs is None:
+        if options.max_new_tokens < 1:
+            raise invalid_arg("max_new_tokens must be at least 1 (0 only with prompt_logprobs, to score the prompt)")
+        return
+    if is_encoder_decoder:
+        raise invalid_arg("prompt_logprobs needs a decoder-only model: an encoder-decoder model's input goes to its "
+                          "encoder, whose tokens it does not predict")
+    if not 0 <= options.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_arg(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {options.prompt_logprobs}")
+    if options.max_new_tokens < 0:
+        raise invalid_arg("max_new_tokens must not be negative")
+
+
 def check_word_count(name: str, count: int) -> None:
     """INVALID_ARG for a word list of more than `MAX_WORDS` words (checked while parsing, before it is copied)."""
     if count > MAX_WORDS:
@@ -124,11 +143,23 @@ class Hypothesis:
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """A prompt's tokens scored by the model, each given the tokens before it: entry i is about token i + 1 (the
+    first token has nothing before it)."""
+
+    log_probs: list[float]
+    #: Per entry, that position's likeliest tokens (`prompt_logprobs` of them; empty lists for 0).
+    top: list[TopLogProbs]
+
+
+@dataclass(slots=True)
 class GenerationResult:
     #: Best first, `num_return_sequences` of them.
     hypotheses: list[Hypothesis]
     #: "length" (max_new_tokens reached), "end" (an end token or stop sequence), "cancelled".
     finish_reason: str = "end"
+    #: The prompt's scores, when `prompt_logprobs` was asked.
+    prompt: PromptScores | None = None
 
 
 class TokenCallback(Protocol):

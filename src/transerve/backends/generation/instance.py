@@ -89,7 +89,7 @@ class _RequestRun:
 
     __slots__ = ("_instance", "_request", "_finish", "_prompts", "_handles", "_results", "_generated",
                  "_generated_log_probs", "_generated_top", "_sent", "_stream", "_streaming", "_flush_due", "_over",
-                 "_cancelled", "_log_probs", "_top", "_input_lengths")
+                 "_cancelled", "_log_probs", "_top", "_input_lengths", "_prompt_scores")
 
     def __init__(self, instance: GenerationInstance, request: InferRequest, finish: Callable[[Outcome], None]):
         self._instance = instance
@@ -141,14 +141,17 @@ class _RequestRun:
         rows, tensors = instance.interface.rows(request)
         parameters = parameter_values(request.parameters)
         asks_log_probs = instance.interface.asks_log_probs(request)
+        asks_prompt_scores = instance.interface.asks_prompt_scores(request)
         longest, vocabulary = instance.engine.max_input_length, instance.engine.input_vocab_size
         sequences = []
         self._log_probs = asks_log_probs
-        self._top = False
+        self._top = self._prompt_scores = False
         for row in rows:
             values: dict[str, Any] = {**parameters, **tensor_values(tensors, row.index)}
             if asks_log_probs:
                 values["return_log_probs"] = True
+            if asks_prompt_scores:
+                values.setdefault("prompt_logprobs", 0)
             options, stream = decoding_options(values, instance.limits)
             where = f"row {row.index}: " if len(rows) > 1 else ""
             if not row.input_ids:
@@ -164,6 +167,9 @@ class _RequestRun:
             if options.top_logprobs:
                 instance.interface.check_top_outputs()
                 self._top = True
+            if options.prompt_logprobs is not None:
+                instance.interface.check_prompt_outputs(options.prompt_logprobs)
+                self._prompt_scores = True
             self._log_probs = self._log_probs or options.return_log_probs
             sequences.append(GenerationRequest(row.input_ids, options, stream=stream))
         self._streaming = any(sequence.stream for sequence in sequences)
@@ -234,20 +240,21 @@ class _RequestRun:
                 log_probs=[hypothesis.log_probs or [] for hypothesis in hypotheses],
                 top=[hypothesis.top_log_probs or [] for hypothesis in hypotheses],
                 input_length=length,
+                prompt=result.prompt,
             ))
         if self._stream is None:
-            self._end(self._response(results, self._log_probs, self._top))
+            self._end(self._response(results, self._log_probs, self._top, self._prompt_scores))
             return
         unsent = any(len(s) > p for result in results for s, p in zip(result.sequences, result.prefix, strict=True))
-        if not self._streaming or unsent or self._log_probs:
-            self._stream.send(self._response(results, self._log_probs, self._top), final=True)
+        if not self._streaming or unsent or self._log_probs or self._prompt_scores:
+            self._stream.send(self._response(results, self._log_probs, self._top, self._prompt_scores), final=True)
         else:
             self._stream.close()
         self._end(None)
 
-    def _response(self, results: list[RowResult], log_probs: bool, top: bool) -> InferResponse:
+    def _response(self, results: list[RowResult], log_probs: bool, top: bool, prompt: bool = False) -> InferResponse:
         interface = self._instance.interface
-        tensors = interface.response_tensors(results, interface.wanted(self._request, log_probs, top))
+        tensors = interface.response_tensors(results, interface.wanted(self._request, log_probs, top, prompt))
         return InferResponse(self._instance.model_name, self._instance.version, tensors, id=self._request.id)
 
     def cancel(self) -> None:

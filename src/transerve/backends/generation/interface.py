@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import model_config_pb2
 
-from transerve.backends.generation.engine import TopLogProbs
+from transerve.backends.generation.engine import PromptScores, TopLogProbs
 from transerve.backends.generation.options import BY_TENSOR
 from transerve.core.datatypes import NUMPY_DTYPES, config_to_protocol
 from transerve.core.errors import invalid_arg
@@ -63,6 +63,11 @@ class Names:
     top_log_probs: str | None = None
     #: Each row's input length, per beam (FasterTransformer GPT's `response_input_lengths`).
     input_lengths: str | None = None
+    #: transerve's own: the prompt's tokens scored (`prompt_logprobs`): `[batch, L - 1]`, and each position's
+    #: likeliest tokens `[batch, L - 1, k]`.
+    prompt_log_probs: str | None = None
+    prompt_top_ids: str | None = None
+    prompt_top_log_probs: str | None = None
 
     def outputs(self) -> dict[str, tuple[frozenset[str], tuple[int, ...]]]:
         rules = {self.output_ids: (INTEGERS, (-1, -1)), self.output_lengths: (INTEGERS, (-1,))}
@@ -78,16 +83,28 @@ class Names:
             rules[self.top_log_probs] = (frozenset({"FP32"}), (-1, -1, -1))
         if self.input_lengths:
             rules[self.input_lengths] = (INTEGERS, (-1,))
+        if self.prompt_log_probs:
+            rules[self.prompt_log_probs] = (frozenset({"FP32"}), (-1,))
+        if self.prompt_top_ids:
+            rules[self.prompt_top_ids] = (INTEGERS, (-1, -1))
+        if self.prompt_top_log_probs:
+            rules[self.prompt_top_log_probs] = (frozenset({"FP32"}), (-1, -1))
         return rules
 
+    @property
+    def prompt_outputs(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.prompt_log_probs, self.prompt_top_ids, self.prompt_top_log_probs) if n)
 
+
+_PROMPT_OUTPUTS = {"prompt_log_probs": "prompt_log_probs", "prompt_top_ids": "prompt_top_ids",
+                   "prompt_top_log_probs": "prompt_top_log_probs"}
 FASTERTRANSFORMER = Names("FasterTransformer", "input_ids", "sequence_length", "output_ids", "sequence_length",
                           "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
-                          "output_top_log_probs")
+                          "output_top_log_probs", **_PROMPT_OUTPUTS)
 FASTERTRANSFORMER_V1 = Names("FasterTransformer (first names)", "INPUT_ID", "REQUEST_INPUT_LEN", "OUTPUT0", "OUTPUT1")
 FASTERTRANSFORMER_GPT = Names("FasterTransformer GPT", "input_ids", "input_lengths", "output_ids", "sequence_length",
                               "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
-                              "output_top_log_probs", "response_input_lengths")
+                              "output_top_log_probs", "response_input_lengths", **_PROMPT_OUTPUTS)
 
 
 #: `Inert.neutral` for an input whose every value is neutral.
@@ -125,6 +142,8 @@ class RowResult:
     top: list[list[TopLogProbs]] | None = None
     #: The row's input length.
     input_length: int = 0
+    #: The prompt's scores (`prompt_logprobs`), once known.
+    prompt: PromptScores | None = None
 
 
 def _datatype(tensor: model_config_pb2.ModelInput | model_config_pb2.ModelOutput) -> str:
@@ -188,6 +207,7 @@ class TensorInterface:
         self.outputs = {name: (_datatype(t), NUMPY_DTYPES[_datatype(t)]) for name, t in outputs.items()}
         self.log_prob_outputs = frozenset(n for n in (names.cum_log_probs, names.output_log_probs) if n in outputs)
         self.top_outputs = frozenset(n for n in (names.top_ids, names.top_log_probs) if n in outputs)
+        self.prompt_outputs = frozenset(n for n in names.prompt_outputs if n in outputs)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -219,17 +239,31 @@ class TensorInterface:
         options = {name: array for name, array in tensors.items() if name in self.option_inputs}
         return rows, options
 
-    def wanted(self, request: InferRequest, log_probs: bool, top: bool = False) -> list[str]:
+    def wanted(self, request: InferRequest, log_probs: bool, top: bool = False, prompt: bool = False) -> list[str]:
         """The outputs to produce, in config order: those asked for, else all but log-probabilities unless asked
-        (`log_probs`), and the top ones only when `top_logprobs` was asked (`top`)."""
+        (`log_probs`), the top ones only when `top_logprobs` was asked (`top`), and the prompt's scores only when
+        `prompt_logprobs` was asked (`prompt`), in the last response (the scores come with the result)."""
         if request.outputs is not None:
             asked = {output.name for output in request.outputs}
             if asked & self.inert_outputs:
                 raise invalid_arg(f"output '{sorted(asked & self.inert_outputs)[0]}' is declared by this model's "
                                   "config, but transerve does not produce it")
-            return [name for name in self.outputs if name in asked]
+            return [name for name in self.outputs if name in asked and (prompt or name not in self.prompt_outputs)]
         return [name for name in self.outputs if (log_probs or name not in self.log_prob_outputs)
-                and (top or name not in self.top_outputs)]
+                and (top or name not in self.top_outputs) and (prompt or name not in self.prompt_outputs)]
+
+    def asks_prompt_scores(self, request: InferRequest) -> bool:
+        """Whether the client named a prompt-score output (which turns `prompt_logprobs` on)."""
+        return request.outputs is not None and any(o.name in self.prompt_outputs for o in request.outputs)
+
+    def check_prompt_outputs(self, top: int) -> None:
+        """INVALID_ARG unless the config declares the prompt-score outputs a `prompt_logprobs` request needs."""
+        needed = [self.names.prompt_log_probs] + ([self.names.prompt_top_ids, self.names.prompt_top_log_probs]
+                                                  if top else [])
+        missing = [name for name in needed if name not in self.prompt_outputs]
+        if missing:
+            raise invalid_arg(f"prompt_logprobs needs the output(s) {', '.join(map(repr, missing))}, which this "
+                              f"model's config ({self.names.title} names) does not declare (docs/generation.md)")
 
     def asks_log_probs(self, request: InferRequest) -> bool:
         """Whether the client named a log-probability output (which turns `return_log_probs` on)."""
@@ -268,6 +302,8 @@ class TensorInterface:
                 array = _per_beam(results, beams, dtype, lambda result: result.scores or [])
             elif name in (names.top_ids, names.top_log_probs):
                 array = _top_array(results, beams, dtype, ids=name == names.top_ids)
+            elif name in self.prompt_outputs:
+                array = _prompt_array(results, dtype, name, names)
             else:  # output_log_probs
                 width = max((len(p) for result in results for p in result.log_probs or ()), default=0)
                 array = np.zeros((len(results), beams, width), dtype)
@@ -297,6 +333,26 @@ def _top_array(results: list[RowResult], beams: int, dtype: np.dtype, ids: bool)
         for beam, top in enumerate(result.top or ()):
             for t, step in enumerate(top):
                 array[row, beam, t, :len(step)] = [pair[part] for pair in step]
+    return array
+
+
+def _prompt_array(results: list[RowResult], dtype: np.dtype, name: str, names: Names) -> np.ndarray:
+    """`[batch, L - 1]` prompt log-probabilities, or `[batch, L - 1, k]` of their top lists' ids or values,
+    zero-padded."""
+    prompts = [result.prompt for result in results]
+    width = max((len(p.log_probs) for p in prompts if p is not None), default=0)
+    if name == names.prompt_log_probs:
+        array = np.zeros((len(results), width), dtype)
+        for row, prompt in enumerate(prompts):
+            if prompt is not None:
+                array[row, :len(prompt.log_probs)] = prompt.log_probs
+        return array
+    k = max((len(step) for p in prompts if p is not None for step in p.top), default=0)
+    array = np.zeros((len(results), width, k), dtype)
+    part = 0 if name == names.prompt_top_ids else 1
+    for row, prompt in enumerate(prompts):
+        for t, step in enumerate(prompt.top if prompt is not None else ()):
+            array[row, t, :len(step)] = [pair[part] for pair in step]
     return array
 
 

@@ -61,6 +61,7 @@ OPTIONS = (
     Option("bad_words", "words", ("bad_words", "bad_words_list"), ("bad_words_list",)),
     Option("return_log_probs", "bool", ("return_log_probs",), ("return_log_probs", "is_return_log_probs")),
     Option("top_logprobs", "int", ("top_logprobs",)),
+    Option("prompt_logprobs", "int", ("prompt_logprobs",)),
     Option("stream", "bool", ("stream",), ("stream",)),
     #: A structured output (grammar-constrained decoding): one of vLLM's and OpenAI's names for it.
     Option("constraint", "constraint", CONSTRAINT_PARAMETERS),
@@ -211,9 +212,14 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
     if beam_width > limits.max_batch_rows:
         raise invalid_arg(f"beam_width {beam_width} is above this model's max_batch_rows {limits.max_batch_rows} "
                           "(each beam is a decoded row)")
+    prompt_logprobs = values.get("prompt_logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_arg(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (0: each prompt token's own "
+                          f"log-probability only), got {prompt_logprobs}")
     max_new_tokens = values.get("max_new_tokens", limits.max_new_tokens)
-    if max_new_tokens < 1:
-        raise invalid_arg(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if max_new_tokens < (0 if prompt_logprobs is not None else 1):
+        raise invalid_arg(f"max_new_tokens must be at least 1 (0 only with prompt_logprobs, to score the prompt), "
+                          f"got {max_new_tokens}")
     min_new_tokens = values.get("min_new_tokens", 0)
     if min_new_tokens < 0:
         raise invalid_arg(f"min_length must not be negative, got {min_new_tokens}")
@@ -274,6 +280,7 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         return_log_probs=values.get("return_log_probs", False) or top_logprobs > 0,
         top_logprobs=top_logprobs,
         constraint=constraint,
+        prompt_logprobs=prompt_logprobs,
     )
     if limits.vocab_size is not None:
         check_token_options(options, limits.vocab_size)

@@ -52,8 +52,10 @@ from transerve.backends.generation.engine import (
     GenerationRequest,
     GenerationResult,
     Hypothesis,
+    PromptScores,
     TokenCallback,
     TopLogProbs,
+    check_prompt_options,
     check_token_options,
 )
 from transerve.backends.threaded import import_engine
@@ -87,6 +89,8 @@ class _CallKey:
     seed: int | None
     #: Whether the call returns each step's logits (`top_logprobs`): only calls whose sequences need them pay.
     logits: bool = False
+    #: `max_new_tokens` 0: the prompts are scored (`prompt_logprobs`), nothing is generated.
+    scoring_only: bool = False
 
 
 @dataclass(eq=False)
@@ -250,8 +254,7 @@ class CTranslate2Engine:
         vocabulary = len(self._info.source_vocabulary)
         if any(not 0 <= token < vocabulary for token in ids):
             raise invalid_arg(f"input token ids must lie in [0, {vocabulary})")
-        if options.max_new_tokens < 1:
-            raise invalid_arg("max_new_tokens must be at least 1")
+        check_prompt_options(options, self.is_encoder_decoder)
         positions = self._info.decoder_positions
         used = options.max_new_tokens + (1 if self.is_encoder_decoder else len(ids))
         if positions is not None and used > positions:
@@ -292,6 +295,7 @@ class CTranslate2Engine:
             max_new_tokens=options.max_new_tokens if beam > 1 else None,
             seed=seed,
             logits=options.top_logprobs > 0,
+            scoring_only=options.max_new_tokens == 0,
         )
 
     # -- the caller threads -------------------------------------------------------------------------------------
@@ -338,6 +342,10 @@ class CTranslate2Engine:
 
     def _decode(self, batch: list[_Sequence]) -> None:
         key = batch[0].key
+        if key.scoring_only:
+            for sequence in batch:
+                self._score_only(sequence)
+            return
         try:
             results = self._call(self._model, batch) if key.seed is None else self._seeded_call(batch, key.seed)
         except Exception as exc:  # noqa: BLE001 - a failed call fails its sequences, not the engine
@@ -359,7 +367,12 @@ class CTranslate2Engine:
             if self._closed:
                 sequence.finish(unavailable("the generation engine was closed while this sequence ran"))
             else:
-                sequence.finish(self._result(sequence, result, batch[0].key))
+                try:
+                    outcome: GenerationResult | Exception = self._result(sequence, result, batch[0].key)
+                except Exception as exc:  # noqa: BLE001 - scoring its prompt failed: this sequence fails
+                    logger.exception("CTranslate2 result failed")
+                    outcome = internal(f"CTranslate2 failed: {exc}")
+                sequence.finish(outcome)
         if key.seed is not None:
             self._load_spare()
 
@@ -487,6 +500,33 @@ class CTranslate2Engine:
             top[place] = (step.token_id, step.log_prob)
         return top
 
+    def _score_only(self, sequence: _Sequence) -> None:
+        try:
+            prompt = self._prompt_scores(sequence)
+        except Exception as exc:  # noqa: BLE001 - this sequence fails, the engine serves on
+            logger.exception("CTranslate2 prompt scoring failed")
+            sequence.finish(internal(f"CTranslate2 failed to score the prompt: {exc}"))
+            return
+        sequence.finish(GenerationResult([Hypothesis([])], "length", prompt=prompt))
+
+    def _prompt_scores(self, sequence: _Sequence) -> PromptScores:
+        """`prompt_logprobs`: one `forward_batch` over the prompt, each position's log-softmax in float32 (on the
+        host), the next token's entry and the likeliest ones."""
+        ids, top = sequence.request.input_ids, sequence.request.options.prompt_logprobs or 0
+        scores = self._model.forward_batch([ids], return_log_probs=True)
+        if scores.device != "cpu":
+            scores = scores.to_device(self._ct2.Device.cpu)
+        log_probs = np.asarray(scores.to(self._ct2.DataType.float32))[0, :-1]
+        chosen = log_probs[np.arange(len(ids) - 1), ids[1:]].tolist()
+        if not top:
+            return PromptScores(chosen, [[] for _ in chosen])
+        best = np.argpartition(-log_probs, top - 1, axis=-1)[:, :top]
+        values = np.take_along_axis(log_probs, best, axis=-1)
+        order = np.argsort(-values, axis=-1, kind="stable")
+        best, values = np.take_along_axis(best, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+        return PromptScores(chosen, [list(zip(i, v, strict=True)) for i, v in zip(best.tolist(), values.tolist(),
+                                                                                  strict=True)])
+
     def _result(self, sequence: _Sequence, result: Any, key: _CallKey) -> GenerationResult:
         if self.is_encoder_decoder:
             hypotheses = [[self._target_index[token] for token in tokens] for tokens in result.hypotheses]
@@ -511,6 +551,7 @@ class CTranslate2Engine:
             [Hypothesis(ids, score, lp, tp) for ids, score, lp, tp in zip(hypotheses, scores, log_probs, top,
                                                                           strict=True)],
             finish_reason=reason,
+            prompt=self._prompt_scores(sequence) if options.prompt_logprobs is not None else None,
         )
 
     def _score(self, sequence: _Sequence, hypotheses: list[list[int]]) -> list[list[float] | None]:

@@ -30,6 +30,7 @@ from transerve.backends.generation.engine import (
     GenerationRequest,
     GenerationResult,
     Hypothesis,
+    PromptScores,
     TokenCallback,
 )
 from transerve.backends.generation.grammar.compiler import GrammarCompiler
@@ -38,6 +39,7 @@ from transerve.backends.generation.torch.batch_runner import BatchRunner, StepPl
 from transerve.backends.generation.torch.cache_buffers import fewest_moves
 from transerve.backends.generation.torch.join_stream import JoinStream, Prepared
 from transerve.backends.generation.torch.model_loading import load
+from transerve.backends.generation.torch.prompt_scores import score_prompt
 from transerve.backends.generation.torch.scheduler import RequestLevel, Scheduler, Scheduling
 from transerve.backends.generation.torch.selection import choose, result
 from transerve.backends.generation.torch.sequence import Sequence
@@ -172,7 +174,7 @@ class TorchEngine:
         with scheduler.cond:
             closed = scheduler.closed
             if not closed:
-                scheduler.queue.append(sequence)
+                (scheduler.scoring if request.options.max_new_tokens == 0 else scheduler.queue).append(sequence)
                 self._start_threads()
                 scheduler.cond.notify_all()
         if closed:
@@ -248,7 +250,7 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 with scheduler.cond:
-                    if not self._await_work(lambda: bool(scheduler.queue or scheduler.running)):
+                    if not self._await_work(lambda: bool(scheduler.queue or scheduler.running or scheduler.scoring)):
                         if scheduler.closed:
                             break
                         self.thread = None  # idle: the next submit starts another
@@ -308,7 +310,8 @@ class TorchEngine:
 
     def _iteration(self) -> None:
         self._drop_cancelled()
-        admitted = self._admit()
+        self._score_only()
+        admitted = self._score_prompts(self._admit())
         plan = StepPlan()
         if admitted:
             prepared, fresh = self.scheduler.take_prepared(admitted)
@@ -351,6 +354,48 @@ class TorchEngine:
         for sequence in cancelled:
             _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
         return admitted
+
+    def _score_only(self) -> None:
+        """Answer the sequences that only score their prompts (`max_new_tokens` 0)."""
+        with self.scheduler.cond:
+            waiting = self.scheduler.take_scoring()
+        for sequence in waiting:
+            if sequence.cancelled:
+                _report(sequence.done, GenerationResult([Hypothesis([])], "cancelled"))
+                continue
+            try:
+                prompt = self._prompt_scores(sequence)
+            except Exception as exc:  # this sequence fails; the others are served
+                logger.exception("scoring a prompt failed")
+                _report(sequence.done, internal(f"scoring the prompt failed: {exc}"))
+                continue
+            _report(sequence.done, GenerationResult([Hypothesis([])], "length", prompt=prompt))
+
+    def _score_prompts(self, admitted: list[Sequence]) -> list[Sequence]:
+        """Admitted sequences that asked for their prompts' scores get them before they join; one whose scoring
+        fails leaves with the error."""
+        failed = []
+        for sequence in admitted:
+            if sequence.request.options.prompt_logprobs is None:
+                continue
+            try:
+                sequence.prompt = self._prompt_scores(sequence)
+            except Exception as exc:
+                logger.exception("scoring a prompt failed")
+                failed.append(sequence)
+                _report(sequence.done, internal(f"scoring the prompt failed: {exc}"))
+        if not failed:
+            return admitted
+        self.scheduler.take_prepared(failed)  # rows prepared ahead for them are dropped
+        for sequence in failed:
+            self.scheduler.release(sequence)
+        return [sequence for sequence in admitted if sequence not in failed]
+
+    def _prompt_scores(self, sequence: Sequence) -> PromptScores:
+        options = sequence.request.options
+        assert options.prompt_logprobs is not None
+        self.runner.threads.set(joining=True, used_rows=self.scheduler.used_rows)
+        return score_prompt(self.runner.forward.model, sequence.input_ids, options.prompt_logprobs)
 
     def _new_rows(self, prepared: list[Prepared], fresh: list[Sequence]) -> tuple[DecoderBatch, torch.Tensor]:
         """The rows of joining sequences, in that order: those `prepared` ahead, then one batched encoder call or

@@ -22,6 +22,7 @@ from transerve.backends.generation.engine import (
     DoneCallback,
     GenerationRequest,
     TokenCallback,
+    check_prompt_options,
     check_token_options,
 )
 from transerve.backends.generation.torch.sampling import token_rules
@@ -80,6 +81,8 @@ class Scheduler:
         self.scheduling = scheduling
         self.cond = threading.Condition()
         self.queue: collections.deque[Sequence] = collections.deque()
+        #: Sequences that only score their prompts (`max_new_tokens` 0): they never join the batch.
+        self.scoring: collections.deque[Sequence] = collections.deque()
         self.closed = False
         #: Running sequences in batch order: each owns `rows` consecutive rows of the runner's batch.
         self.running: list[Sequence] = []
@@ -104,8 +107,7 @@ class Scheduler:
             raise invalid_arg(f"the input has {len(ids)} tokens; this model accepts at most {model.max_input_length}")
         if any(not 0 <= token < model.vocab_size for token in ids):
             raise invalid_arg(f"input token ids must be in [0, {model.vocab_size})")
-        if options.max_new_tokens < 1:
-            raise invalid_arg("max_new_tokens must be at least 1")
+        check_prompt_options(options, model.is_encoder_decoder)
         if options.beam_width < 1:
             raise invalid_arg("beam_width must be at least 1")
         if not 1 <= options.num_return_sequences <= options.beam_width:
@@ -217,9 +219,15 @@ class Scheduler:
         self.used_tokens = self.used_rows = 0
         return running
 
+    def take_scoring(self) -> list[Sequence]:
+        """Called under `cond`: the sequences waiting to have their prompts scored only, taken off their queue."""
+        waiting, self.scoring = list(self.scoring), collections.deque()
+        return waiting
+
     def take_queue(self) -> list[Sequence]:
         """Called under `cond` once the engine is closed: every waiting sequence, taken off the queue."""
-        pending, self.queue = list(self.queue), collections.deque()
+        pending, self.queue = list(self.queue) + list(self.scoring), collections.deque()
+        self.scoring = collections.deque()
         self._prepared.clear()
         return pending
 

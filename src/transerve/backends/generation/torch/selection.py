@@ -194,7 +194,7 @@ def result(sequence: Sequence, reason: str) -> GenerationResult:
         log_probs = sequence.log_probs if options.return_log_probs else None
         top = sequence.top if options.top_logprobs else None
         hypotheses = [Hypothesis(sequence.tokens, sequence.score, log_probs, top)]
-    return GenerationResult(hypotheses, reason)
+    return GenerationResult(hypotheses, reason, prompt=sequence.prompt)
 
 
 def _asking_top(running: list[Sequence]) -> list[tuple[int, int]]:

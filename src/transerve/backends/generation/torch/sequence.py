@@ -7,7 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from transerve.backends.generation.engine import DoneCallback, GenerationRequest, TokenCallback, TopLogProbs
+from transerve.backends.generation.engine import (
+    DoneCallback,
+    GenerationRequest,
+    PromptScores,
+    TokenCallback,
+    TopLogProbs,
+)
 from transerve.backends.generation.torch.sampling import TokenRules
 
 if TYPE_CHECKING:
@@ -44,3 +50,5 @@ class Sequence:
     grammar: RowGrammar | None = None
     #: Under a constraint with beams: each running beam's grammar state, in the beams' order.
     beam_grammars: list[RowGrammar] | None = None
+    #: Its prompt's scores, computed when it is admitted, where `prompt_logprobs` asks for them.
+    prompt: PromptScores | None = None

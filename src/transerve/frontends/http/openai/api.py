@@ -129,7 +129,9 @@ def _text_model_fields(sampling: params.Sampling) -> None:
     """A text model takes text in and gives text out: the fields about its tokens cannot reach it."""
     for name, given in (("stop_token_ids", bool(sampling.stop_token_ids)), ("truncate_prompt_tokens",
                         sampling.truncate is not None), ("skip_special_tokens", not sampling.skip_special_tokens),
-                        ("return_tokens_as_token_ids", sampling.tokens_as_ids)):
+                        ("return_tokens_as_token_ids", sampling.tokens_as_ids),
+                        ("prompt_logprobs", sampling.prompt_logprobs is not None),
+                        ("echo", sampling.echo and sampling.logprobs is not None)):
         if given:
             raise bad_request(f"'{name}' is not supported by a text model (it takes and gives text, not tokens)",
                               param=name)

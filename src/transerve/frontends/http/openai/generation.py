@@ -25,6 +25,7 @@ from transerve.frontends.http.openai.text import TextStream, TextTokenizer
 from transerve.server import Server
 
 _TOP_OUTPUTS = ("output_top_ids", "output_top_log_probs")
+_PROMPT_TOP_OUTPUTS = ("prompt_top_ids", "prompt_top_log_probs")
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ class Choice:
         self._started = started
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
+        #: The prompt's tokens after the first, scored by the model (`Sampling.prompt_scores`), once they came.
+        self.prompt_scores: list[TokenLogProb] | None = None
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The choice's deltas, the last one with its finish reason; raises ApiError when the model refuses.
@@ -113,6 +116,8 @@ class Choice:
                     continue
                 if isinstance(item, ServerError):
                     raise from_server_error(item)
+                if self._sampling.prompt_scores is not None and self.prompt_scores is None:
+                    self.prompt_scores = self._scored_prompt(item.outputs)
                 new_ids, logprobs = self._new_tokens(item.outputs, consumed)
                 if not new_ids:
                     continue
@@ -182,6 +187,15 @@ class Choice:
                 outputs.extend(_TOP_OUTPUTS)
         if sampling.structured:
             parameters.update(sampling.structured)
+        if sampling.prompt_scores is not None:
+            top = sampling.prompt_scores
+            wanted = ["prompt_log_probs", *(_PROMPT_TOP_OUTPUTS if top else ())]
+            if not set(wanted) <= entry.outputs:
+                param = "prompt_logprobs" if sampling.prompt_logprobs is not None else "echo"
+                raise bad_request(f"model '{entry.id}' does not score prompts (its config has no "
+                                  f"{' or '.join(sorted(set(wanted) - entry.outputs))} output)", param=param)
+            parameters["prompt_logprobs"] = top
+            outputs.extend(wanted)
         if entry.decoupled:
             parameters["stream"] = True
         return InferRequest(model_name=entry.id, model_version=entry.model.version, inputs=inputs,
@@ -200,8 +214,8 @@ class Choice:
         chosen = by_name["output_log_probs"].reshape(-1)[consumed:consumed + len(new_ids)]
         top_ids, top_values = by_name.get("output_top_ids"), by_name.get("output_top_log_probs")
         if top_ids is not None and top_values is not None:  # [batch, beams, T, k]: the first beam's [T, k]
-            top_ids = top_ids.reshape(-1, *top_ids.shape[-2:])[0]
-            top_values = top_values.reshape(-1, *top_values.shape[-2:])[0]
+            top_ids = top_ids[(0,) * (top_ids.ndim - 2)]
+            top_values = top_values[(0,) * (top_values.ndim - 2)]
         result = []
         for step, (token, value) in enumerate(zip(new_ids, chosen, strict=False), start=consumed):
             top = []
@@ -209,6 +223,24 @@ class Choice:
                 top = [(int(i), _finite(float(v))) for i, v in zip(top_ids[step], top_values[step], strict=True)]
             result.append(TokenLogProb(token, _finite(float(value)), top))
         return new_ids, result
+
+    def _scored_prompt(self, outputs: list[Tensor]) -> list[TokenLogProb] | None:
+        """The prompt's scores from the response that carries them (the generator's last): None until then."""
+        by_name = {tensor.name: tensor.data for tensor in outputs}
+        values = by_name.get("prompt_log_probs")
+        if values is None:
+            return None
+        ids = self.prompt.ids[1:]
+        values = values.reshape(values.shape[0], -1)[0]
+        top_ids, top_values = (by_name.get(name) for name in _PROMPT_TOP_OUTPUTS)
+        scored = []
+        for position, (token, value) in enumerate(zip(ids, values, strict=False)):
+            top = []
+            if top_ids is not None and top_values is not None:
+                top = [(int(i), _finite(float(v))) for i, v in zip(top_ids[0, position], top_values[0, position],
+                                                                   strict=True)]
+            scored.append(TokenLogProb(token, _finite(float(value)), top))
+        return scored
 
     def _finish_reason(self, generated: list[int]) -> str:
         """`stop` for an end token (even as the last allowed one, as vLLM decides), `length` for a choice that

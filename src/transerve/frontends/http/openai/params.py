@@ -34,7 +34,7 @@ _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "stream", "stream_options",
     "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos", "top_k", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "add_special_tokens", "priority",
+    "return_tokens_as_token_ids", "add_special_tokens", "priority", "prompt_logprobs",
 })
 #: Structured outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and older `guided_*`): passed to the
 #: generator as request parameters of the same names, which its grammar-constrained decoding checks and honours.
@@ -91,6 +91,16 @@ class Sampling:
     #: The structured output asked for, as the generator's request parameter: its name and its value as JSON text
     #: (`{"guided_json": "<schema>"}`); None: free text. Tool calls decoded under a schema set it too.
     structured: dict[str, str] | None = None
+    #: vLLM's `prompt_logprobs`: the prompt's tokens scored, with this many likeliest tokens each; None: not asked.
+    prompt_logprobs: int | None = None
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """The likeliest tokens the generator is asked for at each prompt position (None: the prompt is not
+        scored): completions' `echo` with `logprobs` shows the prompt's tokens too, as OpenAI's legacy API did."""
+        echoed = self.logprobs if self.echo else None
+        asked = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
     @property
     def greedy(self) -> bool:
@@ -102,7 +112,7 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
                    "/v1/chat/completions" if chat else "/v1/completions")
     _refused(body, chat)
     max_tokens = optional_int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                               else "max_tokens", 1)
+                               else "max_tokens", 0)
     if not chat and max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     min_tokens = optional_int(body, "min_tokens", 0) or 0
@@ -148,8 +158,15 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
     if truncate == 0:
         raise bad_request("'truncate_prompt_tokens' must be -1 (the model's context) or at least 1",
                           param="truncate_prompt_tokens")
-    return Sampling(max_tokens, min_tokens, temperature, top_p, top_k, seed, n, _stop(body), _logprobs(body, chat),
-                    stream, include_usage, echo=not chat and flag(body, "echo", False), continuous_usage=continuous,
+    echo = not chat and flag(body, "echo", False)
+    logprobs = _logprobs(body, chat)
+    prompt_logprobs = _prompt_logprobs(body, stream, echo and logprobs is not None)
+    if max_tokens == 0 and not echo and prompt_logprobs is None:
+        name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        raise bad_request(f"'{name}' must be at least 1 (0 only scores the prompt: with 'echo' or "
+                          "'prompt_logprobs')", param=name)
+    return Sampling(max_tokens, min_tokens, temperature, top_p, top_k, seed, n, _stop(body), logprobs,
+                    stream, include_usage, echo=echo, continuous_usage=continuous, prompt_logprobs=prompt_logprobs,
                     stop_token_ids=_stop_token_ids(body), include_stop_str=flag(body, "include_stop_str_in_output",
                                                                                  False),
                     skip_special_tokens=flag(body, "skip_special_tokens", True),
@@ -176,6 +193,17 @@ def structured(body: dict[str, Any]) -> dict[str, str] | None:
     if given[0] in ("response_format", "structured_outputs") and not isinstance(value, dict):
         raise bad_request(f"'{given[0]}' must be an object", param=given[0])
     return {given[0]: value if isinstance(value, str) else json.dumps(value)}
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool, echoed: bool) -> int | None:
+    """vLLM's `prompt_logprobs` (0 to `MAX_TOP_LOGPROBS`); a stream cannot carry the prompt's log-probabilities,
+    which come with the generator's last response, so streaming with them is refused, as vLLM refuses it."""
+    value = optional_int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    if stream and (value is not None or echoed):
+        name = "prompt_logprobs" if value is not None else "echo"
+        raise bad_request(f"'{name}' with log-probabilities cannot stream: the prompt's log-probabilities come with "
+                          "the last response; set 'stream' false", param=name)
+    return value
 
 
 def _stop_token_ids(body: dict[str, Any]) -> frozenset[int]:

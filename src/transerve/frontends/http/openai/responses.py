@@ -51,11 +51,18 @@ class Formatter:
                                   "logprobs": self._chat_logprobs(tokens), "finish_reason": finish})
             else:
                 prefix = choice.prompt.text if self.sampling.echo else ""
-                documents.append({"index": choice.index, "text": prefix + text,
-                                  "logprobs": self._completion_logprobs(choice.index, tokens, len(prefix)),
+                logprobs = self._completion_logprobs(choice.index, tokens, len(prefix))
+                if self.sampling.echo and logprobs is not None:
+                    logprobs = self._echoed_logprobs(choice, logprobs)
+                documents.append({"index": choice.index, "text": prefix + text, "logprobs": logprobs,
                                   "finish_reason": finish})
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": documents,
-                "usage": self.usage(choices)}
+                if self.sampling.prompt_logprobs is not None:
+                    documents[-1]["prompt_logprobs"] = self._prompt_logprobs(choice)
+        answer = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": documents,
+                  "usage": self.usage(choices)}
+        if self.chat and self.sampling.prompt_logprobs is not None:  # vLLM: one list, the choices share the prompt
+            answer["prompt_logprobs"] = self._prompt_logprobs(choices[0]) if choices else None
+        return answer
 
     def usage(self, choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(prompt.ids) for prompt in self._prompts)
@@ -155,6 +162,44 @@ class Formatter:
         return {"content": [{**entry(token.token_id, token.logprob),
                              "top_logprobs": [entry(i, v) for i, v in token.top[:self.sampling.logprobs]]}
                             for token in tokens], "refusal": None}
+
+    def _echoed_logprobs(self, choice: Choice, generated: dict[str, Any]) -> dict[str, Any]:
+        """`echo` with `logprobs`: the prompt's tokens first in each list, the first one's log-probability and top
+        map null (nothing comes before it), each token's `text_offset` its start in the echoed prompt."""
+        scored = choice.prompt_scores or []
+        ids = choice.prompt.ids[:1 + len(scored)]
+        labels = [self._name(token_id, label=True) for token_id in ids]
+        offsets, offset = [], 0
+        for token_id in ids:
+            offsets.append(offset)
+            offset += len(self._tokenizer.token_text(token_id)) if self._tokenizer is not None else 0
+        tops: list[dict[str, float] | None] = [None]
+        for token, label in zip(scored, labels[1:], strict=True):
+            top = {self._name(i, label=True): v for i, v in token.top[:self.sampling.logprobs]}
+            top.setdefault(label, token.logprob)
+            tops.append(top)
+        return {"tokens": labels + generated["tokens"],
+                "token_logprobs": [None, *(token.logprob for token in scored), *generated["token_logprobs"]],
+                "top_logprobs": tops[:len(ids)] + generated["top_logprobs"],
+                "text_offset": offsets + generated["text_offset"]}
+
+    def _prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: null for the first token, then per token a map from token id to its
+        log-probability, rank (where known: its place among the likeliest asked for) and text, the prompt's own
+        token and the likeliest ones."""
+        assert self._tokenizer is not None and self.sampling.prompt_logprobs is not None
+        tokenizer, k = self._tokenizer, self.sampling.prompt_logprobs
+        entries: list[dict[str, dict[str, Any]] | None] = [None]
+        for token in choice.prompt_scores or []:
+            top = token.top[:k]
+            ranks = {token_id: place for place, (token_id, _) in enumerate(token.top, start=1)}
+            entry = {str(token.token_id): {"logprob": token.logprob, "rank": ranks.get(token.token_id),
+                                           "decoded_token": tokenizer.token_text(token.token_id)}}
+            for place, (token_id, value) in enumerate(top, start=1):
+                entry.setdefault(str(token_id), {"logprob": value, "rank": place,
+                                                 "decoded_token": tokenizer.token_text(token_id)})
+            entries.append(entry)
+        return entries
 
     def _completion_logprobs(self, index: int, tokens: list[TokenLogProb], start: int) -> dict[str, Any] | None:
         """The legacy shape: parallel lists, `top_logprobs` a {token: logprob} map per token (the chosen token's
