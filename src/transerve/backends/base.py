@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tritonclient.grpc import model_config_pb2
 
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError
 from transerve.core.types import InferRequest, InferResponse
 from transerve.repository.paths import inside
@@ -122,6 +123,11 @@ class BackendInstance(abc.ABC):
         """`request`, which this instance is executing, passed its deadline and its client was answered: by default
         as if its client went away."""
         self.cancel(request)
+
+    def engine_load(self) -> EngineLoad | None:
+        """What the instance's engine schedules itself (the generation backend's): None for an instance whose
+        requests the server's scheduler queues."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

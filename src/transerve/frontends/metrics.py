@@ -194,6 +194,7 @@ def _vllm_families(models: list[ModelVersion]) -> Iterator[Metric]:
     served = [model for model in models if model.config.backend == "generation" or _counted(model)]
     running = _family("vllm:num_requests_running", "Number of requests in model execution batches.", "gauge")
     waiting = _family("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "gauge")
+    kv_usage = _family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "gauge")
     prompt = _family("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "counter")
     generation = _family("vllm:generation_tokens_total", "Number of generation tokens processed.", "counter")
     success = _family("vllm:request_success_total", "Count of successfully processed requests.", "counter")
@@ -201,13 +202,20 @@ def _vllm_families(models: list[ModelVersion]) -> Iterator[Metric]:
         labels = {"model_name": model.name}
         timings = model.stats.tokens
         queued = model.scheduler.pending_count
-        running.add_sample(running.name, labels, max(timings.active - queued, 0))
-        waiting.add_sample(waiting.name, labels, queued)
+        load = model.engine_load()
+        if load is None:
+            running.add_sample(running.name, labels, max(timings.active - queued, 0))
+            waiting.add_sample(waiting.name, labels, queued)
+        else:  # a generator's engine schedules its sequences itself: it knows who runs and who waits
+            running.add_sample(running.name, labels, load.running)
+            waiting.add_sample(waiting.name, labels, queued + load.waiting)
+            if load.kv_cache_usage is not None:
+                kv_usage.add_sample(kv_usage.name, labels, load.kv_cache_usage)
         prompt.add_sample(prompt.name, labels, timings.prompt_tokens)
         generation.add_sample(generation.name, labels, timings.generation_tokens)
         for reason, number in timings.finished.items():
             success.add_sample(success.name, {**labels, "finished_reason": reason}, number)
-    yield from (running, waiting, prompt, generation, success)
+    yield from (running, waiting, kv_usage, prompt, generation, success)
     for name, text, attribute in _VLLM_HISTOGRAMS:
         family = _family(name, text, "histogram")
         for model in served:

@@ -12,6 +12,7 @@ from tritonclient.grpc import model_config_pb2
 
 from transerve.backends.base import BackendInstance, BackendModel
 from transerve.config.model_config import backend_name
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, invalid_arg, not_found, unavailable
 from transerve.core.signature import ModelSignature
 from transerve.core.stats import ModelStats
@@ -48,6 +49,11 @@ class ModelVersion:
     #: Each instance and its group's signature (`instance_update`); None where the instances cannot be updated in
     #: place (a backend that cannot add them).
     instance_groups: list[tuple[BackendInstance, bytes]] | None = None
+
+    def engine_load(self) -> EngineLoad | None:
+        """The instances' engines' load, where they schedule their own sequences (None where none does)."""
+        loads = [load for instance in self.backend_model.instances if (load := instance.engine_load()) is not None]
+        return EngineLoad.total(loads) if loads else None
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from transerve.backends.generation.grammar.constraint import Constraint
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import invalid_arg
 
 
@@ -197,6 +198,10 @@ class GenerationEngine(Protocol):
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None, done: DoneCallback) -> SequenceHandle:
         """Queue one sequence. A request the engine can never serve (too long for its memory budget, an option it
         does not support) gets `done(ServerError(INVALID_ARG ...))`, never a silent truncation."""
+
+    def load(self) -> EngineLoad:
+        """The sequences decoding and waiting now, and the key/value budget's use where the engine has one: read
+        from any thread, without waiting for the engine (a gauge may be a step behind)."""
 
     def close(self) -> None:
         """Finish nothing more: pending sequences get `done(ServerError(UNAVAILABLE ...))`; the thread ends."""

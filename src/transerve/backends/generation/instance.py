@@ -30,6 +30,7 @@ from transerve.backends.generation.engine import (
 )
 from transerve.backends.generation.interface import RowResult, TensorInterface
 from transerve.backends.generation.options import Limits, decoding_options, parameter_values, tensor_values
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, internal, invalid_arg
 from transerve.core.types import InferRequest, InferResponse
 
@@ -79,6 +80,9 @@ class GenerationInstance(BackendInstance):
         run = self._runs.get(id(request))
         if run is not None:
             run.cancel()
+
+    def engine_load(self) -> EngineLoad:
+        return self.engine.load()
 
     async def close(self) -> None:
         self.engine.close()

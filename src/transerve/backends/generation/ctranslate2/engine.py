@@ -59,6 +59,7 @@ from transerve.backends.generation.engine import (
     check_token_options,
 )
 from transerve.backends.threaded import import_engine
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ class CTranslate2Engine:
         self._spare: Any | None = None
         self._spare_lock = threading.Lock()
         self._closed = False
+        #: Sequences in the calls running now (`load`).
+        self._decoding = 0
         self._wakeup = threading.Condition()
         self._callers = calls
         for number in range(calls):
@@ -230,6 +233,10 @@ class CTranslate2Engine:
             self._pending.append(sequence)
             self._wakeup.notify()
         return sequence
+
+    def load(self) -> EngineLoad:
+        """No key/value budget here: CTranslate2 sizes its memory per call."""
+        return EngineLoad(self._decoding, len(self._pending))
 
     def close(self) -> None:
         with self._wakeup:
@@ -308,10 +315,15 @@ class CTranslate2Engine:
                 if self._closed:
                     break
                 batch = self._take_batch()
+                self._decoding += len(batch)
                 if self._pending:  # more than one call's worth waits: a free caller takes the next
                     self._wakeup.notify()
             if batch:
-                self._decode(batch)
+                try:
+                    self._decode(batch)
+                finally:
+                    with self._wakeup:
+                        self._decoding -= len(batch)
         with self._wakeup:
             self._callers -= 1
             if not self._callers:

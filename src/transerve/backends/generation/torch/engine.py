@@ -44,6 +44,7 @@ from transerve.backends.generation.torch.scheduler import RequestLevel, Schedule
 from transerve.backends.generation.torch.selection import choose, result
 from transerve.backends.generation.torch.sequence import Sequence
 from transerve.backends.generation.torch.step_graphs import step_graphs_for
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
 if TYPE_CHECKING:
@@ -181,6 +182,11 @@ class TorchEngine:
             _report(done, unavailable("the generation engine is closed"))
             return _Refused()
         return _Handle(self, sequence)
+
+    def load(self) -> EngineLoad:
+        scheduler = self.scheduler
+        return EngineLoad(len(scheduler.running), len(scheduler.queue) + len(scheduler.scoring),
+                          scheduler.used_tokens / scheduler.kv_cache_tokens)
 
     def close(self) -> None:
         with self.scheduler.cond:
