@@ -172,7 +172,7 @@ class TorchEngine:
         with scheduler.cond:
             closed = scheduler.closed
             if not closed:
-                scheduler.queue.append(sequence)
+                scheduler.enqueue(sequence)
                 self._start_threads()
                 scheduler.cond.notify_all()
         if closed:
