@@ -287,3 +287,14 @@ def test_bad_request_templates_are_400s_naming_chat_template(client, template, m
     refused(lambda: client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=2,
                                                    extra_body={"chat_template": template}), "chat_template", mentions)
     assert client.chat.completions.create(model="gpt", messages=MESSAGES, max_tokens=1).usage.completion_tokens == 1
+
+
+def test_the_trust_flag_takes_tritons_boolean_forms_and_vllms_bare_one():
+    from transerve.cli import build_parser
+
+    def trusted(*flags: str) -> bool:
+        return build_parser().parse_args(["serve", "--model-repository", "x", *flags]).trust_request_chat_template
+
+    assert not trusted()
+    assert trusted("--trust-request-chat-template")
+    assert trusted("--trust-request-chat-template=true") and not trusted("--trust-request-chat-template=false")
