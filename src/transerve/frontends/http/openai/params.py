@@ -1,7 +1,7 @@
 """The request fields of /v1/completions and /v1/chat/completions, checked and bounded once.
 
 Fields are checked as OpenAI documents them (types, ranges). Each endpoint lists the fields it acts on; any other
-field is refused with a 400 naming it, so that a client relying on a field (vLLM's `repetition_penalty`) never gets
+field is refused with a 400 naming it, so that a client relying on a field (vLLM's `length_penalty`) never gets
 an answer that silently ignored it. The only exceptions are OpenAI's pure metadata fields (`METADATA_FIELDS`), which
 change no answer anywhere. vLLM's extras that the layer can honour by itself (detokenizer options, stop token ids,
 truncation, chat-template switches) are taken as vLLM takes them; those the generators act on
@@ -27,7 +27,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_MESSAGES = 4096
 MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-#: The largest `repetition_penalty` taken (vLLM takes any above 0; past 2 a penalty only garbles the text).
+#: The largest `repetition_penalty` taken (vLLM takes any above 0): a bound like `temperature`'s.
 MAX_REPETITION_PENALTY = 2.0
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
