@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="HTTP headers whose names match (RE2 syntax, case-insensitive) become inference request parameters")
     add("--grpc-header-forward-pattern", metavar="REGEX",
         help="gRPC metadata whose names match (RE2 syntax, case-insensitive) become inference request parameters")
+    add("--trust-request-chat-template", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+        help="let /v1/chat/completions and /tokenize requests send their own Jinja 'chat_template' (vLLM's flag): "
+             "the server runs it, sandboxed and bounded; refused with a 400 otherwise (default false)")
     add("--metrics-address", default="0.0.0.0")
     add("--metrics-port", type=int, default=8002)
     add("--metrics-interval-ms", type=float, default=2000.0, metavar="MS",
@@ -420,6 +423,7 @@ def frontend_options_from_args(args: argparse.Namespace, access: AccessOptions, 
         cpu_metrics=args.allow_cpu_metrics,
         gpu_metrics=args.allow_gpu_metrics,
         metrics_interval_ms=args.metrics_interval_ms,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

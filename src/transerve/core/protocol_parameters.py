@@ -38,3 +38,22 @@ def apply_scheduling_parameter(request: InferRequest, key: str, value: Any) -> N
             request.timeout_us = value
     else:
         raise KeyError(key)
+
+
+#: vLLM's `priority` (the OpenAI API: any integer, lower served earlier, 0 the default) is bounded to
+#: +-MAX_OPENAI_PRIORITY and carried as Triton's level (1 the highest): `DEFAULT_LEVEL + priority`, so every vLLM
+#: priority is a level of its own, in vLLM's order.
+MAX_OPENAI_PRIORITY = 1_000_000
+#: The level Triton's priority 0 ("the default level") stands for where no config names one (the generation
+#: engines' queues): the level of vLLM's priority 0. A /v2 level below it is served earlier, one above it later.
+DEFAULT_LEVEL = MAX_OPENAI_PRIORITY + 1
+
+
+def level_of_openai_priority(priority: int) -> int:
+    """The Triton level of vLLM's `priority` (within +-MAX_OPENAI_PRIORITY, checked by the caller)."""
+    return DEFAULT_LEVEL + priority
+
+
+def queue_level(priority: int) -> int:
+    """The level a request's `priority` waits at in a queue with no configured levels: 0 is DEFAULT_LEVEL."""
+    return priority or DEFAULT_LEVEL

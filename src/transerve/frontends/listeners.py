@@ -47,6 +47,8 @@ class FrontendOptions:
     cpu_metrics: bool
     gpu_metrics: bool
     metrics_interval_ms: float
+    #: `--trust-request-chat-template`: the OpenAI API renders a chat request's own `chat_template`.
+    trust_request_chat_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def build_listeners(server: Server, options: FrontendOptions) -> list[Listener]:
         listeners.append(Listener("GRPC over TLS" if tls else "GRPC", grpc, options.grpc))
     if options.http is not None:
         http = HttpFrontend(server, options.http_max_input_size, access.http_restrictions, access.http_forwarding,
-                            access.http_tls, options.http_limits)
+                            access.http_tls, options.http_limits, options.trust_request_chat_template)
         listeners.append(Listener("HTTPS" if access.http_tls else "HTTP", http, options.http))
     if options.metrics is not None:
         metrics = MetricsFrontend(server, options.cpu_metrics, options.gpu_metrics, options.metrics_interval_ms)

@@ -36,6 +36,9 @@ class DecodingOptions:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    #: When sampling, after top-p: tokens less likely than `min_p` times the likeliest are cut (0: off), as
+    #: transformers' MinPLogitsWarper cuts them. The torch engine honours it; CTranslate2 refuses it.
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     #: Seeds the sequence's own generator: the same seed gives the same tokens, whatever else runs alongside.
     random_seed: int | None = None
@@ -69,6 +72,8 @@ class GenerationRequest:
     options: DecodingOptions
     #: Whether `on_tokens` should be called as tokens are produced (streaming, beam width 1 only).
     stream: bool = False
+    #: Admission order among waiting sequences: lower first, then arrival (`request_priority` maps a request's).
+    priority: int = 0
 
 
 #: The largest `top_logprobs` a request may ask for (OpenAI's limit).

@@ -1,7 +1,8 @@
 """One generation instance: requests in, one engine sequence per row, responses (or a stream of them) out.
 
 The instance schedules nothing itself: every row goes to the engine at once, so the engine's batching sees all
-the work there is (`max_inflight` is high for that reason; the scheduler's queue must not hold requests back).
+the work there is (`max_inflight` is high for that reason; the scheduler's queue must not hold requests back). So
+a request's `priority` goes with its sequences: the engine admits waiting sequences by level (`queue_level`).
 The engine calls back from its own thread; each call is moved onto the event loop with one
 `call_soon_threadsafe`, and everything else happens on the loop.
 
@@ -32,6 +33,7 @@ from transerve.backends.generation.interface import RowResult, TensorInterface
 from transerve.backends.generation.options import Limits, decoding_options, parameter_values, tensor_values
 from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, internal, invalid_arg
+from transerve.core.protocol_parameters import queue_level
 from transerve.core.types import InferRequest, InferResponse
 
 #: Executions one instance takes at once: more than any engine decodes together; the engines queue the rest.
@@ -175,7 +177,8 @@ class _RequestRun:
                 instance.interface.check_prompt_outputs(options.prompt_logprobs)
                 self._prompt_scores = True
             self._log_probs = self._log_probs or options.return_log_probs
-            sequences.append(GenerationRequest(row.input_ids, options, stream=stream))
+            sequences.append(GenerationRequest(row.input_ids, options, stream=stream,
+                                               priority=queue_level(request.priority)))
         self._streaming = any(sequence.stream for sequence in sequences)
         # Decoder-only models' output ids start with the prompt, as FasterTransformer's GPT returns them.
         self._prompts = [[] if instance.engine.is_encoder_decoder else row.input_ids for row in rows]

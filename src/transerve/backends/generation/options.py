@@ -54,6 +54,7 @@ OPTIONS = (
     Option("temperature", "float", ("temperature",), ("temperature",)),
     Option("top_k", "int", ("top_k", "runtime_top_k"), ("runtime_top_k",)),
     Option("top_p", "float", ("top_p", "runtime_top_p"), ("runtime_top_p",)),
+    Option("min_p", "float", ("min_p",)),
     Option("repetition_penalty", "float", ("repetition_penalty",), ("repetition_penalty",)),
     Option("random_seed", "int", ("random_seed", "seed"), ("random_seed",)),
     Option("end_id", "int", ("end_id",), ("end_id",)),
@@ -229,6 +230,9 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
     top_p = values.get("top_p", 0.0)
     if not 0.0 <= top_p <= 1.0:
         raise invalid_arg(f"top_p must lie in (0, 1], or be 0 to turn it off; got {top_p}")
+    min_p = values.get("min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise invalid_arg(f"min_p must lie in [0, 1] (0 turns it off), got {min_p}")
     temperature = values.get("temperature", 1.0)
     if not temperature > 0.0 or math.isinf(temperature):
         raise invalid_arg(f"temperature must be above 0, got {temperature}")
@@ -272,6 +276,7 @@ def decoding_options(values: Mapping[str, Any], limits: Limits) -> tuple[Decodin
         temperature=temperature,
         top_k=top_k if sampling else 0,
         top_p=top_p if sampling and top_p > 0.0 else 1.0,
+        min_p=min_p if sampling else 0.0,
         repetition_penalty=repetition_penalty,
         random_seed=seed,
         end_ids=[end_id] if end_id is not None else None,

@@ -89,7 +89,8 @@ class HttpFrontend:
 
     def __init__(self, server: Server, max_input_size: int = 64 * 1024 * 1024,
                  restrictions: Restrictions | None = None, forwarding: HeaderForwarding | None = None,
-                 tls: TlsOptions | None = None, limits: HttpLimits | None = None) -> None:
+                 tls: TlsOptions | None = None, limits: HttpLimits | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.server = server
         self.max_input_size = max_input_size
         #: `--http-use-ssl`: HTTPS instead of HTTP.
@@ -102,8 +103,8 @@ class HttpFrontend:
         #: `--http-header-forward-pattern`: matching headers become parameters of inference requests.
         self.forwarding = forwarding
         self._listener: asyncio.base_events.Server | None = None
-        #: The OpenAI-compatible routes under /v1.
-        self._openai = OpenAIApi(server)
+        #: The OpenAI-compatible routes under /v1 (`--trust-request-chat-template`: chat requests' own templates).
+        self._openai = OpenAIApi(server, trust_request_chat_template)
         #: Requests being handled, for `close` to let their answers out.
         self._handling = 0
         #: Each route's handler by the name the table gives it: `_on_<name>`.

@@ -254,6 +254,9 @@ class CTranslate2Engine:
         if options.constraint is not None:
             raise invalid_arg("structured outputs (response_format, structured_outputs, guided_*) need the torch "
                               "engine (config parameter engine: torch); this model runs on CTranslate2")
+        if options.sampling and options.min_p > 0.0:  # generate_batch has no min-p cut
+            raise invalid_arg(f"min_p {options.min_p}: CTranslate2 has no min-p sampling; this model runs on "
+                              "CTranslate2 (the torch engine, config parameter engine: torch, honours it)")
         if not ids:
             raise invalid_arg("the input has no tokens")
         if len(ids) > self.max_input_length:
@@ -330,7 +333,9 @@ class CTranslate2Engine:
                 self._model = self._spare = None
 
     def _take_batch(self) -> list[_Sequence]:
-        """The oldest waiting sequence with those like it, at most `max_batch_rows` rows, similar in length."""
+        """The oldest waiting sequence of the best priority (`GenerationRequest.priority`, lower first) with those
+        like it, at most `max_batch_rows` rows, similar in length; rows left over go to like sequences of worse
+        priorities, best first (`_fill`)."""
         ready = []
         for sequence in self._pending:
             if sequence.error is not None:
@@ -342,12 +347,13 @@ class CTranslate2Engine:
         if not ready:
             self._pending = []
             return []
-        oldest = ready[0]
-        group = [s for s in ready if s.key == oldest.key] if oldest.key.seed is None else [oldest]
+        oldest = min(ready, key=lambda s: s.request.priority)  # the first of the best priority
+        group = [s for s in ready if s.key == oldest.key and s.request.priority == oldest.request.priority] \
+            if oldest.key.seed is None else [oldest]
         group.sort(key=lambda s: len(s.request.input_ids))
         rows = max(1, self.max_batch_rows // oldest.key.beam_width)
         start = min(group.index(oldest) // rows * rows, len(group))
-        batch = group[start : start + rows]
+        batch = _fill(group[start : start + rows], ready, rows)
         chosen = set(map(id, batch))
         self._pending = [s for s in ready if id(s) not in chosen]
         return batch
@@ -579,3 +585,13 @@ class CTranslate2Engine:
         return [list(s.log_probs[len(s.log_probs) - len(ids) :]) if ids else [] for s, ids in
                 zip(scored, hypotheses, strict=True)]
 
+
+def _fill(batch: list[_Sequence], ready: list[_Sequence], rows: int) -> list[_Sequence]:
+    """`batch` (one priority) with the sequences of `ready` that share its call options and come at worse
+    priorities, best first, up to `rows` sequences: they ride along in a call that runs anyway."""
+    key, priority = batch[0].key, batch[0].request.priority
+    if len(batch) >= rows or key.seed is not None:
+        return batch
+    worse = sorted((s for s in ready if s.key == key and s.request.priority > priority),
+                   key=lambda s: s.request.priority)
+    return batch + worse[:rows - len(batch)]

@@ -175,7 +175,10 @@ class TorchEngine:
         with scheduler.cond:
             closed = scheduler.closed
             if not closed:
-                (scheduler.scoring if request.options.max_new_tokens == 0 else scheduler.queue).append(sequence)
+                if request.options.max_new_tokens == 0:
+                    scheduler.scoring.append(sequence)
+                else:
+                    scheduler.enqueue(sequence)
                 self._start_threads()
                 scheduler.cond.notify_all()
         if closed:

@@ -3,7 +3,7 @@
 The engine calls these on the rows of one sequence (one row, or one per beam) of the batch's logits, so sequences
 with different options share a forward pass. Order and arithmetic follow transformers' processors so that outputs
 match `generate` token for token: repetition penalty, bad words, min new tokens; then, when sampling, temperature,
-top-k, top-p (transformers' warpers) and a draw from the sequence's own `torch.Generator`.
+top-k, top-p, min-p (transformers' warpers, in its order) and a draw from the sequence's own `torch.Generator`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def _repeated_ngram_ends(context: list[int], size: int) -> list[int]:
 
 
 def warp(scores: torch.Tensor, options: DecodingOptions) -> None:
-    """Temperature, top-k and top-p on `scores` ([1, vocab], in place), as transformers' logits warpers."""
+    """Temperature, top-k, top-p and min-p on `scores` ([1, vocab], in place), as transformers' logits warpers."""
     import torch
 
     if options.temperature != 1.0:
@@ -144,6 +144,17 @@ def warp(scores: torch.Tensor, options: DecodingOptions) -> None:
         sorted_remove = cumulative <= (1 - options.top_p)
         sorted_remove[..., -1:] = False
         scores.masked_fill_(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf)
+    if options.min_p > 0.0:
+        cut_min_p(scores, options.min_p)
+
+
+def cut_min_p(scores: torch.Tensor, min_p: float) -> None:
+    """Tokens whose probability is below `min_p` (in [0, 1]) times the likeliest's get -inf (`scores` [rows,
+    vocab], in place), as transformers' MinPLogitsWarper cuts them; the likeliest token is never below that."""
+    import torch
+
+    probs = torch.softmax(scores, dim=-1)
+    scores.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
 
 
 def sample(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

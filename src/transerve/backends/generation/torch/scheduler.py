@@ -1,7 +1,8 @@
 """Admission for the torch engine: the submit-time checks, the queue of waiting sequences, the budgets they are
 admitted under, and the scheduling that says when they may join the running batch.
 
-Admission is FIFO under two limits: `max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum
+Admission is in order of priority (`GenerationRequest.priority`, lower first), then arrival, under two limits:
+`max_batch_rows` rows (a beam counts as a row) and `kv_cache_tokens`, the sum
 over running sequences of (input length + max_new_tokens) * beam width. Under in-flight scheduling (`Scheduling`,
 the engine's own) waiting sequences join the running batch at any step; `RequestLevel` admits them only into an
 empty batch (what a decoder whose positions cannot be set per row gets). Other schedulings, kept to compare against,
@@ -124,6 +125,8 @@ class Scheduler:
             raise invalid_arg("temperature must be positive when sampling")
         if sampling and not 0 < options.top_p <= 1:
             raise invalid_arg("top_p must be in (0, 1]")
+        if not 0 <= options.min_p <= 1:
+            raise invalid_arg("min_p must be in [0, 1]")
         if options.top_k < 0 or options.repetition_penalty <= 0 or options.min_new_tokens < 0:
             raise invalid_arg("top_k and min_new_tokens must not be negative; repetition_penalty must be positive")
         if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -184,6 +187,15 @@ class Scheduler:
                 self.used_tokens += sequence.need
                 admitted.append(sequence)
         return admitted, cancelled
+
+    def enqueue(self, sequence: Sequence) -> None:
+        """Called under `cond`: `sequence` waits behind every waiting sequence of its priority or a better one
+        (a lower number), ahead of the worse ones; with one priority the queue stays in arrival order."""
+        queue, priority = self.queue, sequence.request.priority
+        index = len(queue)
+        while index and queue[index - 1].request.priority > priority:
+            index -= 1
+        queue.insert(index, sequence)
 
     def release(self, sequence: Sequence) -> None:
         """`sequence` left the batch: its rows and KV share are free."""

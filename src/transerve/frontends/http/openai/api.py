@@ -31,8 +31,10 @@ _DONE = b"data: [DONE]\n\n"
 
 
 class OpenAIApi:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, trust_request_chat_template: bool = False) -> None:
         self._server = server
+        #: `--trust-request-chat-template`: a chat request's own `chat_template` renders its messages (vLLM's flag).
+        self._trust_templates = trust_request_chat_template
         self._catalog = Catalog(server)
         self._embedder = Embedder(server)
 
@@ -48,8 +50,10 @@ class OpenAIApi:
     async def service(self, request: HttpRequest, route: str) -> HttpResponse:
         """vLLM's `POST /tokenize` and `POST /detokenize` (routes.py's service table routes them here)."""
         try:
-            handler = tokenize if route == "tokenize" else detokenize
-            return _json(await handler(self._catalog, _body(request)))
+            body = _body(request)
+            if route == "tokenize":
+                return _json(await tokenize(self._catalog, body, self._trust_templates))
+            return _json(await detokenize(self._catalog, body))
         except ApiError as exc:
             return exc.response()
         except ServerError as exc:
@@ -95,7 +99,8 @@ class OpenAIApi:
         if entry.kind == TEXT:
             _text_model_fields(sampling)
         prompts = await (prompts_of.chat_prompt(body, entry, tokenizer, sampling,
-                                                tool_request.tools if tool_request is not None else None) if chat else
+                                                tool_request.tools if tool_request is not None else None,
+                                                self._trust_templates) if chat else
                          prompts_of.completion_prompts(body, entry, tokenizer, sampling))
         if len(prompts) * sampling.n > params.MAX_CHOICES:
             raise bad_request(f"a request may ask for at most {params.MAX_CHOICES} choices (prompts times n)",
@@ -105,7 +110,8 @@ class OpenAIApi:
             max_tokens = prompts_of.max_tokens(entry, prompt, sampling)
             for copy in range(sampling.n):
                 index = number * sampling.n + copy
-                seed = None if sampling.seed is None else (sampling.seed + index) % 2**63
+                # As vLLM seeds each of a prompt's n choices: the request's seed plus the choice's number.
+                seed = None if sampling.seed is None else (sampling.seed + copy) % 2**63
                 choices.append(Choice(self._server, entry, tokenizer, prompt, sampling, index, seed, max_tokens,
                                       started))
         formatter = Formatter(entry.id, chat, sampling, tokenizer, prompts, reader)
@@ -131,7 +137,8 @@ def _text_model_fields(sampling: params.Sampling) -> None:
                         sampling.truncate is not None), ("skip_special_tokens", not sampling.skip_special_tokens),
                         ("return_tokens_as_token_ids", sampling.tokens_as_ids),
                         ("prompt_logprobs", sampling.prompt_logprobs is not None),
-                        ("echo", sampling.echo and sampling.logprobs is not None)):
+                        ("echo", sampling.echo and sampling.logprobs is not None),
+                        ("repetition_penalty", sampling.repetition_penalty != 1.0), ("min_p", sampling.min_p > 0)):
         if given:
             raise bad_request(f"'{name}' is not supported by a text model (it takes and gives text, not tokens)",
                               param=name)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from transerve.core.errors import ServerError
+from transerve.core.protocol_parameters import level_of_openai_priority
 from transerve.core.types import InferRequest, RequestedOutput, Tensor
 from transerve.frontends.http.openai.catalog import GENERATE, OpenAIModel
 from transerve.frontends.http.openai.errors import ApiError, bad_request, from_server_error
@@ -162,10 +163,14 @@ class Choice:
             parameters["max_new_tokens"] = self._max_tokens
         if sampling.min_tokens:
             parameters["min_new_tokens"] = sampling.min_tokens
+        if sampling.repetition_penalty != 1.0:
+            parameters["repetition_penalty"] = sampling.repetition_penalty
         if not sampling.greedy:
             parameters.update(temperature=sampling.temperature, top_p=sampling.top_p)
             if sampling.top_k:
                 parameters["top_k"] = sampling.top_k
+            if sampling.min_p:
+                parameters["min_p"] = sampling.min_p
             if self._seed is not None:
                 if "random_seed" in spec:
                     inputs.append(Tensor("random_seed", spec["random_seed"].datatype,
@@ -199,7 +204,8 @@ class Choice:
         if entry.decoupled:
             parameters["stream"] = True
         return InferRequest(model_name=entry.id, model_version=entry.model.version, inputs=inputs,
-                            outputs=[RequestedOutput(name) for name in outputs], parameters=parameters)
+                            outputs=[RequestedOutput(name) for name in outputs], parameters=parameters,
+                            priority=_level(sampling))
 
     def _new_tokens(self, outputs: list[Tensor], consumed: int) -> tuple[list[int], list[TokenLogProb] | None]:
         """The ids a response adds after what the choice has (`prefix_length` says what the client has: the prompt
@@ -271,7 +277,8 @@ class Choice:
                 parameters["seed"] = self._seed
         request = InferRequest(model_name=entry.id, model_version=entry.model.version,
                                inputs=[Tensor(entry.text_input, "BYTES", data)],
-                               outputs=[RequestedOutput(entry.text_output)], parameters=parameters)
+                               outputs=[RequestedOutput(entry.text_output)], parameters=parameters,
+                               priority=_level(sampling))
         try:
             response = await self._server.infer(request)
         except ServerError as exc:
@@ -356,6 +363,11 @@ _CUT_OUT = -9999.0
 
 def _finite(value: float) -> float:
     return value if value > _CUT_OUT else _CUT_OUT
+
+
+def _level(sampling: Sampling) -> int:
+    """The request's Triton priority level for vLLM's `priority` (0, the default level, for vLLM's default)."""
+    return level_of_openai_priority(sampling.priority) if sampling.priority else 0
 
 
 _DTYPES = {"UINT32": np.uint32, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64}

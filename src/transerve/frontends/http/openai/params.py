@@ -1,10 +1,11 @@
 """The request fields of /v1/completions and /v1/chat/completions, checked and bounded once.
 
 Fields are checked as OpenAI documents them (types, ranges). Each endpoint lists the fields it acts on; any other
-field is refused with a 400 naming it, so that a client relying on a field (vLLM's `repetition_penalty`) never gets
+field is refused with a 400 naming it, so that a client relying on a field (vLLM's `length_penalty`) never gets
 an answer that silently ignored it. The only exceptions are OpenAI's pure metadata fields (`METADATA_FIELDS`), which
 change no answer anywhere. vLLM's extras that the layer can honour by itself (detokenizer options, stop token ids,
-truncation, chat-template switches) are taken as vLLM takes them.
+truncation, chat-template switches) are taken as vLLM takes them; those the generators act on
+(`repetition_penalty`, `min_p`, `priority`) are passed on as their request parameters and the request's priority.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from transerve.core.protocol_parameters import MAX_OPENAI_PRIORITY
 from transerve.frontends.http.openai import tools
 from transerve.frontends.http.openai.errors import bad_request
 
@@ -25,6 +27,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_MESSAGES = 4096
 MAX_STOP_TOKEN_IDS = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: The largest `repetition_penalty` taken (vLLM takes any above 0): a bound like `temperature`'s.
+MAX_REPETITION_PENALTY = 2.0
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: Fields that describe the caller, never the answer: accepted and ignored on every endpoint.
@@ -34,7 +38,8 @@ _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "stream", "stream_options",
     "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "ignore_eos", "top_k", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
-    "return_tokens_as_token_ids", "add_special_tokens", "priority", "prompt_logprobs",
+    "return_tokens_as_token_ids", "add_special_tokens", "priority", "prompt_logprobs", "repetition_penalty",
+    "min_p",
 })
 #: Structured outputs (OpenAI's `response_format`, vLLM's `structured_outputs` and older `guided_*`): passed to the
 #: generator as request parameters of the same names, which its grammar-constrained decoding checks and honours.
@@ -91,6 +96,13 @@ class Sampling:
     #: The structured output asked for, as the generator's request parameter: its name and its value as JSON text
     #: (`{"guided_json": "<schema>"}`); None: free text. Tool calls decoded under a schema set it too.
     structured: dict[str, str] | None = None
+    #: vLLM's `repetition_penalty` (1: none), as transformers' processor: a context token's logit is divided by
+    #: it (multiplied when negative); greedy or sampled.
+    repetition_penalty: float = 1.0
+    #: vLLM's `min_p` (0: off): when sampling, tokens less likely than min_p times the likeliest are cut.
+    min_p: float = 0.0
+    #: vLLM's `priority`: lower is served earlier, 0 the default (core.protocol_parameters maps it to a level).
+    priority: int = 0
     #: vLLM's `prompt_logprobs`: the prompt's tokens scored, with this many likeliest tokens each; None: not asked.
     prompt_logprobs: int | None = None
 
@@ -151,9 +163,10 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
             raise bad_request("'stream_options.continuous_usage_stats' needs 'stream_options.include_usage': true",
                               param="stream_options.continuous_usage_stats")
     flag(body, "spaces_between_special_tokens", True)  # a tokenizer.json decoder spaces special tokens itself
-    if optional_int(body, "priority", -(2**63)):
-        raise bad_request("'priority' is not supported (only 0): the generators batch requests themselves, with no "
-                          "priority levels", param="priority")
+    priority = optional_int(body, "priority", -MAX_OPENAI_PRIORITY, MAX_OPENAI_PRIORITY) or 0
+    repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY)
+    if repetition_penalty == 0.0:
+        raise bad_request("'repetition_penalty' must be greater than 0 (1 is no penalty)", param="repetition_penalty")
     truncate = optional_int(body, "truncate_prompt_tokens", -1)
     if truncate == 0:
         raise bad_request("'truncate_prompt_tokens' must be -1 (the model's context) or at least 1",
@@ -171,7 +184,9 @@ def sampling(body: dict[str, Any], chat: bool) -> Sampling:
                                                                                  False),
                     skip_special_tokens=flag(body, "skip_special_tokens", True),
                     tokens_as_ids=flag(body, "return_tokens_as_token_ids", False), truncate=truncate,
-                    add_special_tokens=flag(body, "add_special_tokens", not chat), structured=structured(body))
+                    add_special_tokens=flag(body, "add_special_tokens", not chat), structured=structured(body),
+                    repetition_penalty=repetition_penalty, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                    priority=priority)
 
 
 def structured(body: dict[str, Any]) -> dict[str, str] | None:
@@ -231,9 +246,6 @@ def _refused(body: dict[str, Any], chat: bool) -> None:
                           param="suffix")
     if not chat and (body.get("best_of") or 1) != 1:
         raise bad_request("'best_of' is not supported", param="best_of")
-    if chat and body.get("chat_template") is not None:  # vLLM refuses it too unless told to trust such templates
-        raise bad_request("'chat_template' is not supported: a template sent with a request is code the server "
-                          "would run; the model's own template is used", param="chat_template")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:

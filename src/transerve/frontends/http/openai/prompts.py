@@ -17,7 +17,7 @@ from transerve.frontends.http.openai import params
 from transerve.frontends.http.openai.catalog import GENERATE, OpenAIModel
 from transerve.frontends.http.openai.errors import bad_request
 from transerve.frontends.http.openai.generation import Prompt
-from transerve.frontends.http.openai.text import INLINE_CHARACTERS, TextTokenizer
+from transerve.frontends.http.openai.text import INLINE_CHARACTERS, MAX_REQUEST_TEMPLATE_CHARS, TextTokenizer
 
 #: Chat histories longer than this render on a worker thread.
 _INLINE_MESSAGES = 64
@@ -133,13 +133,14 @@ def id_list(value: object) -> bool:
 
 
 async def chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextTokenizer | None,
-                      sampling: params.Sampling, tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
+                      sampling: params.Sampling, tools: list[dict[str, Any]] | None = None,
+                      trust_templates: bool = False) -> list[Prompt]:
     messages = params.messages(body)
     if tokenizer is None:
         raise bad_request(f"model '{entry.id}' names no tokenizer, so it has no chat template: use /v1/completions",
                           param="model")
     keep = truncation(entry, sampling)
-    text = await render(body, messages, entry, tokenizer, True, keep, tools)
+    text = await render(body, messages, entry, tokenizer, True, keep, tools, trust_templates)
     ids = (await encoded_texts(tokenizer, [text], entry.context_length, "messages",
                                special_tokens=sampling.add_special_tokens, keep=keep))[0]
     if entry.kind == GENERATE and not ids:
@@ -149,9 +150,11 @@ async def chat_prompt(body: dict[str, Any], entry: OpenAIModel, tokenizer: TextT
 
 async def render(body: dict[str, Any], messages: list[dict[str, Any]], entry: OpenAIModel,
                  tokenizer: TextTokenizer, default_generation_prompt: bool, keep: int | None = None,
-                 tools: list[dict[str, Any]] | None = None) -> str:
+                 tools: list[dict[str, Any]] | None = None, trust_templates: bool = False) -> str:
     """The chat template's text for the request's template fields (vLLM's `add_generation_prompt`,
-    `continue_final_message`, `chat_template_kwargs`, `documents`) and its checked `tools`."""
+    `continue_final_message`, `chat_template_kwargs`, `documents`, and `chat_template` where the server trusts
+    requests' templates) and its checked `tools`."""
+    template = request_template(body, trust_templates)
     arguments = body.get("chat_template_kwargs")
     if arguments is not None and not isinstance(arguments, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
@@ -173,9 +176,31 @@ async def render(body: dict[str, Any], messages: list[dict[str, Any]], entry: Op
                              "a prompt may have") + ": shorten them", param="messages")
     options: dict[str, Any] = {"arguments": arguments, "continue_final_message": continue_final,
                                "documents": documents, "tools": tools}
+    if template is not None:  # the client's code: on a worker thread, whatever time it takes
+        return await asyncio.to_thread(tokenizer.render_chat, messages, add_generation_prompt, **options,
+                                       template=template, max_chars=limit)
     if len(messages) > _INLINE_MESSAGES:  # a long history renders on a worker thread: Jinja takes its time
         return await asyncio.to_thread(tokenizer.render_chat, messages, add_generation_prompt, **options)
     return tokenizer.render_chat(messages, add_generation_prompt, **options)
+
+
+def request_template(body: dict[str, Any], trusted: bool) -> str | None:
+    """vLLM's `chat_template`: a Jinja template the request sends to render its messages with instead of the
+    model's. It is code the server runs, so, as vLLM, only a server started with --trust-request-chat-template
+    takes it (sandboxed and bounded all the same); otherwise a 400 naming the flag."""
+    template = body.get("chat_template")
+    if template is None:
+        return None
+    if not trusted:
+        raise bad_request("'chat_template' is refused: a template sent with a request is code the server would run; "
+                          "a server started with --trust-request-chat-template takes it (the model's own template is "
+                          "used otherwise)", param="chat_template")
+    if not isinstance(template, str) or not template:
+        raise bad_request("'chat_template' must be a non-empty string (a Jinja template)", param="chat_template")
+    if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+        raise bad_request(f"'chat_template' has {len(template)} characters; at most {MAX_REQUEST_TEMPLATE_CHARS} are "
+                          "taken", param="chat_template")
+    return template
 
 
 def _documents(body: dict[str, Any]) -> list[dict[str, str]] | None:

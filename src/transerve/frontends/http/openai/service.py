@@ -2,10 +2,10 @@
 shapes, for the generators and text models the API serves.
 
 `/tokenize` takes a `prompt` (tokenized with the tokenizer's special tokens unless `add_special_tokens` is false)
-or chat `messages` and `tools` (rendered with the model's template as /v1/chat/completions renders them, special
-tokens not added again unless asked), and answers `count`, `max_model_len` and `tokens` (`token_strs` too with
-`return_token_strs`). `/detokenize` takes `tokens` and answers the `prompt` they decode to. Inputs are bounded as
-completions' prompts are.
+or chat `messages` and `tools` (rendered with the model's template, or the request's `chat_template` where the
+server trusts those, as /v1/chat/completions renders them, special tokens not added again unless asked), and
+answers `count`, `max_model_len` and `tokens` (`token_strs` too with `return_token_strs`). `/detokenize` takes
+`tokens` and answers the `prompt` they decode to. Inputs are bounded as completions' prompts are.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from transerve.frontends.http.openai.text import TextTokenizer
 
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                               "continue_final_message", "chat_template_kwargs", "documents", "return_token_strs",
-                              "tools"})
+                              "tools", "chat_template"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
-async def tokenize(catalog: Catalog, body: dict[str, Any]) -> dict[str, Any]:
+async def tokenize(catalog: Catalog, body: dict[str, Any], trust_templates: bool = False) -> dict[str, Any]:
     params.refuse_unknown(body, _TOKENIZE_FIELDS, "/tokenize")
     entry, tokenizer = await _model(catalog, body)
     chat = "messages" in body
@@ -34,12 +34,13 @@ async def tokenize(catalog: Catalog, body: dict[str, Any]) -> dict[str, Any]:
     if chat:
         checked = tools.tool_request({"tools": body.get("tools")})  # a chat prompt as chat renders it with tools
         text = await render(body, params.messages(body), entry, tokenizer, True,
-                            tools=checked.tools if checked is not None else None)
+                            tools=checked.tools if checked is not None else None, trust_templates=trust_templates)
     else:
         text = body.get("prompt")
         if not isinstance(text, str):
             raise bad_request("'prompt' must be a string", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "tools"):
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents", "tools",
+                     "chat_template"):
             if name in body:
                 raise bad_request(f"'{name}' goes with 'messages'", param=name)
     ids = (await encoded_texts(tokenizer, [text], entry.context_length, "messages" if chat else "prompt",

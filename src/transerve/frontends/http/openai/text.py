@@ -6,7 +6,8 @@ is not imported: it takes seconds to import and is not needed to serve. The chat
 transformers' `apply_chat_template` renders it (a sandboxed Jinja environment with `trim_blocks` and
 `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now` and its `tojson`, the special tokens as
 variables), and its text is encoded without adding special tokens again, as transformers encodes it; the tests
-compare both against transformers.
+compare both against transformers. A template sent with a request (vLLM's `chat_template`, taken only with
+`--trust-request-chat-template`) renders in the same environment with bounds of its own (`_request_template`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ INLINE_CHARACTERS = 16_384
 #: The characters a text may have when the model states no context length: past the HTTP body limit's reach only
 #: by a little, and enough for any real prompt.
 UNBOUNDED_CONTEXT_CHARACTERS = 1 << 20
+#: The longest `chat_template` a request may send.
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+#: The longest string or list a request's template may build with `*`, and the most bits of an integer `**`.
+_MAX_REPEAT = 1 << 20
+_MAX_POWER_BITS = 1 << 16
 #: Variables the server gives a chat template itself, which `chat_template_kwargs` may not replace.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages"})
 #: transformers' `clean_up_tokenization`, applied when tokenizer_config.json asks for it.
@@ -129,10 +135,15 @@ class TextTokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     arguments: dict[str, Any] | None = None, continue_final_message: bool = False,
-                    documents: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+                    documents: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+                    template: str | None = None, max_chars: int = UNBOUNDED_CONTEXT_CHARACTERS) -> str:
         """The template's text, as transformers' `apply_chat_template(tokenize=False)` gives it for the same
         arguments (`tools`: the JSON-schema dicts, as it passes them); `continue_final_message` ends the text with
-        the last message's content, left open."""
+        the last message's content, left open. `template`: the request's own (checked by the caller), rendered
+        instead of the model's, its text bounded by `max_chars`; any error it raises is the request's (a 400)."""
+        if template is not None:
+            return self._render_request_template(template, max_chars, messages, add_generation_prompt, arguments,
+                                                 continue_final_message, documents, tools)
         if self.chat_template is None:
             raise bad_request("this model has no chat template (its tokenizer_config.json or chat_template.jinja "
                               "names none): use /v1/completions", param="messages")
@@ -142,6 +153,20 @@ class TextTokenizer:
             raise ApiError(503, str(exc)) from None
         from jinja2.exceptions import TemplateError
 
+        messages, variables = self._template_variables(messages, add_generation_prompt, arguments,
+                                                       continue_final_message, documents, tools)
+        try:
+            compiled = _compiled(self.chat_template)
+            text = compiled.render(messages=messages, **variables)
+        except TemplateError as exc:
+            raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
+        return _left_open(text) if continue_final_message else text
+
+    def _template_variables(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                            arguments: dict[str, Any] | None, continue_final_message: bool,
+                            documents: list[dict[str, Any]] | None,
+                            tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages and the other variables a template renders with."""
         reserved = RESERVED_TEMPLATE_VARIABLES.intersection(arguments or ())
         if reserved:
             raise bad_request(f"'chat_template_kwargs' may not set {', '.join(sorted(reserved))}: the request's own "
@@ -154,11 +179,33 @@ class TextTokenizer:
             variables["tools"] = tools
         if continue_final_message:
             messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + _OPEN_END}]
+        return messages, variables
+
+    def _render_request_template(self, template: str, max_chars: int, messages: list[dict[str, Any]],
+                                 add_generation_prompt: bool, arguments: dict[str, Any] | None,
+                                 continue_final_message: bool, documents: list[dict[str, Any]] | None,
+                                 tools: list[dict[str, Any]] | None) -> str:
         try:
-            template = _compiled(self.chat_template)
-            text = template.render(messages=messages, **variables)
-        except TemplateError as exc:
-            raise bad_request(f"the model's chat template refused the messages: {exc}", param="messages") from None
+            import_optional("jinja2", "generation")
+        except MissingExtra as exc:
+            raise ApiError(503, str(exc)) from None
+        messages, variables = self._template_variables(messages, add_generation_prompt, arguments,
+                                                       continue_final_message, documents, tools)
+        limit = max_chars + len(_OPEN_END)
+        pieces, size = [], 0
+        try:
+            for piece in _request_template(template).generate(messages=messages, **variables):
+                size += len(piece)
+                if size > limit:
+                    raise bad_request(f"the request's 'chat_template' renders more than the {max_chars} characters "
+                                      "a prompt may have here", param="chat_template")
+                pieces.append(piece)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the client's template code failed: its error, a 400
+            raise bad_request(f"the request's 'chat_template' failed: {type(exc).__name__}: {exc}",
+                              param="chat_template") from None
+        text = "".join(pieces)
         return _left_open(text) if continue_final_message else text
 
 
@@ -249,6 +296,18 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
 
 @lru_cache(maxsize=32)
 def _compiled(source: str) -> Any:
+    """The model's template, compiled once."""
+    return _environment(bounded=False).from_string(source)
+
+
+@lru_cache(maxsize=8)
+def _request_template(source: str) -> Any:
+    """A request's template, compiled once (a cache of its own: requests' templates never push out the models'),
+    in the models' environment with `*` and `**` bounded: a template cannot build one huge string or number."""
+    return _environment(bounded=True).from_string(source)
+
+
+def _environment(bounded: bool) -> Any:
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -273,12 +332,28 @@ def _compiled(source: str) -> Any:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_Generation, loopcontrols])
+    class _Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            from jinja2.exceptions import SecurityError
+
+            if operator == "*":
+                for items, times in ((left, right), (right, left)):
+                    if isinstance(items, str | list | tuple) and isinstance(times, int) \
+                            and len(items) * times > _MAX_REPEAT:
+                        raise SecurityError(f"a repetition past {_MAX_REPEAT} items")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and abs(left).bit_length() * right > _MAX_POWER_BITS:
+                raise SecurityError(f"a power past {_MAX_POWER_BITS} bits")
+            return super().call_binop(context, operator, left, right)
+
+    kind = _Bounded if bounded else ImmutableSandboxedEnvironment
+    environment = kind(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return environment.from_string(source)
+    return environment
 
 
 @lru_cache(maxsize=1)
