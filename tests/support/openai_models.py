@@ -145,3 +145,17 @@ def _sentence_transformer():
 def sentence_embeddings(texts: list[str]):
     """sentence-transformers' embeddings of `texts` with the real MiniLM, as float32 numpy rows."""
     return _sentence_transformer().encode(texts, convert_to_numpy=True)
+
+
+def scrape(server) -> dict[tuple[str, str], float]:
+    """The server's vLLM-named metrics: (sample name, labels text) -> value."""
+    import requests
+
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            samples[(name, labels.rstrip("}"))] = float(value)
+    return samples
