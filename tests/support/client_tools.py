@@ -139,8 +139,12 @@ def _find_or_install() -> ClientTools:
     """A file lock inside the venv folder serialises building, so concurrent sessions never pip install into it at
     once."""
     venv = tools_venv_path()
-    venv.mkdir(parents=True, exist_ok=True)
-    with open(venv / ".transerve-install.lock", "w") as lock:
+    try:
+        venv.mkdir(parents=True, exist_ok=True)
+        lock = open(venv / ".transerve-install.lock", "w")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:
+        raise ToolsUnavailable(f"cannot create {venv}: {exc}") from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         python = venv / "bin" / "python"
         found = _installed(python) if python.exists() else None
