@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -72,10 +73,20 @@ class ClientTools:
         return env
 
     def run(self, argv: list[str], cwd: Path, timeout: float, offline: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run `argv` (its first item a program of the venv's bin/) to its end under `timeout`."""
-        return subprocess.run([str(self.command(argv[0])), *argv[1:]], capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd, env=self.env(offline), stdin=subprocess.DEVNULL,
-                              check=False)
+        """Run `argv` (its first item a program of the venv's bin/) to its end under `timeout`.
+
+        In a process group of its own, killed whole past the timeout: aiperf runs its services as child
+        processes, which would outlive a killed parent."""
+        process = subprocess.Popen([str(self.command(argv[0])), *argv[1:]], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=cwd,
+                                   env=self.env(offline), start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def tools_venv_path() -> Path:
