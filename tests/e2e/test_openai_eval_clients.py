@@ -82,9 +82,10 @@ def checked(run, what: str):
 # ---- lm-evaluation-harness -------------------------------------------------------------------------------------
 
 def lm_eval(tools: ClientTools, server: ServerProcess, folder: Path, tmp_path: Path, task: dict,
-            docs: list[dict]) -> tuple[list[dict], dict]:
-    """Run `task` (its dataset `docs`, a local jsonl) with local-completions; return its logged samples, by doc,
-    and its results for the task. The tokenizer is the model's folder: lm-eval sends token ids, and counts the
+            docs: list[dict], model_args: str = "", batch_size: int = 1) -> tuple[list[dict], dict]:
+    """Run `task` (its dataset `docs`, a local jsonl) with local-completions (`model_args` beside the defaults,
+    `batch_size` prompts a request); return its logged samples, by doc, and its results for the task. The
+    tokenizer is the model's folder: lm-eval sends token ids (unless `tokenized_requests=False`), and counts the
     context's tokens with it to cut the echoed prompt's log-probabilities."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -94,11 +95,12 @@ def lm_eval(tools: ClientTools, server: ServerProcess, folder: Path, tmp_path: P
               **task}
     (tasks / f"{task['task']}.yaml").write_text(json.dumps(config, indent=1), encoding="utf-8")  # JSON is YAML
     output = tmp_path / "output"
-    model_args = (f"model={MODEL},base_url={server.base_url}/v1/completions,tokenizer={folder},"
-                  "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,timeout=60")
+    model_args = ",".join(filter(None, [f"model={MODEL},base_url={server.base_url}/v1/completions,"
+                                        f"tokenizer={folder},tokenizer_backend=huggingface,num_concurrent=1,"
+                                        "max_retries=1,timeout=60", model_args]))
     checked(tools.run(["lm_eval", "--model", "local-completions", "--model_args", model_args, "--tasks",
-                       task["task"], "--include_path", str(tasks), "--log_samples", "--output_path", str(output)],
-                      cwd=tmp_path, timeout=RUN_TIMEOUT_S), "lm_eval")
+                       task["task"], "--include_path", str(tasks), "--batch_size", str(batch_size), "--log_samples",
+                       "--output_path", str(output)], cwd=tmp_path, timeout=RUN_TIMEOUT_S), "lm_eval")
     [samples_file] = output.rglob(f"samples_{task['task']}_*.jsonl")
     [results_file] = output.rglob("results_*.json")
     samples = sorted((json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda s: s["doc_id"])
@@ -123,12 +125,17 @@ def scored(reference: GPT2Reference, context: str, continuation: str) -> tuple[f
     return float(picked.sum()), bool((rows.argmax(dim=-1) == torch.tensor(ids)).all())
 
 
-def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(tools, server, built, reference, tmp_path):
-    """A loglikelihood task: lm-eval sends each context + choice as ids with `echo: true, logprobs: 1,
-    max_tokens: 1` and sums the echoed log-probabilities past the context. Each choice's sum, its greediness, and
-    the accuracy equal those of transformers' log-softmax. One choice of each question is the model's own greedy
-    continuation (so greediness is seen true), and the gold answers are set so one question is right and one is
-    wrong by the references."""
+#: lm-eval's defaults (one prompt of token ids a request), several prompts a request, and text prompts.
+REQUEST_FORMS = {"ids": ("", 1), "batched": ("", 3), "text": ("tokenized_requests=False", 2)}
+
+
+@pytest.mark.parametrize("form", list(REQUEST_FORMS))
+def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(tools, server, built, reference, tmp_path, form):
+    """A loglikelihood task: lm-eval sends each context + choice (as ids, or as text the server tokenizes) with
+    `echo: true, logprobs: 1, max_tokens: 1` and sums the echoed log-probabilities past the context. Each choice's
+    sum, its greediness, and the accuracy equal those of transformers' log-softmax. One choice of each question is
+    the model's own greedy continuation (so greediness is seen true), and the gold answers are set so one question
+    is right and one is wrong by the references."""
     contexts = ["The quick brown fox jumps over the", "Hello world, how are"]
     questions = []
     for context in contexts:
@@ -146,7 +153,7 @@ def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(tools, server
             "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": "",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
     before = scrape(server)
-    samples, results = lm_eval(tools, server, built[1], tmp_path, task, docs)
+    samples, results = lm_eval(tools, server, built[1], tmp_path, task, docs, *REQUEST_FORMS[form])
     after = scrape(server)
     assert [sample["doc_id"] for sample in samples] == [0, 1]
     for sample, context, choices, rows in zip(samples, contexts, questions, expected, strict=True):
@@ -162,8 +169,11 @@ def test_lm_eval_multiple_choice_loglikelihoods_equal_transformers(tools, server
     assert accuracy == [1.0, 0.0]
     assert [sample["acc"] for sample in samples] == accuracy
     assert results["acc,none"] == pytest.approx(0.5)
-    # One request per choice, each echoing its prompt and generating the one token it asks for.
-    assert finished(after) - finished(before) == sum(map(len, questions))
+    # One choice per context + choice, each echoing its prompt and generating the one token it asks for; the
+    # batched forms send `batch_size` prompts a request.
+    choices = sum(map(len, questions))
+    assert finished(after) - finished(before) == choices
+    assert grown(before, after, "vllm:e2e_request_latency_seconds_count") == -(-choices // REQUEST_FORMS[form][1])
     prompts = sum(len(reference.ids(context + choice)) for context, choices in zip(contexts, questions, strict=True)
                   for choice in choices)
     assert grown(before, after, "vllm:prompt_tokens_total") == prompts
