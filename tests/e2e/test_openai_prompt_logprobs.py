@@ -121,6 +121,7 @@ def test_vllm_prompt_logprobs_on_completions(server, reference, model):
         entry = scored[position]
         own = entry[str(ids[position])]
         assert abs(own["logprob"] - expected[position - 1, ids[position]]) < TOLERANCE
+        assert own["rank"] == int((expected[position - 1] > expected[position - 1, ids[position]]).sum()) + 1
         assert own["decoded_token"] == reference.tokenizer.decode([ids[position]])
         best = np.argsort(-expected[position - 1])[:2]
         for rank, token_id in enumerate(best, start=1):
@@ -148,8 +149,8 @@ def test_vllm_prompt_logprobs_on_chat_score_the_rendered_prompt(server, referenc
 
 
 def test_v2_generate_parameters_and_outputs(server, reference):
-    """/v2: `prompt_logprobs` as a request parameter; `prompt_log_probs` [batch, L - 1] and the top tensors
-    [batch, L - 1, k] come back, with `max_new_tokens` 0 the prompt as the output ids."""
+    """/v2: `prompt_logprobs` as a request parameter; `prompt_log_probs` and `prompt_ranks` [batch, L - 1] and the
+    top tensors [batch, L - 1, k] come back, with `max_new_tokens` 0 the prompt as the output ids."""
     import tritonclient.http as httpclient
 
     ids = reference.ids(TEXT)
@@ -159,7 +160,7 @@ def test_v2_generate_parameters_and_outputs(server, reference):
                   httpclient.InferInput("sequence_length", [1, 1], "UINT32")]
         inputs[0].set_data_from_numpy(np.array([ids], np.uint32))
         inputs[1].set_data_from_numpy(np.array([[len(ids)]], np.uint32))
-        names = ["output_ids", "prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs"]
+        names = ["output_ids", "prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs", "prompt_ranks"]
         result = triton.infer("gpt_plain", inputs, parameters={"prompt_logprobs": 2, "max_new_tokens": 0},
                               outputs=[httpclient.InferRequestedOutput(name) for name in names])
     scores = result.as_numpy("prompt_log_probs")
@@ -168,6 +169,8 @@ def test_v2_generate_parameters_and_outputs(server, reference):
     top_ids, top_values = result.as_numpy("prompt_top_ids"), result.as_numpy("prompt_top_log_probs")
     assert top_ids.shape == top_values.shape == (1, len(ids) - 1, 2)
     assert (top_ids[0] == np.argsort(-expected[:-1], axis=-1)[:, :2]).all()
+    ranks = [int((expected[p - 1] > expected[p - 1, ids[p]]).sum()) + 1 for p in range(1, len(ids))]
+    assert result.as_numpy("prompt_ranks").tolist() == [ranks]
     assert result.as_numpy("output_ids").reshape(-1).tolist() == ids
 
 

@@ -112,6 +112,7 @@ def test_every_model_is_written_with_a_config_that_parses(repository):
     assert [t.name for t in later.output] == [
         "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
         "output_top_log_probs", "prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs",
+        "prompt_ranks",
     ]
     # an encoder-decoder model scores no prompt: no prompt outputs declared
     assert not any(t.name.startswith("prompt_") for t in load_config_file(repository / "t5_torch").output)

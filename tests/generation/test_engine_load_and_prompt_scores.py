@@ -18,11 +18,12 @@ torch = pytest.importorskip("torch")
 TOLERANCE = 1e-4
 
 
-def expected_scores(model, ids: list[int], top: int) -> tuple[list[float], list[list[int]]]:
+def expected_scores(model, ids: list[int], top: int) -> tuple[list[float], list[list[int]], list[int]]:
     with torch.inference_mode():
         log_probs = torch.log_softmax(model.hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
-    chosen = log_probs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-    return chosen, log_probs.topk(top, dim=-1).indices.tolist() if top else []
+    chosen = log_probs.gather(1, torch.tensor(ids[1:])[:, None])
+    ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
+    return chosen[:, 0].tolist(), log_probs.topk(top, dim=-1).indices.tolist() if top else [], ranks
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, 5])
@@ -30,10 +31,11 @@ def test_prompt_scores_equal_transformers(models, max_new_tokens):
     model = models["gpt2"]
     ids = model.ids("The quick brown fox jumps over the lazy dog.")
     result = submit(model.engine, ids, DecodingOptions(max_new_tokens=max_new_tokens, prompt_logprobs=3)).result(60)
-    chosen, best = expected_scores(model, ids, 3)
+    chosen, best, ranks = expected_scores(model, ids, 3)
     assert result.prompt is not None and len(result.prompt.log_probs) == len(ids) - 1
     assert max(abs(a - b) for a, b in zip(result.prompt.log_probs, chosen, strict=True)) < TOLERANCE
     assert [[token for token, _ in step] for step in result.prompt.top] == best
+    assert result.prompt.ranks == ranks
     if max_new_tokens:  # the tokens after the scored prompt are the usual greedy ones
         assert result.hypotheses[0].token_ids == model.reference(ids, max_new_tokens=max_new_tokens)[0]
     else:
@@ -44,7 +46,7 @@ def test_a_one_token_prompt_has_nothing_to_score(models):
     model = models["gpt2"]
     result = submit(model.engine, model.ids("Hello")[:1], DecodingOptions(max_new_tokens=0, prompt_logprobs=0))
     prompt = result.result(60).prompt
-    assert prompt is not None and prompt.log_probs == [] and prompt.top == []
+    assert prompt is not None and prompt.log_probs == prompt.ranks == [] and prompt.top == []
 
 
 def test_an_encoder_decoder_model_scores_no_prompt(models):

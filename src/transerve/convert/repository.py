@@ -5,7 +5,7 @@ For a name N:
 - `N` (backend "generation"): the generator, speaking FasterTransformer's tensors (`input_ids`, `sequence_length`,
   the optional decoding tensors -> `output_ids`, `sequence_length`, log-probabilities, `prefix_length`, the top
   log-probabilities `output_top_ids` and `output_top_log_probs`, and for decoder-only models the prompt's scores
-  `prompt_log_probs`, `prompt_top_ids` and `prompt_top_log_probs`), or, named
+  `prompt_log_probs`, `prompt_top_ids`, `prompt_top_log_probs` and `prompt_ranks`), or, named
   `fastertransformer`, the first FasterTransformer names the seed client calls (`INPUT_ID`, `REQUEST_INPUT_LEN`,
   `REQUEST_OUTPUT_LEN` -> `OUTPUT0`, `OUTPUT1`). Its version folder holds the model in `model/`;
 - `N_tokenizer` and `N_detokenizer` (python): text to token ids and back, from the model's tokenizer.json; with
@@ -117,6 +117,7 @@ def generator_config(options: Options) -> ModelConfig:
             _tensor(config.output, "prompt_log_probs", "TYPE_FP32", [-1])
             _tensor(config.output, "prompt_top_ids", "TYPE_UINT32", [-1, -1])
             _tensor(config.output, "prompt_top_log_probs", "TYPE_FP32", [-1, -1])
+            _tensor(config.output, "prompt_ranks", "TYPE_UINT32", [-1])
     parameters = {"engine": options.engine, "model_dir": MODEL_DIR, "compute_type": options.compute_type,
                   "intra_op_threads": 0, "max_new_tokens": 64}
     if options.engine == "torch":  # no max_batch_rows: the engine sizes it on a GPU (32 on the CPU)

@@ -156,6 +156,8 @@ class PromptScores:
     log_probs: list[float]
     #: Per entry, that position's likeliest tokens (`prompt_logprobs` of them; empty lists for 0).
     top: list[TopLogProbs]
+    #: Per entry, the token's rank in its position's distribution (1: the likeliest), as vLLM reports it.
+    ranks: list[int]
 
 
 @dataclass(slots=True)

@@ -68,6 +68,8 @@ class Names:
     prompt_log_probs: str | None = None
     prompt_top_ids: str | None = None
     prompt_top_log_probs: str | None = None
+    #: Each scored prompt token's rank in its position's distribution, `[batch, L - 1]`.
+    prompt_ranks: str | None = None
 
     def outputs(self) -> dict[str, tuple[frozenset[str], tuple[int, ...]]]:
         rules = {self.output_ids: (INTEGERS, (-1, -1)), self.output_lengths: (INTEGERS, (-1,))}
@@ -89,15 +91,18 @@ class Names:
             rules[self.prompt_top_ids] = (INTEGERS, (-1, -1))
         if self.prompt_top_log_probs:
             rules[self.prompt_top_log_probs] = (frozenset({"FP32"}), (-1, -1))
+        if self.prompt_ranks:
+            rules[self.prompt_ranks] = (INTEGERS, (-1,))
         return rules
 
     @property
     def prompt_outputs(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.prompt_log_probs, self.prompt_top_ids, self.prompt_top_log_probs) if n)
+        return tuple(n for n in (self.prompt_log_probs, self.prompt_top_ids, self.prompt_top_log_probs,
+                                 self.prompt_ranks) if n)
 
 
-_PROMPT_OUTPUTS = {"prompt_log_probs": "prompt_log_probs", "prompt_top_ids": "prompt_top_ids",
-                   "prompt_top_log_probs": "prompt_top_log_probs"}
+_PROMPT_OUTPUTS = {name: name for name in ("prompt_log_probs", "prompt_top_ids", "prompt_top_log_probs",
+                                            "prompt_ranks")}
 FASTERTRANSFORMER = Names("FasterTransformer", "input_ids", "sequence_length", "output_ids", "sequence_length",
                           "cum_log_probs", "output_log_probs", "prefix_length", "output_top_ids",
                           "output_top_log_probs", **_PROMPT_OUTPUTS)
@@ -337,15 +342,16 @@ def _top_array(results: list[RowResult], beams: int, dtype: np.dtype, ids: bool)
 
 
 def _prompt_array(results: list[RowResult], dtype: np.dtype, name: str, names: Names) -> np.ndarray:
-    """`[batch, L - 1]` prompt log-probabilities, or `[batch, L - 1, k]` of their top lists' ids or values,
-    zero-padded."""
+    """`[batch, L - 1]` prompt log-probabilities or ranks, or `[batch, L - 1, k]` of their top lists' ids or
+    values, zero-padded."""
     prompts = [result.prompt for result in results]
     width = max((len(p.log_probs) for p in prompts if p is not None), default=0)
-    if name == names.prompt_log_probs:
+    if name in (names.prompt_log_probs, names.prompt_ranks):
         array = np.zeros((len(results), width), dtype)
         for row, prompt in enumerate(prompts):
             if prompt is not None:
-                array[row, :len(prompt.log_probs)] = prompt.log_probs
+                values = prompt.log_probs if name == names.prompt_log_probs else prompt.ranks
+                array[row, :len(values)] = values
         return array
     k = max((len(step) for p in prompts if p is not None for step in p.top), default=0)
     array = np.zeros((len(results), width, k), dtype)

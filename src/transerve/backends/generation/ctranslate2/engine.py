@@ -535,15 +535,17 @@ class CTranslate2Engine:
         if scores.device != "cpu":
             scores = scores.to_device(self._ct2.Device.cpu)
         log_probs = np.asarray(scores.to(self._ct2.DataType.float32))[0, :-1]
-        chosen = log_probs[np.arange(len(ids) - 1), ids[1:]].tolist()
+        chosen = log_probs[np.arange(len(ids) - 1), ids[1:]]
+        ranks = ((log_probs > chosen[:, None]).sum(axis=-1) + 1).tolist()
+        chosen = chosen.tolist()
         if not top:
-            return PromptScores(chosen, [[] for _ in chosen])
+            return PromptScores(chosen, [[] for _ in chosen], ranks)
         best = np.argpartition(-log_probs, top - 1, axis=-1)[:, :top]
         values = np.take_along_axis(log_probs, best, axis=-1)
         order = np.argsort(-values, axis=-1, kind="stable")
         best, values = np.take_along_axis(best, order, axis=-1), np.take_along_axis(values, order, axis=-1)
         return PromptScores(chosen, [list(zip(i, v, strict=True)) for i, v in zip(best.tolist(), values.tolist(),
-                                                                                  strict=True)])
+                                                                                  strict=True)], ranks)
 
     def _result(self, sequence: _Sequence, result: Any, key: _CallKey) -> GenerationResult:
         if self.is_encoder_decoder:

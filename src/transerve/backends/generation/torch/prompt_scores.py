@@ -13,15 +13,18 @@ from transerve.backends.generation.engine import PromptScores
 
 
 def score_prompt(model: Any, ids: list[int], top: int) -> PromptScores:
-    """Entry i: log p(ids[i + 1] | ids[: i + 1]) and that position's `top` likeliest tokens."""
+    """Entry i: log p(ids[i + 1] | ids[: i + 1]), that token's rank there, and the position's `top` likeliest
+    tokens."""
     import torch
 
     tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
     logits = model(input_ids=tokens, use_cache=False).logits[0, :-1]
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = log_probs.gather(1, tokens[0, 1:, None])[:, 0].tolist()
+    chosen = log_probs.gather(1, tokens[0, 1:, None])
+    ranks = ((log_probs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not top:
-        return PromptScores(chosen, [[] for _ in chosen])
+        return PromptScores(chosen, [[] for _ in chosen], ranks)
     values, indices = log_probs.topk(top, dim=-1)
     return PromptScores(chosen, [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(),
-                                                                              strict=True)])
+                                                                              strict=True)], ranks)

@@ -35,6 +35,8 @@ class TokenLogProb:
     logprob: float
     #: The likeliest tokens at this step, best first, as (id, log-probability).
     top: list[tuple[int, float]]
+    #: The token's rank in its step's distribution (1: the likeliest), where the model reported it.
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +203,8 @@ class Choice:
                                   f"{' or '.join(sorted(set(wanted) - entry.outputs))} output)", param=param)
             parameters["prompt_logprobs"] = top
             outputs.extend(wanted)
+            if sampling.prompt_logprobs is not None and "prompt_ranks" in entry.outputs:
+                outputs.append("prompt_ranks")  # vLLM's `rank` of each prompt token (configs written before lack it)
         if entry.decoupled:
             parameters["stream"] = True
         return InferRequest(model_name=entry.id, model_version=entry.model.version, inputs=inputs,
@@ -239,13 +243,15 @@ class Choice:
         ids = self.prompt.ids[1:]
         values = values.reshape(values.shape[0], -1)[0]
         top_ids, top_values = (by_name.get(name) for name in _PROMPT_TOP_OUTPUTS)
+        ranks = by_name.get("prompt_ranks")
         scored = []
         for position, (token, value) in enumerate(zip(ids, values, strict=False)):
             top = []
             if top_ids is not None and top_values is not None:
                 top = [(int(i), _finite(float(v))) for i, v in zip(top_ids[0, position], top_values[0, position],
                                                                    strict=True)]
-            scored.append(TokenLogProb(token, _finite(float(value)), top))
+            rank = int(ranks[0, position]) if ranks is not None else None
+            scored.append(TokenLogProb(token, _finite(float(value)), top, rank))
         return scored
 
     def _finish_reason(self, generated: list[int]) -> str:

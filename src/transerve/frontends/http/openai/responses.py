@@ -185,15 +185,16 @@ class Formatter:
 
     def _prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's `prompt_logprobs`: null for the first token, then per token a map from token id to its
-        log-probability, rank (where known: its place among the likeliest asked for) and text, the prompt's own
-        token and the likeliest ones."""
+        log-probability, rank and text, the prompt's own token and the likeliest ones (a model whose config lacks
+        `prompt_ranks` gives the prompt token's rank only where it is among those)."""
         assert self._tokenizer is not None and self.sampling.prompt_logprobs is not None
         tokenizer, k = self._tokenizer, self.sampling.prompt_logprobs
         entries: list[dict[str, dict[str, Any]] | None] = [None]
         for token in choice.prompt_scores or []:
             top = token.top[:k]
             ranks = {token_id: place for place, (token_id, _) in enumerate(token.top, start=1)}
-            entry = {str(token.token_id): {"logprob": token.logprob, "rank": ranks.get(token.token_id),
+            rank = token.rank if token.rank is not None else ranks.get(token.token_id)
+            entry = {str(token.token_id): {"logprob": token.logprob, "rank": rank,
                                            "decoded_token": tokenizer.token_text(token.token_id)}}
             for place, (token_id, value) in enumerate(top, start=1):
                 entry.setdefault(str(token_id), {"logprob": value, "rank": place,
