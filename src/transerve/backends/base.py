@@ -112,6 +112,11 @@ class BackendInstance(abc.ABC):
         UNAVAILABLE with `reason`, if it can (python workers are killed; a thread cannot be)."""
         return None
 
+    def prefix_cache_stats(self) -> tuple[int, int, int, int] | None:
+        """A generation engine's prefix cache counters since load, for the metrics: prompt tokens looked up, tokens
+        found, lookups that found something and lookups that found nothing; None where there is no such cache."""
+        return None
+
     def cancel(self, request: InferRequest) -> None:
         """The client of `request`, which this instance is executing, went away (a decoupled request hears of it
         through its response stream instead). Instances that set `cancellable` stop its work early; the

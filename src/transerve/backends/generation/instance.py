@@ -75,6 +75,13 @@ class GenerationInstance(BackendInstance):
             run.start()
         return future
 
+    def prefix_cache_stats(self) -> tuple[int, int, int, int] | None:
+        cache = getattr(self.engine, "prefix_cache", None)  # the torch engine's, where it has one
+        if cache is None:
+            return None
+        stats = cache.stats
+        return stats.queried_tokens, stats.hit_tokens, stats.hits, stats.misses
+
     def cancel(self, request: InferRequest) -> None:
         run = self._runs.get(id(request))
         if run is not None:

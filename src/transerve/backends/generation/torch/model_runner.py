@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.torch.cache_buffers import append, cache_layer
 from transerve.backends.generation.torch.decoder_batch import KV, DecoderBatch
 from transerve.backends.generation.torch.fused_joins import Fused, fused, fused_layer_class, use_fused_joins
+from transerve.backends.generation.torch.prefix_cache import Prefix, Source
 
 if TYPE_CHECKING:
     import torch
 
+    from transerve.backends.generation.torch.prefix_cache import PrefixCache
     from transerve.backends.generation.torch.step_graphs import StepGraphs
+
+logger = logging.getLogger(__name__)
 
 
 def _row_positions_class():
@@ -101,6 +106,20 @@ class ModelRunner:
         #: Steps at bucketed shapes over fixed buffers, recorded as CUDA graphs on a GPU (`step_graphs`), where the
         #: engine set them up; None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
+        #: Prompt prefixes' (encoder-decoder: sources') caches kept for later requests (`prefix_cache`), where the
+        #: engine set one up and the model allows it (`caches_prefixes`).
+        self.prefixes: PrefixCache | None = None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prompt's start may come from another prompt's cache: always for an encoder's output; for a
+        decoder-only model, where positions reach the model per token and its forward does not rescale RoPE by
+        the sequence's length."""
+        return self.encoder_decoder or (self.per_row_positions and not self.mutable_forward)
+
+    def prefix_hit(self, ids: list[int]) -> bool:
+        """Whether decoder-only prompt `ids` starts with a cached prefix now."""
+        return self.prefixes is not None and self.prefixes.probe(ids) > 0
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -133,24 +152,25 @@ class ModelRunner:
         """New decoder-only sequences' rows (sequence i gets `repeats[i]` identical rows) with their whole prompts
         in the cache, left-padded, and the next-token logits after each prompt ([rows, vocab]): one forward pass
         for all new sequences, the LM head on the last position only. Their first tokens are chosen with the
-        running rows' next ones, so a sequence that starts alone reads the weights once before its first token."""
-        from transformers import DynamicCache
+        running rows' next ones, so a sequence that starts alone reads the weights once before its first token.
+        Where some prompts start with a cached prefix (`prefixes`), each prompt gets a forward of its own, over
+        what follows its prefix."""
+        import torch
 
-        longest = max(len(ids) for ids in prompts)
-        mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
-        ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        cache = DynamicCache()
-        keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
-            **keep,
-        )
-        batch = DecoderBatch(
-            [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity,
-            token_budget=self.token_budget, lengths=[len(ids) for ids in prompts],
-        )
-        logits = out.logits[:, -1, :]
+        found = self._prefixes(prompts)
+        batch = None
+        if any(prefix.length for prefix in found):
+            try:
+                parts = [self._prefill([ids], prefix) for ids, prefix in zip(prompts, found, strict=True)]
+            except Exception:  # the cache must never fail a request: prefill them in full
+                logger.exception("prefilling after cached prefixes failed; prefilling in full")
+            else:
+                batch, logits = parts[0]
+                for other, _ in parts[1:]:
+                    batch.extend(other)
+                logits = torch.cat([part[1] for part in parts]) if len(parts) > 1 else logits
+        if batch is None:
+            batch, logits = self._prefill(prompts)
         rows = self._repeat(repeats)
         if len(rows) != len(prompts):
             index = self._tensor(rows)
@@ -158,12 +178,122 @@ class ModelRunner:
             logits = logits.index_select(0, index)
         return batch, logits
 
+    def _prefixes(self, prompts: list[list[int]]) -> list[Prefix]:
+        """Each prompt's cached prefix (length 0 without one); none at all where there is no cache or it fails."""
+        if self.prefixes is None:
+            return [Prefix() for _ in prompts]
+        try:
+            return [self.prefixes.lookup(ids) for ids in prompts]
+        except Exception:  # the cache is an optimisation: a cold prefill serves the request
+            logger.exception("looking up prompt prefixes failed; prefilling in full")
+            return [Prefix() for _ in prompts]
+
+    def _prefill(self, prompts: list[list[int]], prefix: Prefix | None = None) -> tuple[DecoderBatch, torch.Tensor]:
+        """One forward over `prompts` (left-padded), or over one prompt past its cached `prefix`, whose
+        keys/values start the cache; the prompts' new whole blocks are kept (`prefixes`)."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        done = prefix.length if prefix is not None else 0
+        if done:
+            (ids_,) = prompts
+            cache.layers = [cache_layer(k, v) for k, v in prefix.kv]
+            mask = self._tensor([[1] * len(ids_)])
+            ids = self._tensor([ids_[done:]])
+            positions = torch.arange(done, len(ids_), device=self.device)[None]
+        else:
+            longest = max(len(ids) for ids in prompts)
+            mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
+            ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
+            **keep,
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._remember(prompts, kv, done)
+        batch = DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
+                             lengths=[len(ids) for ids in prompts])
+        return batch, out.logits[:, -1, :]
+
+    def _remember(self, prompts: list[list[int]], kv: KV, done: int = 0) -> None:
+        """Keep the whole blocks of `prompts`, whose keys/values `kv` holds left-padded, past the first `done`
+        tokens (`prefixes`); a failure only leaves them out."""
+        if self.prefixes is None:
+            return
+        try:
+            longest = kv[0][0].shape[2]
+            for row, ids in enumerate(prompts):
+                start = longest - len(ids)
+                self.prefixes.store(ids, [(k[row, :, start:], v[row, :, start:]) for k, v in kv], done)
+        except Exception:  # e.g. out of device memory: the cache is emptied, the request goes on
+            logger.exception("keeping prompt prefixes failed; the prefix cache is emptied")
+            self.prefixes.clear()
+
     @staticmethod
     def _repeat(repeats: list[int]) -> list[int]:
         """The batch rows of sequences that get `repeats[i]` rows each."""
         return [i for i, count in enumerate(repeats) for _ in range(count)]
 
     def _encode(self, sources: list[list[int]]) -> DecoderBatch:
+        """The rows of `sources`, their encoder output and cross-attention keys/values cached (`prefixes`) or
+        computed in one encoder call (`_encode_all`); those computed are kept for later requests."""
+        found = self._sources(sources)
+        missing = [ids for ids, source in zip(sources, found, strict=True) if source is None]
+        computed = self._encode_all(missing) if missing else None
+        if computed is not None and self.prefixes is not None:
+            self._remember_sources(missing, computed)
+        if computed is not None and len(missing) == len(sources):
+            return computed
+        parts, row = [], 0
+        for ids, source in zip(sources, found, strict=True):
+            if source is None:
+                parts.append(computed.rows_range(row, row + 1, own=True))
+                row += 1
+            else:
+                parts.append(self._source_rows(ids, source))
+        batch = parts[0]
+        for other in parts[1:]:
+            batch.extend(other)
+        return batch
+
+    def _sources(self, sources: list[list[int]]) -> list[Source | None]:
+        """Each source's cached encoder output (None where there is none, or no cache, or it fails)."""
+        if self.prefixes is None:
+            return [None] * len(sources)
+        try:
+            return [self.prefixes.source(ids) for ids in sources]
+        except Exception:  # the cache is an optimisation: the encoder serves the request
+            logger.exception("looking up cached sources failed; encoding them")
+            return [None] * len(sources)
+
+    def _source_rows(self, ids: list[int], source: Source) -> DecoderBatch:
+        """The row of a source found cached, as `_encode_all` would have made it."""
+        import torch
+
+        empty = self._tensor([[]])
+        positions = torch.zeros(1, dtype=torch.long, device=self.device)
+        batch = DecoderBatch([], empty, positions, None, source.hidden, self._tensor([[1] * len(ids)]),
+                             self.capacity, self.token_budget, [0], [len(ids)])
+        batch.cross_kv = source.cross_kv
+        return batch
+
+    def _remember_sources(self, sources: list[list[int]], batch: DecoderBatch) -> None:
+        """Keep each source's encoder output and cross-attention keys/values, right-padded in `batch`."""
+        try:
+            for row, ids in enumerate(sources):
+                length = len(ids)
+                self.prefixes.store_source(
+                    ids, batch.encoder_hidden[row:row + 1, :length],
+                    [(k[row:row + 1, :, :length], v[row:row + 1, :, :length]) for k, v in batch.cross_kv],
+                )
+        except Exception:  # e.g. out of device memory: the cache is emptied, the request goes on
+            logger.exception("keeping encoder outputs failed; the prefix cache is emptied")
+            self.prefixes.clear()
+
+    def _encode_all(self, sources: list[list[int]]) -> DecoderBatch:
         """One encoder call for all `sources` (right-padded, masked), and their cross-attention keys/values; the
         decoder's self-attention cache starts empty (position 0)."""
         import torch
@@ -257,6 +387,9 @@ class ModelRunner:
         batch.grew([(layer.keys, layer.values) for layer in cache.layers], mask)
         logits = out.logits[0]
         new = self._prompt_rows(prompts, cache.layers)
+        if self.prefixes is not None:  # the engine fuses only prompts without a cached prefix
+            self.prefixes.missed(prompts)
+            self._remember(prompts, new.self_kv)
         new_logits = logits[rows:]
         repeated = self._repeat(repeats)
         if len(repeated) != len(prompts):
