@@ -323,14 +323,11 @@ class TorchEngine:
         plan = StepPlan()
         if admitted:
             prepared, fresh = self.scheduler.take_prepared(admitted)
-            forward = self.runner.forward
-            if forward.fuses_joins and self.runner.batch is not None:
-                # prefilled in the step's forward, after the rest; those with a cached prefix start from it instead
-                hits = [forward.prefix_hit(s.input_ids) for s in fresh]
-                computed = [s for s, hit in zip(fresh, hits, strict=True) if hit]
-                fused = [s for s, hit in zip(fresh, hits, strict=True) if not hit]
-                plan.prompts = ([s.input_ids for s in fused], [s.rows for s in fused]) if fused else None
-                joining = [s for s, _ in prepared] + computed
+            if self.runner.forward.fuses_joins and self.runner.batch is not None:
+                # prefilled in the step's forward, after the rest
+                plan.prompts = ([s.input_ids for s in fresh], [s.rows for s in fresh]) if fresh else None
+                joining, fused = [s for s, _ in prepared], fresh
+                computed: list[Sequence] = []
             else:
                 joining, fused, computed = [s for s, _ in prepared] + fresh, [], fresh
             try:

@@ -117,10 +117,6 @@ class ModelRunner:
         the sequence's length."""
         return self.encoder_decoder or (self.per_row_positions and not self.mutable_forward)
 
-    def prefix_hit(self, ids: list[int]) -> bool:
-        """Whether decoder-only prompt `ids` starts with a cached prefix now."""
-        return self.prefixes is not None and self.prefixes.probe(ids) > 0
-
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
 
@@ -213,21 +209,21 @@ class ModelRunner:
             **keep,
         )
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        self._remember(prompts, kv, done)
+        self._remember(prompts, kv, [done] * len(prompts))
         batch = DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
                              lengths=[len(ids) for ids in prompts])
         return batch, out.logits[:, -1, :]
 
-    def _remember(self, prompts: list[list[int]], kv: KV, done: int = 0) -> None:
-        """Keep the whole blocks of `prompts`, whose keys/values `kv` holds left-padded, past the first `done`
-        tokens (`prefixes`); a failure only leaves them out."""
+    def _remember(self, prompts: list[list[int]], kv: KV, done: list[int]) -> None:
+        """Keep the whole blocks of `prompts`, whose keys/values `kv` holds left-padded, past the first `done[i]`
+        tokens of each (those found cached, `prefixes`); a failure only leaves them out."""
         if self.prefixes is None:
             return
         try:
             longest = kv[0][0].shape[2]
-            for row, ids in enumerate(prompts):
+            for row, (ids, cached) in enumerate(zip(prompts, done, strict=True)):
                 start = longest - len(ids)
-                self.prefixes.store(ids, [(k[row, :, start:], v[row, :, start:]) for k, v in kv], done)
+                self.prefixes.store(ids, [(k[row, :, start:], v[row, :, start:]) for k, v in kv], cached)
         except Exception:  # e.g. out of device memory: the cache is emptied, the request goes on
             logger.exception("keeping prompt prefixes failed; the prefix cache is emptied")
             self.prefixes.clear()
@@ -357,19 +353,24 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, DecoderBatch, torch.Tensor]:
         """`step` and `prefill` in one forward pass (`fused_joins`, where `fuses_joins`): feeds each running row its
         next token and grows `batch` by one step, and computes the new sequences' rows (sequence i gets
-        `repeats[i]` rows). Returns the running rows' next-token logits, the new rows' batch and their logits."""
+        `repeats[i]` rows); a prompt whose start is cached (`prefixes`) feeds only the tokens after it. Returns the
+        running rows' next-token logits, the new rows' batch and their logits."""
         import torch
         from transformers import DynamicCache
 
         rows = batch.rows
+        found = self._prefixes(prompts)
+        fed = [ids[prefix.length:] for ids, prefix in zip(prompts, found, strict=True)]
         spans, start = [], rows
-        for ids in prompts:
+        for ids in fed:
             spans.append((start, start + len(ids)))
             start += len(ids)
-        ids = torch.cat((tokens, self._tensor([token for prompt in prompts for token in prompt])))[None]
-        positions = torch.cat([batch.positions] + [torch.arange(len(ids_), device=self.device) for ids_ in prompts])
+        ids = torch.cat((tokens, self._tensor([token for prompt in fed for token in prompt])))[None]
+        positions = torch.cat([batch.positions] + [torch.arange(prefix.length, len(ids_), device=self.device)
+                                                   for ids_, prefix in zip(prompts, found, strict=True)])
         mask = batch.next_mask()
-        plan = Fused(rows, spans, mask.bool()[:, None, None, :])
+        plan = Fused(rows, spans, mask.bool()[:, None, None, :],
+                     prefixes=[prefix.kv or None for prefix in found] if any(p.length for p in found) else [])
         layer_class = fused_layer_class()
         cache = DynamicCache()
         cache.layers = [layer_class(plan, index, k, v, batch.capacity, batch.token_budget)
@@ -386,10 +387,8 @@ class ModelRunner:
                                "run the fused attention: joining prompts cannot be prefilled in the step")
         batch.grew([(layer.keys, layer.values) for layer in cache.layers], mask)
         logits = out.logits[0]
-        new = self._prompt_rows(prompts, cache.layers)
-        if self.prefixes is not None:  # the engine fuses only prompts without a cached prefix
-            self.prefixes.missed(prompts)
-            self._remember(prompts, new.self_kv)
+        new = self._prompt_rows(prompts, found, cache.layers)
+        self._remember(prompts, new.self_kv, [prefix.length for prefix in found])
         new_logits = logits[rows:]
         repeated = self._repeat(repeats)
         if len(repeated) != len(prompts):
@@ -398,21 +397,25 @@ class ModelRunner:
             new_logits = new_logits.index_select(0, index)
         return logits[:rows], new, new_logits
 
-    def _prompt_rows(self, prompts: list[list[int]], layers: list[Any]) -> DecoderBatch:
-        """The rows of `prompts` from a fused forward's cache `layers`: each prompt's keys/values left-padded to
-        the longest, as `prefill` leaves them."""
+    def _prompt_rows(self, prompts: list[list[int]], found: list[Prefix], layers: list[Any]) -> DecoderBatch:
+        """The rows of `prompts` from a fused forward's cache `layers`: each prompt's keys/values (its cached start's,
+        `found`, then those computed) left-padded to the longest, as `prefill` leaves them."""
         longest = max(len(ids) for ids in prompts)
         mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
 
-        def left_padded(computed: torch.Tensor) -> torch.Tensor:  # [1, heads, tokens, dim] -> [prompts, ...]
+        def left_padded(computed: torch.Tensor, layer: int, part: int) -> torch.Tensor:  # [1, heads, fed, dim]
             padded = computed.new_zeros((len(prompts), computed.shape[1], longest, computed.shape[3]))
             start = 0
-            for row, ids in enumerate(prompts):
-                padded[row, :, longest - len(ids):] = computed[0, :, start:start + len(ids)]
-                start += len(ids)
+            for row, (ids, prefix) in enumerate(zip(prompts, found, strict=True)):
+                first, fed = longest - len(ids), len(ids) - prefix.length
+                if prefix.length:
+                    padded[row, :, first:first + prefix.length] = prefix.kv[layer][part][0]
+                padded[row, :, longest - fed:] = computed[0, :, start:start + fed]
+                start += fed
             return padded
 
-        kv = [(left_padded(layer.prompt_keys), left_padded(layer.prompt_values)) for layer in layers]
+        kv = [(left_padded(layer.prompt_keys, index, 0), left_padded(layer.prompt_values, index, 1))
+              for index, layer in enumerate(layers)]
         return DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
                             lengths=[len(ids) for ids in prompts])
 
