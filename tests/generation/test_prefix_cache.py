@@ -101,6 +101,27 @@ def test_concurrent_and_joining_requests_with_a_shared_start_match_generate(mode
     assert warm.prefix_cache.stats.hits - hits_before >= (len(shared) if arch == "gpt2" else 4)
 
 
+def test_prompts_sharing_an_uncached_start_in_one_prefill_compute_it_once(models, engines):
+    """A prefill call of several prompts that start alike, nothing cached yet (a burst of a new system prompt):
+    the first computes the start and keeps it, the others start from it; the logits are a cold batch's."""
+    from transerve.backends.generation.torch.prefix_cache import PrefixCache
+
+    forward = engines["gpt2"][0].runner.forward
+    prompts = _prompts(3, seed=30) + [_prompts(1, seed=31)[0]]
+    kept = forward.prefixes
+    try:
+        with torch.inference_mode():
+            forward.prefixes = None
+            _, cold = forward.prefill(prompts, [1, 2, 1, 1])
+            forward.prefixes = PrefixCache(4096, forward.device)
+            _, warm = forward.prefill(prompts, [1, 2, 1, 1])
+        stats = forward.prefixes.stats
+    finally:
+        forward.prefixes = kept
+    torch.testing.assert_close(cold, warm, rtol=1e-5, atol=1e-5)
+    assert (stats.hits, stats.misses, stats.hit_tokens) == (2, 2, 2 * 96)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_tiny_bound_forgets_entries_and_serves_every_request(models, arch):
     model = models[arch]

@@ -149,22 +149,20 @@ class ModelRunner:
         in the cache, left-padded, and the next-token logits after each prompt ([rows, vocab]): one forward pass
         for all new sequences, the LM head on the last position only. Their first tokens are chosen with the
         running rows' next ones, so a sequence that starts alone reads the weights once before its first token.
-        Where some prompts start with a cached prefix (`prefixes`), each prompt gets a forward of its own, over
-        what follows its prefix."""
-        import torch
+        Where a prompt starts with a cached prefix (`prefixes`), or two start with the same whole block, each
+        prompt gets a forward of its own, over what follows its cached prefix, looked up once the prompts before it
+        have kept their blocks: a load whose prompts share a system prompt computes it once."""
 
-        found = self._prefixes(prompts)
         batch = None
-        if any(prefix.length for prefix in found):
+        if self._shared_starts(prompts):
             try:
-                parts = [self._prefill([ids], prefix) for ids, prefix in zip(prompts, found, strict=True)]
+                parts = [self._prefill([ids], self._prefixes([ids])[0]) for ids in prompts]
             except Exception:  # the cache must never fail a request: prefill them in full
                 logger.exception("prefilling after cached prefixes failed; prefilling in full")
             else:
-                batch, logits = parts[0]
-                for other, _ in parts[1:]:
-                    batch.extend(other)
-                logits = torch.cat([part[1] for part in parts]) if len(parts) > 1 else logits
+                batch, logits = self._stacked(parts) if len(parts) > 1 else parts[0]
+        elif self.prefixes is not None:
+            self.prefixes.missed(prompts)
         if batch is None:
             batch, logits = self._prefill(prompts)
         rows = self._repeat(repeats)
@@ -173,6 +171,44 @@ class ModelRunner:
             batch.select(index, order=rows)
             logits = logits.index_select(0, index)
         return batch, logits
+
+    def _stacked(self, parts: list[tuple[DecoderBatch, torch.Tensor]]) -> tuple[DecoderBatch, torch.Tensor]:
+        """One-row batches (prompts prefilled one at a time) as one batch, left-padded to the longest, and their
+        logits: one allocation per layer's keys or values, where joining them one by one (`DecoderBatch.extend`)
+        would give the first a buffer of `capacity` rows and grow it as longer prompts come."""
+        import torch
+
+        lengths = [batch.lengths[0] for batch, _ in parts]
+        longest = max(lengths)
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # each [1, heads, length, dim]
+            first = tensors[0]
+            out = first.new_zeros((len(tensors), first.shape[1], longest, first.shape[3]))
+            for row, (tensor, length) in enumerate(zip(tensors, lengths, strict=True)):
+                out[row, :, longest - length:] = tensor[0, :, tensor.shape[2] - length:]
+            return out
+
+        kv = [(stacked([batch.self_kv[layer][0] for batch, _ in parts]),
+               stacked([batch.self_kv[layer][1] for batch, _ in parts]))
+              for layer in range(len(parts[0][0].self_kv))]
+        mask = self._tensor([[0] * (longest - length) + [1] * length for length in lengths])
+        batch = DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
+                             lengths=lengths)
+        return batch, torch.cat([logits for _, logits in parts])
+
+    def _shared_starts(self, prompts: list[list[int]]) -> bool:
+        """Whether a prompt starts with a cached prefix, or two with the same whole block (`prefill`)."""
+        if self.prefixes is None:
+            return False
+        try:
+            if any(self.prefixes.probe(ids) for ids in prompts):
+                return True
+        except Exception:
+            logger.exception("looking up prompt prefixes failed; prefilling in full")
+            return False
+        block = self.prefixes.block
+        starts = [tuple(ids[:block]) for ids in prompts if len(ids) > block]
+        return len(set(starts)) < len(starts)
 
     def _prefixes(self, prompts: list[list[int]]) -> list[Prefix]:
         """Each prompt's cached prefix (length 0 without one); none at all where there is no cache or it fails."""
