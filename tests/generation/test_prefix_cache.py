@@ -122,6 +122,35 @@ def test_prompts_sharing_an_uncached_start_in_one_prefill_compute_it_once(models
     assert (stats.hits, stats.misses, stats.hit_tokens) == (2, 2, 2 * 96)
 
 
+def test_a_prefill_from_cached_starts_with_tails_of_any_length_equals_a_cold_one(models, engines):
+    """Prompts with a cached start and tails of 1 to 60 tokens in one prefill call, and one whose cached start is
+    shorter than the others': logits, caches, masks and positions as a cold prefill's."""
+    from transerve.backends.generation.torch.prefix_cache import PrefixCache
+
+    forward = engines["gpt2"][0].runner.forward
+    start = _prompts(1, shared=70, seed=40)[0][:70]
+    rng = random.Random(41)
+    prompts = [start + [rng.randrange(1, 399) for _ in range(tail)] for tail in (1, 60, 7)] + [start[:40]]
+    kept = forward.prefixes
+    try:
+        with torch.inference_mode():
+            forward.prefixes = None
+            cold, cold_logits = forward.prefill(prompts, [1, 1, 2, 1])
+            forward.prefixes = PrefixCache(4096, forward.device)
+            forward.prefill([start], [1])  # its two whole blocks are kept
+            warm, warm_logits = forward.prefill(prompts, [1, 1, 2, 1])
+        stats = forward.prefixes.stats
+    finally:
+        forward.prefixes = kept
+    assert (stats.hits, stats.hit_tokens) == (4, 64 * 3 + 32)
+    torch.testing.assert_close(cold_logits, warm_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cold.mask, warm.mask) and torch.equal(cold.positions, warm.positions)
+    for (k, v), (wk, wv) in zip(cold.self_kv, warm.self_kv, strict=True):
+        for row, length in enumerate(cold.lengths):
+            torch.testing.assert_close((k[row, :, -length:], v[row, :, -length:]),
+                                       (wk[row, :, -length:], wv[row, :, -length:]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_tiny_bound_forgets_entries_and_serves_every_request(models, arch):
     model = models[arch]
