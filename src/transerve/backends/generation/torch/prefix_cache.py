@@ -58,7 +58,9 @@ class _Entry:
     hidden: torch.Tensor | None = None
     #: Blocks that follow this one (a block is forgotten only after them).
     children: int = 0
-    parent: object = None
+    #: The block this one follows (None: the first of its prompt, or a source).
+    parent: _Entry | None = None
+    #: The id the blocks that follow this one are found by (0 stands for the prompt's start).
     ident: int = 0
 
 
@@ -252,7 +254,7 @@ class PrefixCache:
                 return False
             entry = self._entries.pop(victim)
             self._used -= entry.tokens
-            if isinstance(entry.parent, _Entry):
+            if entry.parent is not None:
                 entry.parent.children -= 1
         return True
 
