@@ -23,7 +23,9 @@ One run measures, one server at a time (never two at once: they would share the 
   `/v1/completions`;
 - `generate`: the same server, `/v2/models/gpt2s/generate_stream` with the same ids (`input_ids`,
   `sequence_length`, `max_tokens`, `stream`);
-- `ct2`: the folder converted with `--engine ctranslate2 --quantization int8`, `/v1/completions`.
+- `ct2`: the folder converted with `--engine ctranslate2 --quantization int8`, `/v1/completions`;
+- `v1_cold` (not measured unless named in `--parts`): `v1` with the torch engine's prefix cache off
+  (`prefix_cache_tokens: 0`), to compare against `v1` on `--load shared-system`.
 
 The load is benchmarks/generation.py's: `--requests` prompts of 8 to 64 token ids, each asking for 8 to 128 new
 tokens (seeded), sent as token ids (`"prompt": [ids]`, `max_tokens`, `temperature: 0`, streamed with
@@ -34,6 +36,10 @@ which the completion tokens of each answer's `usage` (or the streamed ids, for g
 `finish_reason` `length`; anything else counts as an error. Tokens/s counts the tokens of requests that ended inside
 the measured window; time to first token is from sending a request to its first event carrying a token, over those
 same requests (under the full load, not at concurrency 1).
+
+`--load shared-system` is a chat load instead: every prompt starts with the same 900 ids (a system prompt), then
+8 to 32 ids of its own, and asks for 8 to 92 new tokens (within GPT-2's 1024 positions); the torch engine's prefix
+cache serves the shared start after the first request (`--parts v1,v1_cold` compares with the cache off).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import datetime
 import importlib.util
 import os
 import platform
+import random
 import shlex
 import shutil
 import signal
@@ -70,11 +77,17 @@ from benchmarks.common.machine import OtherWork, wait_for_quiet
 from benchmarks.common.results import REPO_ROOT, add_json_option, comma_list, commit, write_json
 from benchmarks.common.streams import GenerateStream, OpenAIStream, Reader, Run, closed_loop
 
-PARTS = ("vllm", "v1", "generate", "ct2")
+PARTS = ("vllm", "v1", "generate", "ct2", "v1_cold")
+LOADS = ("mixed", "shared-system")
+#: `--load shared-system`: the system prompt's ids, each request's own ids after it, and the new tokens asked for,
+#: within GPT-2's 1024 positions.
+SYSTEM_TOKENS = 900
+USER_TOKENS = (8, 32)
+SYSTEM_NEW_TOKENS = (8, 92)
 NAME = "gpt2s"
 #: vLLM's CPU attention kernels take heads of 64 (or more), not the 16 of generation.py's tiny model.
 QUICK_SHAPE = Shape("gpt2", "GPT-2, tiny (--quick: d_model 128, 2 layers, 2 heads of 64, vocab 2000)",
-                    {"d_model": 128, "layers": 2, "vocab_size": 2000}, {"n_head": 2})
+                    {"d_model": 128, "layers": 2, "vocab_size": 2000}, {"n_head": 2, "n_positions": 1024})
 #: vLLM's CPU backend reserves this fraction of the machine's memory (KV cache included) at start; its default,
 #: 0.92, fails on a machine with other work.
 VLLM_ARGS = "--dtype float32 --gpu-memory-utilization 0.2"
@@ -108,7 +121,7 @@ def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int |
     for engine, quantization in (("torch", "float32"), ("ct2", "int8")):
         repository = folder / f"repository-{engine}"
         converted = folder / f"{engine}-config.pbtxt"  # as convert wrote it: a kept workdir's runs start from it
-        wanted = {"torch": {"v1", "generate"}, "ct2": {"ct2"}}[engine]
+        wanted = {"torch": {"v1", "generate", "v1_cold"}, "ct2": {"ct2"}}[engine]
         if wanted & set(parts) and not converted.is_file():
             shutil.rmtree(repository, ignore_errors=True)
             convert(hf_dir, repository, "torch" if engine == "torch" else "ctranslate2", quantization, NAME,
@@ -121,6 +134,17 @@ def prepare(workdir: Path, shape: Shape, parts: list[str], max_batch_rows: int |
         repositories[engine] = repository
     model = Model("gpt2", shape, hf_dir, folder, encoder_decoder=False, eos_id=eos, pad_id=eos, end_id=eos)
     return model, repositories
+
+
+def shared_system_load(count: int, seed: int) -> list[Request]:
+    """`count` requests that start with the same `SYSTEM_TOKENS` ids, each with its own `USER_TOKENS` ids after
+    them, asking for `SYSTEM_NEW_TOKENS` new tokens (seeded; ids from the byte-level alphabet, as `make_load`'s)."""
+    from benchmarks.common.generation_models import PROMPT_IDS
+
+    rng = random.Random(seed)
+    system = [rng.randrange(*PROMPT_IDS) for _ in range(SYSTEM_TOKENS)]
+    return [Request(tuple(system + [rng.randrange(*PROMPT_IDS) for _ in range(rng.randint(*USER_TOKENS))]),
+                    rng.randint(*SYSTEM_NEW_TOKENS)) for _ in range(count)]
 
 
 def openai_body(request: Request) -> bytes:
@@ -236,6 +260,10 @@ def goals(runs: dict[str, Run]) -> str:
                      f"({v1.rate:.1f} against {generate.rate:.1f}) | {'yes' if cost <= 0.05 else 'no'} |")
     if ct2 and vllm:
         lines.append(f"| (no goal) CTranslate2 int8 /v1 against vLLM float32 | {ct2.rate / vllm.rate:.2f}x | |")
+    cold = measured(runs, "v1_cold")
+    if v1 and cold:
+        lines.append(f"| (no goal) prefix cache on against off: TTFT p50, tokens/s | {v1.ttft_ms(50):.0f} against "
+                     f"{cold.ttft_ms(50):.0f} ms, {v1.rate:.1f} against {cold.rate:.1f} | |")
     return "\n".join(lines)
 
 
@@ -250,7 +278,7 @@ def report(args: argparse.Namespace, shape: Shape, runs: list[Run], started: dat
           f"requests (seed {args.seed}), {args.concurrency} closed-loop clients, streamed, {args.warmup:.0f} s "
           f"warm-up + {args.duration:.0f} s measured per row; transerve: max_batch_rows "
           f"{args.max_batch_rows or 'as converted'}; vLLM: "
-          f"{args.vllm_args} {args.vllm_env}".rstrip())
+          f"{args.vllm_args} {args.vllm_env}; load {args.load}".rstrip())
     print()
     print(table(runs))
     print("\nRatios and goals (issue 21)\n")
@@ -261,11 +289,14 @@ def report(args: argparse.Namespace, shape: Shape, runs: list[Run], started: dat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"what to measure, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS[:-1]), help=f"what to measure, of {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="a tiny model and short runs: a check of the script")
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds per row")
     parser.add_argument("--warmup", type=float, default=30.0, help="uncounted seconds of load before each row")
     parser.add_argument("--requests", type=int, default=64, help="requests in the load (seeded)")
+    parser.add_argument("--load", choices=LOADS, default="mixed",
+                        help="mixed: generation.py's prompts; shared-system: one 900-id system prompt before each "
+                             "request's own ids (a chat load, for the prefix cache)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")
     parser.add_argument("--max-batch-rows", type=int,
@@ -303,7 +334,8 @@ def main() -> None:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="openai-bench-")))
         workdir.mkdir(parents=True, exist_ok=True)
         model, repositories = prepare(workdir, shape, parts, args.max_batch_rows)
-        requests = make_load(args.requests, args.seed, model)
+        requests = (make_load(args.requests, args.seed, model) if args.load == "mixed"
+                    else shared_system_load(args.requests, args.seed))
         if "vllm" in parts:
             runs.append(run_vllm(args, model, requests))
         torch_runs = [(key, label, path, reader) for key, label, path, reader in (
@@ -313,6 +345,16 @@ def main() -> None:
         ) if key in parts]
         if torch_runs:
             runs += run_transerve(args, repositories["torch"], torch_runs, requests)
+        if "v1_cold" in parts:  # the same repository, its prefix cache off for this server only
+            config = repositories["torch"] / NAME / "config.pbtxt"
+            kept = config.read_text()
+            set_parameter(config, "prefix_cache_tokens", "0")
+            try:
+                runs += run_transerve(args, repositories["torch"], [
+                    ("v1_cold", "transerve, torch engine, prefix cache off, /v1/completions", "/v1/completions",
+                     OpenAIStream)], requests)
+            finally:
+                config.write_text(kept)
         if "ct2" in parts:
             runs += run_transerve(args, repositories["ct2"], [
                 ("ct2", "transerve, CTranslate2 int8, /v1/completions", "/v1/completions", OpenAIStream)], requests)

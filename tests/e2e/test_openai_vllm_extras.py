@@ -31,6 +31,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 MAX_TOKENS = 24
 #: One sequence at a time: what the priority test queues behind.
 ONE_ROW = "gpt_one"
+#: The one-row model's positions.
+LONG_CONTEXT = 32768
 #: A template of the request's own: other markers than the model's, and a variable of chat_template_kwargs.
 REQUEST_TEMPLATE = (
     "{% for message in messages %}[{{ message['role'] | upper }}{% if tag %}:{{ tag }}{% endif %}] "
@@ -40,13 +42,19 @@ REQUEST_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path]:
+    from support.generation_models import build_generation_model
+
     from transerve.convert.command import convert
 
     root = tmp_path_factory.mktemp("openai_extras")
     folder = build_chat_gpt2(root / "gpt2")
     repository = root / "repository"
-    for name, engine in (("gpt", "torch"), ("gpt_ct2", "ctranslate2"), (ONE_ROW, "torch")):
+    for name, engine in (("gpt", "torch"), ("gpt_ct2", "ctranslate2")):
         convert(folder, repository, engine=engine, name=name, max_batch_size=8, decoupled=True)
+    # The one-row model: a long context, so that a stream can hold its row for as long as a loaded machine needs
+    # to queue the priority test's requests behind it.
+    long_folder = build_generation_model("gpt2", root / "gpt2_long", config={"n_positions": LONG_CONTEXT})
+    convert(long_folder, repository, engine="torch", name=ONE_ROW, max_batch_size=8, decoupled=True)
     config = repository / ONE_ROW / "config.pbtxt"
     text, count = re.subn(r'(key: "max_batch_rows"\s*value \{\s*string_value: )"\d+"', r'\1"1"', config.read_text())
     if not count:
@@ -212,14 +220,15 @@ def test_a_better_priority_is_served_before_earlier_worse_ones(client, server):
     finished: list[str] = []
     lock = threading.Lock()
 
-    def complete(name: str, priority: int) -> None:
-        client.completions.create(model=ONE_ROW, prompt=PROMPT, max_tokens=4, temperature=0,
-                                  extra_body={"priority": priority, "min_tokens": 4})
+    def complete(name: str, priority: int) -> None:  # a client of its own: threads sharing one pool's connections
+        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as own:
+            own.completions.create(model=ONE_ROW, prompt=PROMPT, max_tokens=4, temperature=0,
+                                   extra_body={"priority": priority, "min_tokens": 4})
         with lock:
             finished.append(name)
 
-    holder = client.completions.create(model=ONE_ROW, prompt=PROMPT, max_tokens=1900, temperature=0, stream=True,
-                                       extra_body={"min_tokens": 1900})
+    holder = client.completions.create(model=ONE_ROW, prompt=PROMPT, max_tokens=LONG_CONTEXT - 64, temperature=0,
+                                       stream=True, extra_body={"min_tokens": LONG_CONTEXT - 64})
     chunks = iter(holder)
     next(chunks)  # it runs: the row is taken
     threads = []

@@ -79,3 +79,12 @@ def test_load_counts_running_and_waiting_sequences_and_the_budget(models, tmp_pa
     assert all(isinstance(future.result(60), ServerError) for future in futures)  # closed: UNAVAILABLE
     load = engine.load()
     assert (load.running, load.waiting, load.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_instances_loads_add_up_as_one_models():
+    from transerve.core.engine_load import EngineLoad, PrefixCacheCounts
+
+    total = EngineLoad.total([EngineLoad(2, 1, 0.5, PrefixCacheCounts(100, 64, 2, 1)), EngineLoad(1, 0, 0.25),
+                              EngineLoad(0, 3, None, PrefixCacheCounts(10, 0, 0, 1))])
+    assert total == EngineLoad(3, 4, 0.375, PrefixCacheCounts(110, 64, 2, 2))
+    assert EngineLoad.total([EngineLoad(1, 0)]) == EngineLoad(1, 0, None, None)

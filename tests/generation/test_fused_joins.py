@@ -110,3 +110,40 @@ def test_encoder_decoder_models_join_as_before(models, arch):
         assert not engine.runner.forward.fuses_joins
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("repeats", [[1, 1, 1], [2, 1, 1]])
+def test_prompts_with_a_cached_start_join_as_a_cold_prefill_would(runner, repeats):
+    """Prompts whose start is cached (`prefix_cache`, blocks of 4 here) feed only the tokens after it, in the step
+    (`step_with_prompts`) and in a prefill of their own: the running rows' logits bitwise, the new rows' logits and
+    caches within float rounding of a cold prefill's; one prompt has no cached start, one a single token after it."""
+    from transerve.backends.generation.torch.prefix_cache import PrefixCache
+
+    start = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
+    running, prompts = [[5, 6, 7, 8, 9], [10, 11]], [start + [40, 41], [50, 51, 52], start[:9]]
+    kept = runner.prefixes
+    try:
+        runner.prefixes = None
+        with torch.inference_mode():
+            apart, apart_tokens = running_batch(runner, running)
+            together, together_tokens = running_batch(runner, running)
+            step_logits = runner.step(apart, apart_tokens)
+            cold, cold_logits = runner.new_rows(prompts, repeats)
+            runner.prefixes = PrefixCache(1024, runner.device, block=4)
+            runner.new_rows([start], [1])  # its two whole blocks are kept
+            fused_logits, fused, fused_new_logits = runner.step_with_prompts(
+                together, together_tokens, prompts, repeats)
+            assert runner.prefixes.stats.hit_tokens == 16
+            alone, alone_logits = runner.new_rows(prompts, repeats)
+            assert runner.prefixes.stats.hit_tokens == 16 + 8 + 8
+    finally:
+        runner.prefixes = kept
+    assert torch.equal(step_logits, fused_logits)
+    for new, logits in ((fused, fused_new_logits), (alone, alone_logits)):
+        torch.testing.assert_close(cold_logits, logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(cold.mask, new.mask) and torch.equal(cold.positions, new.positions)
+        assert cold.lengths == new.lengths
+        for (k, v), (nk, nv) in zip(cold.self_kv, new.self_kv, strict=True):
+            for row, length in enumerate(cold.lengths):
+                torch.testing.assert_close((k[row, :, -length:], v[row, :, -length:]),
+                                           (nk[row, :, -length:], nv[row, :, -length:]), rtol=1e-5, atol=1e-5)

@@ -36,7 +36,7 @@ def test_defaults_and_the_engine_a_folder_implies(version):
     assert (hf.intra_op_threads, hf.max_batch_rows, hf.kv_cache_tokens, hf.max_new_tokens) == (0, None, 65536, 64)
     assert hf.max_concurrent_calls == 2
     assert (hf.latency_threads, hf.latency_rows, hf.onednn_linear, hf.join_group) == (0, 1, True, 4)
-    assert hf.cuda_graphs is True
+    assert hf.cuda_graphs is True and hf.prefix_cache_tokens == 2048
     (version / "model" / "model.bin").write_bytes(b"")
     assert settings(version).engine == "ctranslate2"  # a converted CTranslate2 model
     assert settings(version, engine="torch").engine == "torch"
@@ -47,8 +47,9 @@ def test_values_are_read(version):
     read = settings(version, model_dir="weights", engine="ctranslate2", compute_type="int8_float16",
                     intra_op_threads="2", max_batch_rows="32", max_new_tokens="128", max_concurrent_calls="3",
                     latency_threads="4", latency_rows="2", onednn_linear="False", join_group="8",
-                    cuda_graphs="false", unknown_key="ignored")
+                    cuda_graphs="false", prefix_cache_tokens="0", unknown_key="ignored")
     assert read.max_concurrent_calls == 3 and read.onednn_linear is False and read.cuda_graphs is False
+    assert read.prefix_cache_tokens == 0
     assert (read.latency_threads, read.latency_rows, read.join_group) == (4, 2, 8)
     assert read.model_dir == version / "weights"
     assert (read.compute_type, read.intra_op_threads, read.max_batch_rows, read.max_new_tokens) == (
@@ -69,6 +70,7 @@ def test_values_are_read(version):
         ({"max_new_tokens": "0"}, "parameter 'max_new_tokens' must be at least 1"),
         ({"join_group": "0"}, "parameter 'join_group' must be at least 1, got 0"),
         ({"max_concurrent_calls": "0"}, "parameter 'max_concurrent_calls' must be at least 1"),
+        ({"prefix_cache_tokens": "-1"}, "parameter 'prefix_cache_tokens' must be at least 0, got -1"),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(version, parameters, words):

@@ -216,6 +216,7 @@ def _vllm_families(models: list[ModelVersion]) -> Iterator[Metric]:
         for reason, number in timings.finished.items():
             success.add_sample(success.name, {**labels, "finished_reason": reason}, number)
     yield from (running, waiting, kv_usage, prompt, generation, success)
+    yield from _prefix_cache_families(served)
     for name, text, attribute in _VLLM_HISTOGRAMS:
         family = _family(name, text, "histogram")
         for model in served:
@@ -226,6 +227,28 @@ def _vllm_families(models: list[ModelVersion]) -> Iterator[Metric]:
             family.add_sample(f"{name}_count", labels, histogram.count)
             family.add_sample(f"{name}_sum", labels, histogram.total)
         yield family
+
+
+def _prefix_cache_families(models: list[ModelVersion]) -> Iterator[Metric]:
+    """The torch engine's prefix cache, summed over a model's instances: vLLM's token counters (`model_name`) and
+    transerve's lookups by result; models without one are left out."""
+    queries = _family("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried "
+                      "tokens.", "counter")
+    hits = _family("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.",
+                   "counter")
+    lookups = _family("transerve_prefix_cache_lookups", "Number of prompt prefix (encoder-decoder: source) "
+                      "lookups in the generation engine's prefix cache, by result", "counter")
+    for model in models:
+        load = model.engine_load()
+        counts = load.prefix_cache if load is not None else None
+        if counts is None:
+            continue
+        queries.add_sample(queries.name, {"model_name": model.name}, counts.queried_tokens)
+        hits.add_sample(hits.name, {"model_name": model.name}, counts.hit_tokens)
+        labels = {"model": model.name, "version": model.version}
+        lookups.add_sample(lookups.name, {**labels, "result": "hit"}, counts.hits)
+        lookups.add_sample(lookups.name, {**labels, "result": "miss"}, counts.misses)
+    yield from (queries, hits, lookups)
 
 
 def _counted(model: ModelVersion) -> bool:

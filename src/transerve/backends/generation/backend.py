@@ -137,7 +137,7 @@ def _load_engine(settings: GenerationSettings, placement: Placement) -> Generati
             max_batch_rows=settings.max_batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
             latency_threads=settings.latency_threads, latency_rows=settings.latency_rows,
             onednn_linear=settings.onednn_linear, join_group=settings.join_group, scheduling=scheduling,
-            static_steps=None if settings.cuda_graphs else False,
+            static_steps=None if settings.cuda_graphs else False, prefix_cache_tokens=settings.prefix_cache_tokens,
         )
 
 

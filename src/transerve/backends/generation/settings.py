@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
+from transerve.backends.generation.torch.prefix_cache import DEFAULT_TOKENS as DEFAULT_PREFIX_CACHE_TOKENS
 from transerve.core.errors import invalid_arg, unavailable
 from transerve.repository.paths import inside
 
@@ -47,6 +48,9 @@ class GenerationSettings:
     join_group: int = 4
     #: Torch engine on a GPU: decoding steps recorded as CUDA graphs (`step_graphs`).
     cuda_graphs: bool = True
+    #: Torch engine: tokens of prompt prefixes (encoder-decoder: sources) whose caches are kept for later requests
+    #: (`prefix_cache`; 0: none).
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
 
 
 def read_settings(config: model_config_pb2.ModelConfig, version_path: Path,
@@ -84,6 +88,7 @@ def read_settings(config: model_config_pb2.ModelConfig, version_path: Path,
         onednn_linear=_boolean(parameters, "onednn_linear", True),
         join_group=_integer(parameters, "join_group", 4, minimum=1),
         cuda_graphs=_boolean(parameters, "cuda_graphs", True),
+        prefix_cache_tokens=_integer(parameters, "prefix_cache_tokens", DEFAULT_PREFIX_CACHE_TOKENS, minimum=0),
     )
 
 

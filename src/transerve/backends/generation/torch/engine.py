@@ -39,12 +39,14 @@ from transerve.backends.generation.torch.batch_runner import BatchRunner, StepPl
 from transerve.backends.generation.torch.cache_buffers import fewest_moves
 from transerve.backends.generation.torch.join_stream import JoinStream, Prepared
 from transerve.backends.generation.torch.model_loading import load
+from transerve.backends.generation.torch.prefix_cache import BLOCK_TOKENS, PrefixCache
+from transerve.backends.generation.torch.prefix_cache import DEFAULT_TOKENS as DEFAULT_PREFIX_TOKENS
 from transerve.backends.generation.torch.prompt_scores import score_prompt
 from transerve.backends.generation.torch.scheduler import RequestLevel, Scheduler, Scheduling
 from transerve.backends.generation.torch.selection import choose, result
 from transerve.backends.generation.torch.sequence import Sequence
 from transerve.backends.generation.torch.step_graphs import step_graphs_for
-from transerve.core.engine_load import EngineLoad
+from transerve.core.engine_load import EngineLoad, PrefixCacheCounts
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
 if TYPE_CHECKING:
@@ -99,13 +101,15 @@ class TorchEngine:
         join_group: int = JOIN_GROUP,
         scheduling: Scheduling | None = None,
         static_steps: bool | None = None,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_TOKENS,
     ) -> None:
         if (max_batch_rows is not None and max_batch_rows < 1) or kv_cache_tokens < 1:
             raise invalid_arg("max_batch_rows and kv_cache_tokens must be positive")
         if join_group < 1:
             raise invalid_arg("join_group must be positive")
-        if intra_op_threads < 0 or latency_threads < 0 or latency_rows < 0:
-            raise invalid_arg("intra_op_threads, latency_threads and latency_rows must not be negative")
+        if intra_op_threads < 0 or latency_threads < 0 or latency_rows < 0 or prefix_cache_tokens < 0:
+            raise invalid_arg("intra_op_threads, latency_threads, latency_rows and prefix_cache_tokens must not be "
+                              "negative")
         model_dir = Path(model_dir)
         model, onednn, facts = load(model_dir, device, compute_type, onednn_linear)
         #: Whether the model's linear layers compute on oneDNN (`onednn_linear`: CPU float32 only).
@@ -126,6 +130,10 @@ class TorchEngine:
         from transerve.backends.generation.torch.model_runner import ModelRunner
 
         forward = ModelRunner(model, facts.start_id, facts.pad_id, max_batch_rows, kv_cache_tokens)
+        if prefix_cache_tokens >= BLOCK_TOKENS and forward.caches_prefixes:
+            forward.prefixes = PrefixCache(prefix_cache_tokens, self.device)
+        #: Prompt prefixes (encoder-decoder: sources) kept for later requests; None when off (`prefix_cache`).
+        self.prefix_cache = forward.prefixes
         if static_steps is None:
             static_steps = self.device.type == "cuda"
         if static_steps:
@@ -187,9 +195,13 @@ class TorchEngine:
         return _Handle(self, sequence)
 
     def load(self) -> EngineLoad:
-        scheduler = self.scheduler
+        scheduler, cache = self.scheduler, self.prefix_cache
+        counts = None
+        if cache is not None:
+            stats = cache.stats
+            counts = PrefixCacheCounts(stats.queried_tokens, stats.hit_tokens, stats.hits, stats.misses)
         return EngineLoad(len(scheduler.running), len(scheduler.queue) + len(scheduler.scoring),
-                          scheduler.used_tokens / scheduler.kv_cache_tokens)
+                          scheduler.used_tokens / scheduler.kv_cache_tokens, counts)
 
     def close(self) -> None:
         with self.scheduler.cond:

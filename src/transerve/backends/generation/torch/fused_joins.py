@@ -8,9 +8,10 @@ left"). This module lets one forward do both: the step's tokens (one per running
 row) and the prompts' tokens go through the model as one sequence of tokens, each with its own position; the
 linear layers see them as rows and read the weights once. Only attention needs to know which token belongs to
 what: the step's tokens attend to their rows' caches (grown by one step, as a step grows them), each prompt's
-tokens to themselves, causally. `Fused`, active on the calling thread during that forward, says so; the
-attention implementation registered here (`FUSED_ATTENTION`, transformers' "sdpa" whenever no fused forward runs)
-and the cache layers (`FusedLayer`) read it.
+tokens to themselves, causally (a prompt whose start was cached, `prefix_cache`, feeds only the tokens after it,
+which attend to that start's keys/values too). `Fused`, active on the calling thread during that forward, says
+so; the attention implementation registered here (`FUSED_ATTENTION`, transformers' "sdpa" whenever no fused
+forward runs) and the cache layers (`FusedLayer`) read it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Fused:
     layers: dict[int, Any] = field(default_factory=dict)
     #: The layers whose attention ran fused: all of them, or the forward was not the fused one.
     attended: set[int] = field(default_factory=set)
+    #: Per span, the keys/values of its prompt's cached start (`prefix_cache`: per layer [1, heads, start, dim],
+    #: the span holding the tokens after it), or None; empty: none has one.
+    prefixes: list[Any] = field(default_factory=list)
 
 
 _local = threading.local()
@@ -84,11 +88,20 @@ def fused_attention(module: Any, query: Any, key: Any, value: Any, attention_mas
         output, _ = sdpa_attention_forward(module, step_query, layer.keys, layer.values, plan.mask, **kwargs)
         parts.append(output.reshape(1, rows, *output.shape[2:]))
     kwargs.pop("is_causal", None)
-    for start, stop in plan.spans:
-        output, _ = sdpa_attention_forward(
-            module, query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], None, is_causal=True,
-            **kwargs,
-        )
+    for index, (start, stop) in enumerate(plan.spans):
+        prefix = plan.prefixes[index] if plan.prefixes else None
+        span_query, span_key, span_value = query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]
+        if prefix is None:
+            output, _ = sdpa_attention_forward(module, span_query, span_key, span_value, None, is_causal=True,
+                                               **kwargs)
+        else:  # after its cached start: each token sees all of it, and its own prompt's tokens causally
+            prefix_key, prefix_value = prefix[module.layer_idx]
+            done, tokens = prefix_key.shape[2], stop - start
+            seen = torch.ones(tokens, done + tokens, dtype=torch.bool, device=query.device).tril(done)[None, None]
+            output, _ = sdpa_attention_forward(
+                module, span_query, torch.cat((prefix_key, span_key), dim=2),
+                torch.cat((prefix_value, span_value), dim=2), seen, is_causal=False, **kwargs,
+            )
         parts.append(output)
     plan.attended.add(module.layer_idx)
     return torch.cat(parts, dim=1), None

@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import TYPE_CHECKING, Any
 
 from transerve.backends.generation.torch.cache_buffers import append, cache_layer
 from transerve.backends.generation.torch.decoder_batch import KV, DecoderBatch
 from transerve.backends.generation.torch.fused_joins import Fused, fused, fused_layer_class, use_fused_joins
+from transerve.backends.generation.torch.prefix_cache import Prefix, Source
 
 if TYPE_CHECKING:
     import torch
 
+    from transerve.backends.generation.torch.prefix_cache import PrefixCache
     from transerve.backends.generation.torch.step_graphs import StepGraphs
+
+logger = logging.getLogger(__name__)
 
 
 def _row_positions_class():
@@ -101,6 +106,16 @@ class ModelRunner:
         #: Steps at bucketed shapes over fixed buffers, recorded as CUDA graphs on a GPU (`step_graphs`), where the
         #: engine set them up; None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
+        #: Prompt prefixes' (encoder-decoder: sources') caches kept for later requests (`prefix_cache`), where the
+        #: engine set one up and the model allows it (`caches_prefixes`).
+        self.prefixes: PrefixCache | None = None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prompt's start may come from another prompt's cache: always for an encoder's output; for a
+        decoder-only model, where positions reach the model per token and its forward does not rescale RoPE by
+        the sequence's length."""
+        return self.encoder_decoder or (self.per_row_positions and not self.mutable_forward)
 
     def _tensor(self, values: Any) -> torch.Tensor:
         import torch
@@ -133,24 +148,23 @@ class ModelRunner:
         """New decoder-only sequences' rows (sequence i gets `repeats[i]` identical rows) with their whole prompts
         in the cache, left-padded, and the next-token logits after each prompt ([rows, vocab]): one forward pass
         for all new sequences, the LM head on the last position only. Their first tokens are chosen with the
-        running rows' next ones, so a sequence that starts alone reads the weights once before its first token."""
-        from transformers import DynamicCache
+        running rows' next ones, so a sequence that starts alone reads the weights once before its first token.
+        Where a prompt starts with a cached prefix (`prefixes`), or two start with the same whole block, each
+        prompt gets a forward of its own, over what follows its cached prefix, looked up once the prompts before it
+        have kept their blocks: a load whose prompts share a system prompt computes it once."""
 
-        longest = max(len(ids) for ids in prompts)
-        mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
-        ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        cache = DynamicCache()
-        keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
-            **keep,
-        )
-        batch = DecoderBatch(
-            [(layer.keys, layer.values) for layer in cache.layers], mask, mask.sum(-1), capacity=self.capacity,
-            token_budget=self.token_budget, lengths=[len(ids) for ids in prompts],
-        )
-        logits = out.logits[:, -1, :]
+        batch = None
+        if self._shared_starts(prompts):
+            try:
+                parts = [self._prefill([ids], self._prefixes([ids])[0]) for ids in prompts]
+            except Exception:  # the cache must never fail a request: prefill them in full
+                logger.exception("prefilling after cached prefixes failed; prefilling in full")
+            else:
+                batch, logits = self._stacked(parts) if len(parts) > 1 else parts[0]
+        elif self.prefixes is not None:
+            self.prefixes.missed(prompts)
+        if batch is None:
+            batch, logits = self._prefill(prompts)
         rows = self._repeat(repeats)
         if len(rows) != len(prompts):
             index = self._tensor(rows)
@@ -158,12 +172,160 @@ class ModelRunner:
             logits = logits.index_select(0, index)
         return batch, logits
 
+    def _stacked(self, parts: list[tuple[DecoderBatch, torch.Tensor]]) -> tuple[DecoderBatch, torch.Tensor]:
+        """One-row batches (prompts prefilled one at a time) as one batch, left-padded to the longest, and their
+        logits: one allocation per layer's keys or values, where joining them one by one (`DecoderBatch.extend`)
+        would give the first a buffer of `capacity` rows and grow it as longer prompts come."""
+        import torch
+
+        lengths = [batch.lengths[0] for batch, _ in parts]
+        longest = max(lengths)
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # each [1, heads, length, dim]
+            first = tensors[0]
+            out = first.new_zeros((len(tensors), first.shape[1], longest, first.shape[3]))
+            for row, (tensor, length) in enumerate(zip(tensors, lengths, strict=True)):
+                out[row, :, longest - length:] = tensor[0, :, tensor.shape[2] - length:]
+            return out
+
+        kv = [(stacked([batch.self_kv[layer][0] for batch, _ in parts]),
+               stacked([batch.self_kv[layer][1] for batch, _ in parts]))
+              for layer in range(len(parts[0][0].self_kv))]
+        mask = self._tensor([[0] * (longest - length) + [1] * length for length in lengths])
+        batch = DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
+                             lengths=lengths)
+        return batch, torch.cat([logits for _, logits in parts])
+
+    def _shared_starts(self, prompts: list[list[int]]) -> bool:
+        """Whether a prompt starts with a cached prefix, or two with the same whole block (`prefill`)."""
+        if self.prefixes is None:
+            return False
+        try:
+            if any(self.prefixes.probe(ids) for ids in prompts):
+                return True
+        except Exception:
+            logger.exception("looking up prompt prefixes failed; prefilling in full")
+            return False
+        block = self.prefixes.block
+        starts = [tuple(ids[:block]) for ids in prompts if len(ids) > block]
+        return len(set(starts)) < len(starts)
+
+    def _prefixes(self, prompts: list[list[int]]) -> list[Prefix]:
+        """Each prompt's cached prefix (length 0 without one); none at all where there is no cache or it fails."""
+        if self.prefixes is None:
+            return [Prefix() for _ in prompts]
+        try:
+            return [self.prefixes.lookup(ids) for ids in prompts]
+        except Exception:  # the cache is an optimisation: a cold prefill serves the request
+            logger.exception("looking up prompt prefixes failed; prefilling in full")
+            return [Prefix() for _ in prompts]
+
+    def _prefill(self, prompts: list[list[int]], prefix: Prefix | None = None) -> tuple[DecoderBatch, torch.Tensor]:
+        """One forward over `prompts` (left-padded), or over one prompt past its cached `prefix`, whose
+        keys/values start the cache; the prompts' new whole blocks are kept (`prefixes`)."""
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        done = prefix.length if prefix is not None else 0
+        if done:
+            (ids_,) = prompts
+            cache.layers = [cache_layer(k, v) for k, v in prefix.kv]
+            mask = self._tensor([[1] * len(ids_)])
+            ids = self._tensor([ids_[done:]])
+            positions = torch.arange(done, len(ids_), device=self.device)[None]
+        else:
+            longest = max(len(ids) for ids in prompts)
+            mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
+            ids = self._tensor([[self.pad_id] * (longest - len(x)) + list(x) for x in prompts])
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        keep = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{self.cache_keyword: cache},
+            **keep,
+        )
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._remember(prompts, kv, [done] * len(prompts))
+        batch = DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
+                             lengths=[len(ids) for ids in prompts])
+        return batch, out.logits[:, -1, :]
+
+    def _remember(self, prompts: list[list[int]], kv: KV, done: list[int]) -> None:
+        """Keep the whole blocks of `prompts`, whose keys/values `kv` holds left-padded, past the first `done[i]`
+        tokens of each (those found cached, `prefixes`); a failure only leaves them out."""
+        if self.prefixes is None:
+            return
+        try:
+            longest = kv[0][0].shape[2]
+            for row, (ids, cached) in enumerate(zip(prompts, done, strict=True)):
+                start = longest - len(ids)
+                self.prefixes.store(ids, [(k[row, :, start:], v[row, :, start:]) for k, v in kv], cached)
+        except Exception:  # e.g. out of device memory: the cache is emptied, the request goes on
+            logger.exception("keeping prompt prefixes failed; the prefix cache is emptied")
+            self.prefixes.clear()
+
     @staticmethod
     def _repeat(repeats: list[int]) -> list[int]:
         """The batch rows of sequences that get `repeats[i]` rows each."""
         return [i for i, count in enumerate(repeats) for _ in range(count)]
 
     def _encode(self, sources: list[list[int]]) -> DecoderBatch:
+        """The rows of `sources`, their encoder output and cross-attention keys/values cached (`prefixes`) or
+        computed in one encoder call (`_encode_all`); those computed are kept for later requests."""
+        found = self._sources(sources)
+        missing = [ids for ids, source in zip(sources, found, strict=True) if source is None]
+        computed = self._encode_all(missing) if missing else None
+        if computed is not None and self.prefixes is not None:
+            self._remember_sources(missing, computed)
+        if computed is not None and len(missing) == len(sources):
+            return computed
+        parts, row = [], 0
+        for ids, source in zip(sources, found, strict=True):
+            if source is None:
+                parts.append(computed.rows_range(row, row + 1, own=True))
+                row += 1
+            else:
+                parts.append(self._source_rows(ids, source))
+        batch = parts[0]
+        for other in parts[1:]:
+            batch.extend(other)
+        return batch
+
+    def _sources(self, sources: list[list[int]]) -> list[Source | None]:
+        """Each source's cached encoder output (None where there is none, or no cache, or it fails)."""
+        if self.prefixes is None:
+            return [None] * len(sources)
+        try:
+            return [self.prefixes.source(ids) for ids in sources]
+        except Exception:  # the cache is an optimisation: the encoder serves the request
+            logger.exception("looking up cached sources failed; encoding them")
+            return [None] * len(sources)
+
+    def _source_rows(self, ids: list[int], source: Source) -> DecoderBatch:
+        """The row of a source found cached, as `_encode_all` would have made it."""
+        import torch
+
+        empty = self._tensor([[]])
+        positions = torch.zeros(1, dtype=torch.long, device=self.device)
+        batch = DecoderBatch([], empty, positions, None, source.hidden, self._tensor([[1] * len(ids)]),
+                             self.capacity, self.token_budget, [0], [len(ids)])
+        batch.cross_kv = source.cross_kv
+        return batch
+
+    def _remember_sources(self, sources: list[list[int]], batch: DecoderBatch) -> None:
+        """Keep each source's encoder output and cross-attention keys/values, right-padded in `batch`."""
+        try:
+            for row, ids in enumerate(sources):
+                length = len(ids)
+                self.prefixes.store_source(
+                    ids, batch.encoder_hidden[row:row + 1, :length],
+                    [(k[row:row + 1, :, :length], v[row:row + 1, :, :length]) for k, v in batch.cross_kv],
+                )
+        except Exception:  # e.g. out of device memory: the cache is emptied, the request goes on
+            logger.exception("keeping encoder outputs failed; the prefix cache is emptied")
+            self.prefixes.clear()
+
+    def _encode_all(self, sources: list[list[int]]) -> DecoderBatch:
         """One encoder call for all `sources` (right-padded, masked), and their cross-attention keys/values; the
         decoder's self-attention cache starts empty (position 0)."""
         import torch
@@ -227,19 +389,24 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, DecoderBatch, torch.Tensor]:
         """`step` and `prefill` in one forward pass (`fused_joins`, where `fuses_joins`): feeds each running row its
         next token and grows `batch` by one step, and computes the new sequences' rows (sequence i gets
-        `repeats[i]` rows). Returns the running rows' next-token logits, the new rows' batch and their logits."""
+        `repeats[i]` rows); a prompt whose start is cached (`prefixes`) feeds only the tokens after it. Returns the
+        running rows' next-token logits, the new rows' batch and their logits."""
         import torch
         from transformers import DynamicCache
 
         rows = batch.rows
+        found = self._prefixes(prompts)
+        fed = [ids[prefix.length:] for ids, prefix in zip(prompts, found, strict=True)]
         spans, start = [], rows
-        for ids in prompts:
+        for ids in fed:
             spans.append((start, start + len(ids)))
             start += len(ids)
-        ids = torch.cat((tokens, self._tensor([token for prompt in prompts for token in prompt])))[None]
-        positions = torch.cat([batch.positions] + [torch.arange(len(ids_), device=self.device) for ids_ in prompts])
+        ids = torch.cat((tokens, self._tensor([token for prompt in fed for token in prompt])))[None]
+        positions = torch.cat([batch.positions] + [torch.arange(prefix.length, len(ids_), device=self.device)
+                                                   for ids_, prefix in zip(prompts, found, strict=True)])
         mask = batch.next_mask()
-        plan = Fused(rows, spans, mask.bool()[:, None, None, :])
+        plan = Fused(rows, spans, mask.bool()[:, None, None, :],
+                     prefixes=[prefix.kv or None for prefix in found] if any(p.length for p in found) else [])
         layer_class = fused_layer_class()
         cache = DynamicCache()
         cache.layers = [layer_class(plan, index, k, v, batch.capacity, batch.token_budget)
@@ -256,7 +423,8 @@ class ModelRunner:
                                "run the fused attention: joining prompts cannot be prefilled in the step")
         batch.grew([(layer.keys, layer.values) for layer in cache.layers], mask)
         logits = out.logits[0]
-        new = self._prompt_rows(prompts, cache.layers)
+        new = self._prompt_rows(prompts, found, cache.layers)
+        self._remember(prompts, new.self_kv, [prefix.length for prefix in found])
         new_logits = logits[rows:]
         repeated = self._repeat(repeats)
         if len(repeated) != len(prompts):
@@ -265,21 +433,25 @@ class ModelRunner:
             new_logits = new_logits.index_select(0, index)
         return logits[:rows], new, new_logits
 
-    def _prompt_rows(self, prompts: list[list[int]], layers: list[Any]) -> DecoderBatch:
-        """The rows of `prompts` from a fused forward's cache `layers`: each prompt's keys/values left-padded to
-        the longest, as `prefill` leaves them."""
+    def _prompt_rows(self, prompts: list[list[int]], found: list[Prefix], layers: list[Any]) -> DecoderBatch:
+        """The rows of `prompts` from a fused forward's cache `layers`: each prompt's keys/values (its cached start's,
+        `found`, then those computed) left-padded to the longest, as `prefill` leaves them."""
         longest = max(len(ids) for ids in prompts)
         mask = self._tensor([[0] * (longest - len(x)) + [1] * len(x) for x in prompts])
 
-        def left_padded(computed: torch.Tensor) -> torch.Tensor:  # [1, heads, tokens, dim] -> [prompts, ...]
+        def left_padded(computed: torch.Tensor, layer: int, part: int) -> torch.Tensor:  # [1, heads, fed, dim]
             padded = computed.new_zeros((len(prompts), computed.shape[1], longest, computed.shape[3]))
             start = 0
-            for row, ids in enumerate(prompts):
-                padded[row, :, longest - len(ids):] = computed[0, :, start:start + len(ids)]
-                start += len(ids)
+            for row, (ids, prefix) in enumerate(zip(prompts, found, strict=True)):
+                first, fed = longest - len(ids), len(ids) - prefix.length
+                if prefix.length:
+                    padded[row, :, first:first + prefix.length] = prefix.kv[layer][part][0]
+                padded[row, :, longest - fed:] = computed[0, :, start:start + fed]
+                start += fed
             return padded
 
-        kv = [(left_padded(layer.prompt_keys), left_padded(layer.prompt_values)) for layer in layers]
+        kv = [(left_padded(layer.prompt_keys, index, 0), left_padded(layer.prompt_values, index, 1))
+              for index, layer in enumerate(layers)]
         return DecoderBatch(kv, mask, mask.sum(-1), capacity=self.capacity, token_budget=self.token_budget,
                             lengths=[len(ids) for ids in prompts])
 
