@@ -14,7 +14,6 @@ import base64
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -54,23 +53,6 @@ EMBEDDING_TEXTS = ["A man is eating food.", "안녕하세요 😀 naïve café",
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[Path, Path]:
     return build_repository(tmp_path_factory.mktemp("openai"))
-
-
-@pytest.fixture(scope="module")
-def reference(built) -> GPT2Reference:
-    return GPT2Reference(built[1])
-
-
-@pytest.fixture(scope="module")
-def server(built) -> Iterator[ServerProcess]:
-    with start_transerve(built[0]) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as opened:
-        yield opened
 
 
 def same_text(served: str, expected: Generation) -> bool:

@@ -10,11 +10,10 @@ the tools' tokenizer (offline). References: transformers' log-softmax and greedy
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import ServerProcess, start_transerve
+from support import ServerProcess
 from support.client_tools import ClientTools, require_tools
 from support.openai_models import GPT2Reference, build_chat_gpt2, scrape
 
@@ -45,23 +44,6 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     repository = root / "repository"
     convert(folder, repository, engine="torch", name=MODEL, max_batch_size=8, decoupled=True)
     return repository, folder
-
-
-@pytest.fixture(scope="module")
-def reference(built) -> GPT2Reference:
-    return GPT2Reference(built[1])
-
-
-@pytest.fixture(scope="module")
-def server(built) -> Iterator[ServerProcess]:
-    with start_transerve(built[0]) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as opened:
-        yield opened
 
 
 def grown(before: dict, after: dict, name: str, labels: str = LABEL) -> float:

@@ -8,12 +8,11 @@ The repository: the random-weight chat GPT-2 of tests/support/openai_models.py c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from support import ServerProcess, start_transerve
+from support import ServerProcess
 from support.openai_models import GPT2Reference, build_chat_gpt2
 
 openai = pytest.importorskip("openai")
@@ -38,12 +37,6 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     with open(repository / "gpt_cold" / "config.pbtxt", "a") as config:
         config.write('parameters {\n  key: "prefix_cache_tokens"\n  value { string_value: "0" }\n}\n')
     return repository, folder
-
-
-@pytest.fixture(scope="module")
-def server(built) -> Iterator[ServerProcess]:
-    with start_transerve(built[0]) as running:
-        yield running
 
 
 def _messages(question: str) -> list[dict[str, str]]:

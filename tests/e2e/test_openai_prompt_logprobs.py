@@ -10,13 +10,12 @@ reference is transformers' log-softmax of the same GPT-2 over the same ids, with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
-from support import ServerProcess, start_transerve
+from support import ServerProcess
 from support.openai_models import GPT2Reference, build_chat_gpt2
 
 openai = pytest.importorskip("openai")
@@ -45,23 +44,6 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     with open(repository / "t5" / "config.pbtxt", "a") as config:  # declared, so that the engine is what refuses
         config.write('output {\n  name: "prompt_log_probs"\n  data_type: TYPE_FP32\n  dims: [-1]\n}\n')
     return repository, folder
-
-
-@pytest.fixture(scope="module")
-def reference(built) -> GPT2Reference:
-    return GPT2Reference(built[1])
-
-
-@pytest.fixture(scope="module")
-def server(built) -> Iterator[ServerProcess]:
-    with start_transerve(built[0]) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as opened:
-        yield opened
 
 
 def log_softmax(reference: GPT2Reference, ids: list[int]) -> np.ndarray:

@@ -74,20 +74,9 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(built) -> GPT2Reference:
-    return GPT2Reference(built[1])
-
-
-@pytest.fixture(scope="module")
 def server(built) -> Iterator[ServerProcess]:
     with start_transerve(built[0], "--exit-on-error=false", "--strict-readiness=false") as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as opened:
-        yield opened
 
 
 @contextmanager
