@@ -46,7 +46,7 @@ from transerve.backends.generation.torch.scheduler import RequestLevel, Schedule
 from transerve.backends.generation.torch.selection import choose, result
 from transerve.backends.generation.torch.sequence import Sequence
 from transerve.backends.generation.torch.step_graphs import step_graphs_for
-from transerve.core.engine_load import EngineLoad, PrefixCacheCounts
+from transerve.core.engine_load import EngineLoad
 from transerve.core.errors import ServerError, internal, invalid_arg, unavailable
 
 if TYPE_CHECKING:
@@ -196,12 +196,8 @@ class TorchEngine:
 
     def load(self) -> EngineLoad:
         scheduler, cache = self.scheduler, self.prefix_cache
-        counts = None
-        if cache is not None:
-            stats = cache.stats
-            counts = PrefixCacheCounts(stats.queried_tokens, stats.hit_tokens, stats.hits, stats.misses)
         return EngineLoad(len(scheduler.running), len(scheduler.queue) + len(scheduler.scoring),
-                          scheduler.used_tokens / scheduler.kv_cache_tokens, counts)
+                          scheduler.used_tokens / scheduler.kv_cache_tokens, cache.stats if cache is not None else None)
 
     def close(self) -> None:
         with self.scheduler.cond:

@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from transerve.core.engine_load import PrefixCacheCounts
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,17 +38,6 @@ if TYPE_CHECKING:
 BLOCK_TOKENS = 32
 #: `prefix_cache_tokens` when the config does not set it.
 DEFAULT_TOKENS = 2048
-
-
-@dataclass(slots=True)
-class PrefixStats:
-    """Counters since load. Queries and hits count prompt tokens (vLLM's `prefix_cache_queries`/`_hits`); `hits`
-    and `misses` count prompts (or sources) whose lookup found something or nothing."""
-
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    hits: int = 0
-    misses: int = 0
 
 
 @dataclass(slots=True)
@@ -89,7 +80,8 @@ class PrefixCache:
         self.capacity = tokens
         self.block = block
         self.device = device
-        self.stats = PrefixStats()
+        #: Counters since load (replaced whole under the lock, so a reader always sees one consistent set).
+        self.stats = PrefixCacheCounts()
         self._entries: OrderedDict[object, _Entry] = OrderedDict()
         self._used = 0
         self._next_id = 1
@@ -232,12 +224,7 @@ class PrefixCache:
             self._used = 0
 
     def _count(self, queried: int, hit: int) -> None:
-        self.stats.queried_tokens += queried
-        self.stats.hit_tokens += hit
-        if hit:
-            self.stats.hits += 1
-        else:
-            self.stats.misses += 1
+        self.stats += PrefixCacheCounts(queried, hit, 1 if hit else 0, 0 if hit else 1)
 
     def _touch(self, keys: list[object]) -> None:
         """Mark a chain (first block first) as just used: its first block the most recently."""
